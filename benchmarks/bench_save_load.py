@@ -1,0 +1,495 @@
+"""Side-by-side save/load timings: dist_checkpointing vs torch DCP, torch.save and raw disk.
+
+A GPT-like state (~``--size-gib`` GiB: embedding, output layer and 8 transformer layers
+whose qkv/proj/fc1/fc2 weights are tensor-parallel (TP) split, plus replicated fp32
+layernorms) is saved and loaded by each method, at each world size (real gloo processes;
+at world size 2 every rank holds its TP half, so the total stays the same).
+
+Methods run interleaved: every round runs each method once, in rotating order. Every save
+goes to a fresh directory, deleted (and ``sync``-ed) after the method's load. Loads are
+timed with a warm page cache (the method's files are read once, untimed, before). Each
+timing is taken between two barriers and is the max over ranks.
+
+Run: ``python benchmarks/bench_save_load.py [--size-gib 1.0] [--rounds 5] [--world-sizes 1,2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import dist_checkpointing
+from dist_checkpointing import ShardedTensor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_save_load.json"
+METHODS = ("ours", "dcp", "torch_save", "raw")
+NUM_LAYERS = 8
+MiB = 1 << 20
+
+# ----------------------------------------------------------------------------- the state
+
+
+@dataclass
+class Param:
+    """One local tensor and how it maps into the global tensor."""
+
+    key: str
+    tensor: torch.Tensor
+    tp_axis: Optional[int]  # None: replicated across TP ranks
+
+    def sharded(self, data: torch.Tensor, rank: int, world: int) -> ShardedTensor:
+        """The ShardedTensor of ``data`` (same layout as this param)."""
+        if self.tp_axis is None:
+            return ShardedTensor.from_rank_offsets(self.key, data, replica_id=rank)
+        return ShardedTensor.from_rank_offsets(self.key, data, (self.tp_axis, rank, world))
+
+
+def hidden_size_for(size_gib: float) -> int:
+    """Hidden size h (multiple of 64) so that the state is about ``size_gib`` GiB.
+
+    Bytes ~ 2 (bf16) * (2 * vocab*h + layers * 12 h^2) with vocab = 16 h: 256 h^2.
+    """
+    h = math.sqrt(size_gib * (1 << 30) / (2 * (32 + 12 * NUM_LAYERS)))
+    return max(64, int(round(h / 64)) * 64)
+
+
+def build_params(size_gib: float, rank: int, world: int, seed: int = 0) -> List[Param]:
+    """This rank's local tensors of a GPT-like model (random values)."""
+    h = hidden_size_for(size_gib)
+    vocab, ffn = 16 * h, 4 * h
+    gen = torch.Generator().manual_seed(seed + rank)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def rand(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=fp32).to(dtype)
+
+    params = [Param("embedding.word_embeddings.weight", rand((vocab // world, h), bf16), 0)]
+    for i in range(NUM_LAYERS):
+        p = f"decoder.layers.{i}."
+        params += [
+            Param(p + "input_layernorm.weight", rand((h,), fp32), None),
+            Param(p + "input_layernorm.bias", rand((h,), fp32), None),
+            Param(p + "self_attention.linear_qkv.weight", rand((3 * h // world, h), bf16), 0),
+            Param(p + "self_attention.linear_qkv.bias", rand((3 * h // world,), fp32), 0),
+            Param(p + "self_attention.linear_proj.weight", rand((h, h // world), bf16), 1),
+            Param(p + "self_attention.linear_proj.bias", rand((h,), fp32), None),
+            Param(p + "pre_mlp_layernorm.weight", rand((h,), fp32), None),
+            Param(p + "pre_mlp_layernorm.bias", rand((h,), fp32), None),
+            Param(p + "mlp.linear_fc1.weight", rand((ffn // world, h), bf16), 0),
+            Param(p + "mlp.linear_fc1.bias", rand((ffn // world,), fp32), 0),
+            Param(p + "mlp.linear_fc2.weight", rand((h, ffn // world), bf16), 1),
+            Param(p + "mlp.linear_fc2.bias", rand((h,), fp32), None),
+        ]
+    params += [
+        Param("decoder.final_layernorm.weight", rand((h,), fp32), None),
+        Param("decoder.final_layernorm.bias", rand((h,), fp32), None),
+        Param("output_layer.weight", rand((vocab // world, h), bf16), 0),
+    ]
+    return params
+
+
+def nbytes(tensors: List[torch.Tensor]) -> int:
+    """Total bytes of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ----------------------------------------------------------------------------- file helpers
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file (or directory) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_all_files(directory: Path, buf: bytearray) -> int:
+    """Read every file under ``directory`` once (to warm the page cache); bytes read."""
+    view, total = memoryview(buf), 0
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            while (n := f.readinto(view)) > 0:
+                total += n
+    return total
+
+
+def readinto_exact(f, view: memoryview) -> None:
+    """Fill ``view`` from ``f`` (raises on a short file)."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise EOFError("file shorter than expected")
+        done += n
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+class Methods:
+    """Save/load implementations of every method for one rank."""
+
+    def __init__(self, params: List[Param], dest: List[torch.Tensor], rank: int, world: int):
+        self.params, self.dest, self.rank, self.world = params, dest, rank, world
+        self.loaded_torch: Optional[Dict[str, torch.Tensor]] = None
+
+    def _local_dict(self, tensors: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {f"{p.key}.rank{self.rank}": t for p, t in zip(self.params, tensors)}
+
+    def _sharded(self, tensors: List[torch.Tensor]) -> Dict[str, ShardedTensor]:
+        return {p.key: p.sharded(t, self.rank, self.world) for p, t in zip(self.params, tensors)}
+
+    # ours
+    def ours_save(self, d: Path) -> None:
+        dist_checkpointing.save(self._sharded([p.tensor for p in self.params]), d)
+
+    def ours_load(self, d: Path) -> None:
+        dist_checkpointing.load(self._sharded(self.dest), d)
+
+    # torch.distributed.checkpoint
+    def dcp_save(self, d: Path) -> None:
+        dcp.save(self._local_dict([p.tensor for p in self.params]), checkpoint_id=str(d))
+
+    def dcp_load(self, d: Path) -> None:
+        dcp.load(self._local_dict(self.dest), checkpoint_id=str(d))
+
+    # torch.save / torch.load
+    def torch_save_save(self, d: Path) -> None:
+        path = d / f"rank{self.rank}.pt"
+        with open(path, "wb") as f:
+            torch.save(self._local_dict([p.tensor for p in self.params]), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def torch_save_load(self, d: Path) -> None:
+        self.loaded_torch = torch.load(d / f"rank{self.rank}.pt", weights_only=True)
+
+    # raw file I/O
+    def raw_save(self, d: Path) -> None:
+        with open(d / f"rank{self.rank}.bin", "wb", buffering=0) as f:
+            for p in self.params:
+                view = byte_view(p.tensor)
+                done = 0
+                while done < len(view):
+                    done += f.write(view[done:])
+            os.fsync(f.fileno())
+
+    def raw_load(self, d: Path) -> None:
+        with open(d / f"rank{self.rank}.bin", "rb", buffering=0) as f:
+            for t in self.dest:
+                readinto_exact(f, byte_view(t))
+
+    def get(self, method: str, action: str) -> Callable[[Path], None]:
+        """The bound ``{method}_{action}`` function."""
+        return getattr(self, f"{method}_{action}")
+
+    def loaded(self, method: str) -> List[torch.Tensor]:
+        """The tensors the last load of ``method`` produced."""
+        if method == "torch_save":
+            assert self.loaded_torch is not None
+            return list(self.loaded_torch.values())
+        return self.dest
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakMemory:
+    """RSS high-water mark increase during a block (Linux ``clear_refs``, else sampling)."""
+
+    def __init__(self) -> None:
+        self.extra_mib = float("nan")
+        self._use_clear_refs = _try_reset_hwm()
+        self._stop = threading.Event()
+        self._peak_kib = 0
+
+    def __enter__(self) -> "PeakMemory":
+        self._base_kib = _proc_status_kib("VmRSS")
+        if self._use_clear_refs:
+            _try_reset_hwm()
+        else:
+            self._peak_kib = self._base_kib
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self._peak_kib = max(self._peak_kib, _proc_status_kib("VmRSS"))
+
+    def __exit__(self, *exc) -> None:
+        if self._use_clear_refs:
+            peak = _proc_status_kib("VmHWM")
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = self._peak_kib
+        self.extra_mib = max(0, peak - self._base_kib) / 1024
+
+
+def _try_reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def timed_collective(fn: Callable[[], None]) -> Tuple[float, float]:
+    """(seconds, peak extra RSS MiB) of ``fn`` between barriers, max over ranks."""
+    dist.barrier()
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+    out = torch.tensor([elapsed])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item()), mem.extra_mib
+
+
+def gather_floats(value: float) -> List[float]:
+    """``value`` of every rank."""
+    out = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value]))
+    return [float(t.item()) for t in out]
+
+
+def clean_dir(path: Path, rank: int) -> None:
+    """Remove ``path`` (rank 0), flush the file system, and wait for every rank."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+    dist.barrier()
+
+
+def verify(method: str, methods: Methods) -> bool:
+    """True if the last load of ``method`` returned the saved values (all ranks)."""
+    ok = all(torch.equal(p.tensor, t) for p, t in zip(methods.params, methods.loaded(method)))
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def run_method(method: str, methods: Methods, base: Path, rnd: int, warm_buf: bytearray,
+               check: bool) -> Dict[str, object]:
+    """One save + warm load of ``method`` in a fresh directory; the measurements."""
+    rank = methods.rank
+    d = base / f"{method}_round{rnd}"
+    clean_dir(d, rank)
+    if rank == 0:
+        d.mkdir(parents=True)
+    dist.barrier()
+    save_s, save_mem = timed_collective(lambda: methods.get(method, "save")(d))
+    files_bytes = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+    if rank == 0:
+        read_all_files(d, warm_buf)  # warm page cache for every rank's files
+    if check:
+        for t in methods.dest:
+            t.zero_()
+    load_s, load_mem = timed_collective(lambda: methods.get(method, "load")(d))
+    ok = verify(method, methods) if check else None
+    methods.loaded_torch = None
+    clean_dir(d, rank)
+    return {
+        "save_s": save_s, "load_s": load_s, "checkpoint_bytes": files_bytes, "verified": ok,
+        "save_extra_mib": gather_floats(save_mem), "load_extra_mib": gather_floats(load_mem),
+    }
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    """One rank: build the state, run every round, rank 0 writes the raw results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        params = build_params(args.size_gib, rank, world)
+        dest = [torch.zeros_like(p.tensor) for p in params]  # preallocated, pages touched
+        methods = Methods(params, dest, rank, world)
+        base = Path(args.dir) / f"world{world}"
+        warm_buf = bytearray(64 * MiB)
+        local_bytes = nbytes([p.tensor for p in params])
+        rounds: List[Dict[str, Dict[str, object]]] = []
+        for rnd in range(args.rounds):
+            order = METHODS[rnd % len(METHODS):] + METHODS[:rnd % len(METHODS)]
+            results = {m: run_method(m, methods, base, rnd, warm_buf, check=rnd == 0) for m in order}
+            rounds.append({"order": list(order), **results})
+            if rank == 0:
+                line = "  ".join(f"{m} {results[m]['save_s']:.2f}/{results[m]['load_s']:.2f}" for m in METHODS)
+                print(f"[world {world}] round {rnd + 1}/{args.rounds} save/load s: {line}", flush=True)
+        all_bytes = gather_floats(float(local_bytes))
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"world_size": world, "hidden_size": hidden_size_for(args.size_gib),
+                           "num_tensors_per_rank": len(params), "local_bytes_per_rank": all_bytes,
+                           "rounds": rounds}, f)
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, args: argparse.Namespace) -> Dict[str, object]:
+    """Spawn ``world`` ranks and return their raw results."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out_path = tmp.name
+    try:
+        mp.spawn(worker, args=(world, free_port(), args, out_path), nprocs=world, join=True)
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out_path)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def summarize(raw: Dict[str, object]) -> Dict[str, object]:
+    """Medians, throughputs, memory peaks and ratios from raw round results."""
+    rounds = raw["rounds"]
+    total = sum(raw["local_bytes_per_rank"])
+    per_method = {}
+    for m in METHODS:
+        save = [r[m]["save_s"] for r in rounds]
+        load = [r[m]["load_s"] for r in rounds]
+        per_method[m] = {
+            "save_s": save, "load_s": load,
+            "save_median_s": statistics.median(save), "load_median_s": statistics.median(load),
+            "save_GBps": total / 1e9 / statistics.median(save),
+            "load_GBps": total / 1e9 / statistics.median(load),
+            "checkpoint_bytes": rounds[0][m]["checkpoint_bytes"],
+            "verified": rounds[0][m]["verified"],
+            "save_peak_extra_mib_per_rank": [max(r[m]["save_extra_mib"][k] for r in rounds)
+                                             for k in range(raw["world_size"])],
+            "load_peak_extra_mib_per_rank": [max(r[m]["load_extra_mib"][k] for r in rounds)
+                                             for k in range(raw["world_size"])],
+        }
+    med = {m: (per_method[m]["save_median_s"], per_method[m]["load_median_s"]) for m in METHODS}
+    ratios = {
+        "ours_save / raw_save": med["ours"][0] / med["raw"][0],
+        "dcp_save / ours_save": med["dcp"][0] / med["ours"][0],
+        "dcp_load / ours_load": med["dcp"][1] / med["ours"][1],
+        "torch_save / ours_save": med["torch_save"][0] / med["ours"][0],
+        "torch_load / ours_load": med["torch_save"][1] / med["ours"][1],
+        "ours_load / raw_load": med["ours"][1] / med["raw"][1],
+    }
+    targets = {
+        "ours_save / raw_save <= 1.25": ratios["ours_save / raw_save"] <= 1.25,
+        "dcp_save / ours_save >= 2": ratios["dcp_save / ours_save"] >= 2.0,
+        "dcp_load / ours_load >= 3": ratios["dcp_load / ours_load"] >= 3.0,
+    }
+    return {**{k: v for k, v in raw.items() if k != "rounds"}, "state_bytes_total": total,
+            "rounds": rounds, "methods": per_method, "ratios": ratios, "targets_met": targets}
+
+
+def format_table(s: Dict[str, object]) -> str:
+    """A plain-text table of one world size's summary."""
+    per_rank_mib = [b / MiB for b in s["local_bytes_per_rank"]]
+    lines = [
+        f"world size {s['world_size']}: state {s['state_bytes_total'] / (1 << 30):.3f} GiB total "
+        f"({', '.join(f'{m:.0f}' for m in per_rank_mib)} MiB per rank, {s['num_tensors_per_rank']} tensors "
+        f"per rank), {len(s['rounds'])} rounds, medians; GB = 1e9 bytes",
+        f"{'method':<11}{'save s':>8}{'save GB/s':>11}{'load s':>8}{'load GB/s':>11}"
+        f"{'save +MiB':>11}{'load +MiB':>11}  verified",
+    ]
+    for m in METHODS:
+        r = s["methods"][m]
+        save_mem = "/".join(f"{x:.0f}" for x in r["save_peak_extra_mib_per_rank"])
+        load_mem = "/".join(f"{x:.0f}" for x in r["load_peak_extra_mib_per_rank"])
+        lines.append(f"{m:<11}{r['save_median_s']:>8.2f}{r['save_GBps']:>11.2f}{r['load_median_s']:>8.2f}"
+                     f"{r['load_GBps']:>11.2f}{save_mem:>11}{load_mem:>11}  {r['verified']}")
+    lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items()))
+    lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line flags."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (all ranks), GiB")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
+    ap.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
+    ap.add_argument("--dir", default=str(REPO_ROOT.parent / "bench_tmp"),
+                    help="scratch directory on the disk under test (not tmpfs)")
+    ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
+    return ap.parse_args()
+
+
+def main() -> None:
+    """Run every world size, print the tables and write the JSON."""
+    args = parse_args()
+    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    scratch = Path(args.dir) / f"bench_save_load_{os.getpid()}"
+    args.dir = str(scratch)
+    started = datetime.datetime.now().astimezone()
+    summaries = []
+    try:
+        for world in worlds:
+            print(f"== world size {world}: {args.rounds} rounds, scratch {scratch}", flush=True)
+            summaries.append(summarize(run_world(world, args)))
+            print(format_table(summaries[-1]), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "args": {"size_gib": args.size_gib, "rounds": args.rounds, "world_sizes": worlds, "dir": str(scratch)},
+        "results": summaries,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print("\n\n".join(format_table(s) for s in summaries))
+    print(f"JSON results: {out}")
+
+
+if __name__ == "__main__":
+    main()

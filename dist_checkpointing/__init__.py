@@ -1,0 +1,32 @@
+"""dist_checkpointing: save and load the sharded training state of parallel models.
+
+A drop-in for Megatron-Core's ``megatron.core.dist_checkpointing``: change the import
+prefix and model code written for it works unchanged.
+"""
+
+from .core import CheckpointingConfig, CheckpointingException
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .serialization import (
+    check_is_distributed_checkpoint,
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from .validation import StrictHandling
+
+__version__ = "0.1.0"

@@ -1,0 +1,90 @@
+"""Small collective helpers: rank/world with or without a process group, and agreement
+on errors so that a problem found on one rank is raised on every rank (never a hang)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, TypeVar
+
+import torch.distributed as dist
+
+from .core import CheckpointingException
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """True when a default process group is initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Optional[Any] = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: Optional[Any] = None) -> int:
+    """Size of ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> List[Any]:
+    """Every rank's ``obj``, on every rank."""
+    if get_world_size(group) == 1:
+        return [obj]
+    out: List[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[List[Any]]:
+    """Every rank's ``obj`` on the group's first rank; ``None`` elsewhere."""
+    if get_world_size(group) == 1:
+        return [obj]
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    out = [None] * get_world_size(group) if get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
+    """The group's first rank's ``obj``, on every rank."""
+    if get_world_size(group) == 1:
+        return obj
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def raise_if_any(errors: List[Optional[str]], what: str) -> None:
+    """Raise one CheckpointingException listing every rank's error, if there is any."""
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+    if failed:
+        details = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
+        raise CheckpointingException(f"{what} failed on {len(failed)} rank(s): {details}")
+
+
+def error_message(e: BaseException) -> str:
+    """The message of ``e`` as it is reported to the other ranks."""
+    if isinstance(e, CheckpointingException):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def run_agreed(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T:
+    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank.
+
+    Costs one ``all_gather_object`` of a few bytes per rank (nothing without a group).
+    """
+    result: Optional[T] = None
+    error: Optional[str] = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        if get_world_size(group) == 1:
+            if isinstance(e, CheckpointingException):
+                raise
+            raise CheckpointingException(f"{what} failed: {error_message(e)}") from e
+        error = error_message(e)
+    raise_if_any(all_gather_object(error, group), what)
+    return result  # type: ignore[return-value]

@@ -1,0 +1,95 @@
+"""Core types: the library's exception and the checkpoint config (``metadata.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CONFIG_FNAME = "metadata.json"
+
+
+class CheckpointingException(Exception):
+    """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O)."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """The content of ``metadata.json``: which strategies wrote the checkpoint.
+
+    ``common_backend`` is ``None`` for checkpoints that keep the common state inside the
+    sharded backend (Megatron-Core >= 0.19 stores it as the ShardedObject ``common_state``).
+    """
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: Optional[str] = "torch"
+    common_backend_version: Optional[int] = 1
+
+
+def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+    """Return the config of ``checkpoint_dir``, or ``None`` if it is not a complete checkpoint."""
+    config_path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not config_path.is_file():
+        return None
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+        return CheckpointingConfig(
+            sharded_backend=raw["sharded_backend"],
+            sharded_backend_version=raw.get("sharded_backend_version", 1),
+            common_backend=raw.get("common_backend"),
+            common_backend_version=raw.get("common_backend_version"),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointingException(f"Invalid checkpoint config file {config_path}: {e}") from e
+
+
+def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
+    """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
+    if not checkpoint_dir.is_dir():
+        raise CheckpointingException(f"Checkpoint path {checkpoint_dir} is not a directory")
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing "
+            "(not a checkpoint, or a save that did not complete)"
+        )
+    return config
+
+
+def fsync_dir(path: Union[str, Path]) -> None:
+    """Make a directory entry (a rename or a new file) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Union[str, Path], data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+    """Write ``metadata.json`` atomically; its presence marks a complete checkpoint."""
+    raw = {k: v for k, v in asdict(config).items() if v is not None}
+    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(raw).encode())

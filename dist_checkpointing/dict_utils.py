@@ -1,0 +1,202 @@
+"""Helpers for nested structures of dicts and lists (the shape of every state dict)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar, Union
+
+import torch
+
+T = TypeVar("T")
+U = TypeVar("U")
+Nested = Union[dict, list, Any]
+
+
+def extract_matching_values(
+    x: Union[dict, list], predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Union[dict, list], Union[dict, list]]:
+    """Split ``x`` into (leaves matching ``predicate``, the rest), keeping the nesting.
+
+    Empty containers are dropped from both results. With ``return_lists_as_dicts`` lists
+    become dicts keyed by index, so positions survive the split.
+    """
+
+    def _set(container, k, v):
+        if isinstance(container, dict):
+            container[k] = v
+        else:
+            container.append(v)
+
+    def _split(node):
+        if isinstance(node, dict):
+            items = node.items()
+            match, rest = {}, {}
+        elif isinstance(node, list):
+            items = enumerate(node)
+            if return_lists_as_dicts:
+                match, rest = {}, {}
+            else:
+                match, rest = [], []
+        else:
+            raise TypeError(f"Expected dict or list, got {type(node)}")
+        for k, v in items:
+            if isinstance(v, (dict, list)):
+                m, r = _split(v)
+                if m:
+                    _set(match, k, m)
+                if r:
+                    _set(rest, k, r)
+            elif predicate(v):
+                _set(match, k, v)
+            else:
+                _set(rest, k, v)
+        return match, rest
+
+    return _split(x)
+
+
+def diff(x1: Any, x2: Any, prefix: Tuple = ()) -> Tuple[list, list, list]:
+    """Compare two nested structures.
+
+    Returns (keys only in ``x1``, keys only in ``x2``, keys whose values differ); keys are
+    tuples of the path. Tensors are compared with ``torch.equal`` (dtype and shape too).
+    """
+    mismatch: list = []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        for k in x1.keys() & x2.keys():
+            _left, _right, _mismatch = diff(x1[k], x2[k], prefix + (k,))
+            only_left += _left
+            only_right += _right
+            mismatch += _mismatch
+    elif isinstance(x1, list) and isinstance(x2, list):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        for i, (v1, v2) in enumerate(zip(x1, x2)):
+            _left, _right, _mismatch = diff(v1, v2, prefix + (i,))
+            only_left += _left
+            only_right += _right
+            mismatch += _mismatch
+    else:
+        only_left, only_right = [], []
+        if isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
+            equal = (
+                isinstance(x1, torch.Tensor)
+                and isinstance(x2, torch.Tensor)
+                and x1.dtype == x2.dtype
+                and x1.shape == x2.shape
+                and torch.equal(x1.cpu(), x2.cpu())
+            )
+        else:
+            try:
+                equal = bool(x1 == x2)
+            except (RuntimeError, ValueError, TypeError):
+                equal = False
+        if not equal:
+            mismatch.append(prefix)
+    return only_left, only_right, mismatch
+
+
+def nested_values(x: Nested) -> Iterator[Any]:
+    """Yield the leaves of a nested dict/list structure."""
+    for v in x.values() if isinstance(x, dict) else x:
+        if isinstance(v, (dict, list)):
+            yield from nested_values(v)
+        else:
+            yield v
+
+
+def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any]]:
+    """Yield ``(key, leaf)`` pairs; the key is the innermost dict key or list index."""
+    for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+        if isinstance(v, (dict, list)):
+            yield from nested_items_iter(v)
+        else:
+            yield k, v
+
+
+def dict_map(f: Callable[[Any], Any], x: dict) -> None:
+    """Apply ``f`` in place to every leaf under dicts (lists are leaves)."""
+    for k, v in x.items():
+        if isinstance(v, dict):
+            dict_map(f, v)
+        else:
+            x[k] = f(v)
+
+
+def dict_map_with_key(f: Callable[[Any, Any], Any], x: dict) -> None:
+    """Like :func:`dict_map` with ``f(key, value)``."""
+    for k, v in x.items():
+        if isinstance(v, dict):
+            dict_map_with_key(f, v)
+        else:
+            x[k] = f(k, v)
+
+
+def dict_list_map_inplace(f: Callable[[Any], Any], x: Nested) -> Nested:
+    """Apply ``f`` in place to every leaf of nested dicts and lists; returns ``x``
+    (or ``f(x)`` when ``x`` is itself a leaf)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = dict_list_map_inplace(f, v)
+    elif isinstance(x, list):
+        x[:] = (dict_list_map_inplace(f, v) for v in x)
+    else:
+        return f(x)
+    return x
+
+
+def dict_list_map_outplace(f: Callable[[Any], Any], x: Nested) -> Nested:
+    """Return a new nested structure with ``f`` applied to every leaf (``x`` untouched)."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(f, v) for v in x]
+    return f(x)
+
+
+def copy_structure(x: Nested) -> Nested:
+    """Copy the dicts and lists of ``x``, sharing the leaves (cheap; no tensor copies)."""
+    return dict_list_map_outplace(lambda v: v, x)
+
+
+def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
+    """Merge ``x2`` into ``x1`` in place (dicts by key, lists by position); returns ``x1``.
+
+    Raises ``ValueError`` for lists of different lengths or a leaf that would be
+    overwritten by a container (or the reverse).
+    """
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                x1[k] = v2
+            else:
+                x1[k] = merge(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(
+                f"Cannot merge two lists with different lengths ({len(x1)} and {len(x2)}) "
+                f"at key {key}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2, key=key + (i,))
+    else:
+        raise ValueError(
+            f"Duplicate non-dict and non-list values encountered at key {key}: "
+            f"`{type(x1).__name__}` and `{type(x2).__name__}`"
+        )
+    return x1
+
+
+def map_reduce(
+    xs: Iterable[T],
+    key_fn: Callable[[T], Any] = lambda x: x,
+    value_fn: Callable[[T], U] = lambda x: x,
+    reduce_fn: Callable[[List[U]], Any] = lambda x: x,
+) -> Dict[Any, Any]:
+    """Group ``xs`` by ``key_fn``, map each by ``value_fn``, reduce each group with ``reduce_fn``."""
+    groups: Dict[Any, List[U]] = defaultdict(list)
+    for x in xs:
+        groups[key_fn(x)].append(value_fn(x))
+    return {k: reduce_fn(v) for k, v in groups.items()}

@@ -1,0 +1,429 @@
+"""The mapping layer: how a rank's local state relates to the global checkpoint.
+
+A :class:`ShardedTensor` says where a local tensor sits in a global tensor; a
+:class:`ShardedObject` is one piece of a grid of picklable objects; a
+:class:`ShardedTensorFactory` turns one local tensor into several sharded ones before
+saving and merges them back after loading; a :class:`LocalNonpersistentObject` is kept
+out of the checkpoint. Everything else in a state dict is *common state*.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .core import CheckpointingException
+from .dict_utils import dict_list_map_inplace
+
+ReplicaId = Union[int, Tuple[int, ...]]
+ShardedStateDict = Dict[str, Any]
+StateDict = Dict[str, Any]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """True for the replica that is written on save: ``0`` or a tuple of zeros."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+class ShardedBase(ABC):
+    """Common base of everything the sharded strategies save and load."""
+
+    key: str
+    data: Any
+    replica_id: ReplicaId
+
+    @abstractmethod
+    def validate_metadata_integrity(self) -> None:
+        """Raise :class:`CheckpointingException` if the metadata is inconsistent."""
+
+    @abstractmethod
+    def without_data(self) -> "ShardedBase":
+        """A copy with ``data=None`` (metadata only)."""
+
+
+def _as_int_tuple(name: str, key: str, value: Any) -> Tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: {name} must be a tuple of ints, got {value!r}"
+        ) from e
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """A local tensor and its place in a global tensor.
+
+    Args:
+        key: name of the global tensor in the checkpoint.
+        data: the local tensor (``None`` for metadata-only instances).
+        dtype: dtype of the global tensor.
+        local_shape: shape of ``data`` (without prepended axes).
+        global_shape: shape of the global tensor (prepended axes included).
+        global_offset: offset of the local chunk in the global tensor.
+        axis_fragmentations: number of chunks along each global axis (regular grids),
+            or ``None`` (uneven grids are allowed).
+        replica_id: which replica of the chunk this is; ``0`` (or all zeros) is written.
+        prepend_axis_num: number of leading global axes of size 1 absent from ``data``.
+        allow_shape_mismatch: skip the global shape check on load.
+        flattened_range: distributed-optimizer slice of the flattened chunk (a later
+            feature: rejected for now).
+    """
+
+    key: str
+    data: Optional[torch.Tensor]
+    dtype: torch.dtype
+    local_shape: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self) -> None:
+        self.local_shape = _as_int_tuple("local_shape", self.key, self.local_shape)
+        self.global_shape = _as_int_tuple("global_shape", self.key, self.global_shape)
+        self.global_offset = _as_int_tuple("global_offset", self.key, self.global_offset)
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = _as_int_tuple(
+                "axis_fragmentations", self.key, self.axis_fragmentations
+            )
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Check that data, shapes, offsets and fragmentations agree with each other."""
+        key = self.key
+        if not isinstance(key, str) or not key:
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {key!r}")
+        if self.flattened_range is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: flattened_range is not supported yet "
+                "(distributed-optimizer slices arrive with flattened_range support)"
+            )
+        if not isinstance(self.dtype, torch.dtype):
+            raise CheckpointingException(f"ShardedTensor {key!r}: dtype must be a torch.dtype")
+        if self.prepend_axis_num < 0:
+            raise CheckpointingException(f"ShardedTensor {key!r}: negative prepend_axis_num")
+        if self.data is not None:
+            if not isinstance(self.data, torch.Tensor):
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: data must be a torch.Tensor, got {type(self.data)}"
+                )
+            if self.data.dtype != self.dtype:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: data dtype {self.data.dtype} does not match "
+                    f"the declared dtype {self.dtype}"
+                )
+            if tuple(self.data.shape) != self.local_shape:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: data shape {tuple(self.data.shape)} does not "
+                    f"match local_shape {self.local_shape}"
+                )
+        ndim = len(self.global_shape)
+        if len(self.global_offset) != ndim:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: global_offset {self.global_offset} and global_shape "
+                f"{self.global_shape} have different lengths"
+            )
+        if len(self.local_shape) + self.prepend_axis_num != ndim:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: local_shape {self.local_shape} with "
+                f"prepend_axis_num={self.prepend_axis_num} does not match global_shape "
+                f"{self.global_shape}"
+            )
+        if self.axis_fragmentations is not None and len(self.axis_fragmentations) != ndim:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: axis_fragmentations {self.axis_fragmentations} must "
+                f"have {ndim} entries"
+            )
+        for axis, (off, glob) in enumerate(zip(self.global_offset, self.global_shape)):
+            loc = 1 if axis < self.prepend_axis_num else self.local_shape[axis - self.prepend_axis_num]
+            if off < 0 or loc < 0 or off + loc > glob:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: chunk [{off}, {off + loc}) on axis {axis} lies "
+                    f"outside the global shape {self.global_shape} (global_offset "
+                    f"{self.global_offset}, local_shape {self.local_shape})"
+                )
+
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Build from ``(axis, rank_offset, fragments)`` triples on a regular grid.
+
+        Along each listed ``axis`` (counting prepended axes) the global size is
+        ``fragments * local size`` and the offset ``rank_offset * local size``; a prepended
+        axis has size ``fragments`` and offset ``rank_offset``.
+        """
+        if init_kwargs.get("flattened_range") is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: use from_rank_offsets_flat for flattened tensors"
+            )
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointingException(f"ShardedTensor {key!r}: data must be a torch.Tensor")
+        ndim = data.ndim + prepend_axis_num
+        global_offset = [0] * ndim
+        axis_fragm = [1] * ndim
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        seen_axes = set()
+        for entry in rank_offsets:
+            try:
+                axis, axis_rank_offset, axis_fragm_n = (int(v) for v in entry)
+            except (TypeError, ValueError) as e:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: rank offset {entry!r} is not an "
+                    "(axis, rank_offset, fragments) triple"
+                ) from e
+            if not 0 <= axis < ndim:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: rank offset axis {axis} out of range for a "
+                    f"{ndim}-D global tensor"
+                )
+            if axis in seen_axes:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: duplicate rank offset for axis {axis}"
+                )
+            if axis_fragm_n < 1 or not 0 <= axis_rank_offset < axis_fragm_n:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: invalid rank offset {axis_rank_offset} for "
+                    f"{axis_fragm_n} fragments on axis {axis}"
+                )
+            seen_axes.add(axis)
+            axis_fragm[axis] = axis_fragm_n
+            if axis < prepend_axis_num:
+                global_offset[axis] = axis_rank_offset
+                global_shape[axis] = axis_fragm_n
+            else:
+                local = data.shape[axis - prepend_axis_num]
+                global_offset[axis] = axis_rank_offset * local
+                global_shape[axis] = axis_fragm_n * local
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(axis_fragm),
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
+
+    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+        """Index of the local chunk in the global tensor (ints on prepended axes)."""
+        pre = self.prepend_axis_num
+        return tuple(self.global_offset[:pre]) + tuple(
+            slice(off, off + size) for off, size in zip(self.global_offset[pre:], self.local_shape)
+        )
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        """Position of the chunk in the grid of chunks (regular grids)."""
+        pre = self.prepend_axis_num
+        chunk = list(self.global_offset[:pre])
+        for off, size in zip(self.global_offset[pre:], self.local_shape):
+            if size == 0 or off % size:
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key!r}: offset {off} is not a multiple of the chunk "
+                    f"size {size} (uneven grid)"
+                )
+            chunk.append(off // size)
+        return tuple(chunk)
+
+    def global_region(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """``(offsets, sizes)`` of the chunk in the global tensor (size 1 on prepended axes)."""
+        return self.global_offset, (1,) * self.prepend_axis_num + self.local_shape
+
+    def without_data(self) -> "ShardedTensor":
+        return replace(self, data=None)
+
+    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+        """Allocate ``data`` (if missing) on ``device`` with ``init_fn(shape, dtype=, device=)``."""
+        if self.data is not None:
+            return
+        self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """Narrow the local data along ``dim``; the result describes a chunk of a *smaller*
+        global tensor whose size along ``dim`` shrinks by ``length / local size`` (used to
+        split fused weights into separately saved global tensors)."""
+        if self.data is None:
+            raise CheckpointingException(f"ShardedTensor {self.key!r}: cannot narrow without data")
+        gdim = dim + self.prepend_axis_num
+        local_len = self.local_shape[dim]
+        glob, off = self.global_shape[gdim], self.global_offset[gdim]
+        if local_len == 0 or (glob * length) % local_len or (off * length) % local_len:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: cannot narrow axis {dim} of size {local_len} to "
+                f"{length} on a grid with global size {glob} and offset {off}"
+            )
+        new_data = self.data.narrow(dim, start, length)
+        global_shape = list(self.global_shape)
+        global_offset = list(self.global_offset)
+        global_shape[gdim] = glob * length // local_len
+        global_offset[gdim] = off * length // local_len
+        return [
+            replace(
+                self,
+                data=new_data,
+                local_shape=tuple(new_data.shape),
+                global_shape=tuple(global_shape),
+                global_offset=tuple(global_offset),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key='{self.key}')"
+
+
+_UNIQUE_KEY_RE = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]*)_(?P<shape>[\d.]*)$")
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """One piece of a grid of picklable objects (e.g. a per-rank RNG state).
+
+    ``global_shape`` is the grid of pieces and ``global_offset`` this piece's position;
+    each piece is stored under :attr:`unique_key`.
+    """
+
+    key: str
+    data: object
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(v) for v in self.global_shape)
+        self.global_offset = tuple(int(v) for v in self.global_offset)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise CheckpointingException(f"ShardedObject key must be a non-empty str, got {self.key!r}")
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(
+                f"ShardedObject {self.key!r}: global_shape {self.global_shape} and "
+                f"global_offset {self.global_offset} have different lengths"
+            )
+        for off, size in zip(self.global_offset, self.global_shape):
+            if not 0 <= off < size:
+                raise CheckpointingException(
+                    f"ShardedObject {self.key!r}: offset {self.global_offset} outside the grid "
+                    f"{self.global_shape}"
+                )
+
+    @property
+    def unique_key(self) -> str:
+        """``{key}/shard_{offsets}_{shape}`` with dot-joined numbers: the storage key."""
+        offset = ".".join(map(str, self.global_offset))
+        shape = ".".join(map(str, self.global_shape))
+        return f"{self.key}/shard_{offset}_{shape}"
+
+    def without_data(self) -> "ShardedObject":
+        return replace(self, data=None)
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+        """The data-less ShardedObject stored under ``unique_key``."""
+        m = _UNIQUE_KEY_RE.match(unique_key)
+        if m is None:
+            raise CheckpointingException(f"{unique_key!r} is not a ShardedObject unique key")
+
+        def _ints(s: str) -> Tuple[int, ...]:
+            return tuple(int(v) for v in s.split(".")) if s else ()
+
+        return cls(m["key"], None, _ints(m["shape"]), _ints(m["offset"]), replica_id)
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}(key='{self.key}')"
+
+
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """Builds a sharded sub-dict from one tensor before save; merges it back after load.
+
+    ``build_fn(key, data, replica_id, flattened_range)`` returns a (nested) sharded state
+    dict; ``merge_fn(loaded)`` receives the same structure with loaded values and returns
+    the tensor to put in place of the factory.
+    """
+
+    key: str
+    data: torch.Tensor
+    build_fn: Callable[..., Any]
+    merge_fn: Callable[[Any], Any]
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> Any:
+        """Run ``build_fn``."""
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        """Factories are validated through the objects they build."""
+
+    def without_data(self) -> "ShardedTensorFactory":
+        raise CheckpointingException(f"ShardedTensorFactory {self.key!r} cannot drop its data")
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace every :class:`ShardedTensorFactory` by what it builds (in place)."""
+
+    def apply(x: Any) -> Any:
+        if isinstance(x, ShardedTensorFactory):
+            x = x.build()
+        return x
+
+    dict_list_map_inplace(apply, sharded_state_dict)
+
+
+def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
+    """Merge the loaded values ``x1`` back through the factories of ``x2`` (in place).
+
+    ``x2`` is the request as given (with factories); where it holds a factory, the
+    corresponding part of ``x1`` is passed to the factory's ``merge_fn``.
+    """
+    if isinstance(x2, ShardedTensorFactory):
+        return x2.merge_fn(x1)
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                if isinstance(v2, ShardedTensorFactory):
+                    raise CheckpointingException(
+                        f"Missing loaded value for factory key {key + (k,)}"
+                    )
+                continue
+            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise CheckpointingException(
+                f"Cannot merge factories at {key}: lists of lengths {len(x1)} and {len(x2)}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
+    return x1
+
+
+@dataclass
+class LocalNonpersistentObject:
+    """An object kept out of the checkpoint; on load the local ``obj`` is put back."""
+
+    obj: Any = field(default=None)
+
+    def unwrap(self) -> Any:
+        """The wrapped object."""
+        return self.obj

@@ -1,0 +1,305 @@
+"""Entry points: ``save``, ``load`` and the offline readers.
+
+``save`` and ``load`` are collective over the default process group (or run alone
+without one); every error they raise is raised on every rank. The offline readers
+(``load_common_state_dict``, ``load_tensors_metadata``, ``load_sharded_metadata``,
+``load_plain_tensors``, ``load_content_metadata``, ``check_is_distributed_checkpoint``)
+work in a single process with no process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+
+from .collectives import broadcast_object, error_message, get_rank, run_agreed
+from .core import CheckpointingConfig, CheckpointingException, load_config, maybe_load_config, save_config
+from .dict_utils import copy_structure, dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from .strategies.base import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from .validation import StrictHandling, parse_strict_flag
+
+logger = logging.getLogger(__name__)
+
+CONTENT_METADATA_KEY = "content_metadata"
+CkptDir = Union[str, os.PathLike]
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    """The registered sharded save strategy for ``(backend, version)``."""
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+    """The registered common save strategy for ``(backend, version)``."""
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: CkptDir) -> LoadShardedStrategy:
+    """The sharded load strategy that matches the checkpoint's ``metadata.json``."""
+    config = load_config(checkpoint_dir)
+    return _sharded_load_strategy(config, None)
+
+
+def _sharded_load_strategy(config: CheckpointingConfig, strategy: Optional[LoadShardedStrategy]) -> LoadShardedStrategy:
+    if strategy is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
+    strategy.check_backend_compatibility(config.sharded_backend)
+    strategy.check_version_compatibility(config.sharded_backend_version)
+    return strategy
+
+
+def _resolve_save_sharded(strategy: Union[None, SaveShardedStrategy, Tuple[str, int]]) -> SaveShardedStrategy:
+    if strategy is None:
+        return get_default_save_sharded_strategy()
+    if isinstance(strategy, tuple):
+        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
+    if not isinstance(strategy, SaveShardedStrategy):
+        raise CheckpointingException(f"Not a sharded save strategy: {strategy!r}")
+    return strategy
+
+
+def _resolve_save_common(strategy: Union[None, SaveCommonStrategy, Tuple[str, int]]) -> SaveCommonStrategy:
+    if strategy is None:
+        return get_default_save_common_strategy()
+    if isinstance(strategy, tuple):
+        return get_default_strategy(StrategyAction.SAVE_COMMON, *strategy)
+    if not isinstance(strategy, SaveCommonStrategy):
+        raise CheckpointingException(f"Not a common save strategy: {strategy!r}")
+    return strategy
+
+
+# ----------------------------------------------------------------------------- state dict split
+
+
+def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, StateDict]:
+    """Copy the structure, build factories, and split into (sharded, common, non-persistent)."""
+    if not isinstance(sharded_state_dict, dict):
+        raise CheckpointingException(f"A sharded state dict must be a dict, got {type(sharded_state_dict).__name__}")
+    sd = copy_structure(sharded_state_dict)
+    apply_factories(sd)
+    nonpersistent, rest = extract_matching_values(sd, lambda v: isinstance(v, LocalNonpersistentObject))
+    sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase))
+    return sharded, common, nonpersistent
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _prepare_save_dir(checkpoint_dir: Path) -> None:
+    if checkpoint_dir.exists():
+        if not checkpoint_dir.is_dir():
+            raise CheckpointingException(f"Checkpoint path {checkpoint_dir} exists and is not a directory")
+        if any(checkpoint_dir.iterdir()):
+            raise CheckpointingException(
+                f"Checkpoint directory {checkpoint_dir} is not empty: refusing to save into it"
+            )
+    else:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: CkptDir,
+    sharded_strategy: Union[None, SaveShardedStrategy, Tuple[str, int]] = None,
+    common_strategy: Union[None, SaveCommonStrategy, Tuple[str, int]] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
+) -> None:
+    """Save a sharded state dict into ``checkpoint_dir`` (collective).
+
+    The directory must be empty or missing. ShardedTensors/ShardedObjects are written by
+    their main replicas, the common state by rank 0, and ``metadata.json`` last, so an
+    interrupted save never looks complete. The caller's dict is not modified.
+    """
+    if async_sharded_save:
+        raise CheckpointingException("async_sharded_save is not available yet in this version")
+    checkpoint_dir = Path(checkpoint_dir)
+    start = time.perf_counter()
+    rank = get_rank()
+
+    def prepare():
+        sharded_strategy_ = _resolve_save_sharded(sharded_strategy)
+        common_strategy_ = _resolve_save_common(common_strategy)
+        sharded, common, _ = _split_state_dict(sharded_state_dict)
+        if content_metadata is not None:
+            common[CONTENT_METADATA_KEY] = content_metadata
+        for sh in nested_values(sharded):
+            sh.validate_metadata_integrity()
+            if isinstance(sh, ShardedTensor) and sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+        return sharded_strategy_, common_strategy_, sharded, common
+
+    sharded_strategy_, common_strategy_, sharded, common = run_agreed(prepare, "Preparing the save")
+
+    dir_error = None
+    if rank == 0:
+        try:
+            _prepare_save_dir(checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - broadcast to every rank
+            dir_error = error_message(e)
+    dir_error = broadcast_object(dir_error)
+    if dir_error is not None:
+        raise CheckpointingException(dir_error)
+
+    def save_common():
+        if rank == 0:
+            common_strategy_.save_common(common, checkpoint_dir)
+
+    run_agreed(save_common, "Saving the common state")
+    sharded_strategy_.save(sharded, checkpoint_dir)
+
+    def commit():
+        if rank == 0:
+            save_config(
+                CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
+                                    common_strategy_.backend, common_strategy_.version),
+                checkpoint_dir,
+            )
+
+    run_agreed(commit, "Committing the checkpoint")
+    logger.info("Saved checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _load_common(config: CheckpointingConfig, checkpoint_dir: Path,
+                 common_strategy: Optional[LoadCommonStrategy],
+                 sharded_strategy: LoadShardedStrategy) -> StateDict:
+    if config.common_backend is None:
+        # Megatron-Core >= 0.19: the common state is the ShardedObject `common_state`.
+        if not hasattr(sharded_strategy, "load_common"):
+            raise CheckpointingException(
+                f"{checkpoint_dir} keeps its common state in the sharded backend, which "
+                f"{type(sharded_strategy).__name__} cannot read"
+            )
+        return sharded_strategy.load_common(checkpoint_dir)
+    if common_strategy is None:
+        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
+    else:
+        common_strategy.check_backend_compatibility(config.common_backend)
+        common_strategy.check_version_compatibility(config.common_backend_version)
+    return common_strategy.load_common(checkpoint_dir)
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: CkptDir,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> StateDict:
+    """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
+
+    Returns the request's structure with ShardedTensors replaced by loaded tensors (the
+    request's own tensors, filled in place, where it has them), ShardedObjects by their
+    objects, factories merged, non-persistent objects unwrapped, and the common state
+    merged in.
+    """
+    strict = parse_strict_flag(strict)
+    if strict != StrictHandling.ASSUME_OK_UNEXPECTED:
+        raise CheckpointingException(f"strict={strict.value} is not available yet; use ASSUME_OK_UNEXPECTED")
+    checkpoint_dir = Path(checkpoint_dir)
+    start = time.perf_counter()
+
+    def prepare():
+        config = load_config(checkpoint_dir)
+        sharded_strategy_ = _sharded_load_strategy(config, sharded_strategy)
+        common = _load_common(config, checkpoint_dir, common_strategy, sharded_strategy_)
+        sharded, _, nonpersistent = _split_state_dict(sharded_state_dict)
+        return sharded_strategy_, common, sharded, nonpersistent
+
+    sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")
+    loaded = sharded_strategy_.load(sharded, checkpoint_dir)
+
+    def finish():
+        result = apply_factory_merges(loaded, sharded_state_dict)
+        dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, nonpersistent)
+        merge(result, nonpersistent)
+        return merge(common, result)
+
+    result = run_agreed(finish, "Merging the loaded state")
+    logger.info("Loaded checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+    return result
+
+
+# ----------------------------------------------------------------------------- offline readers
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: CkptDir) -> bool:
+    """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
+    return maybe_load_config(checkpoint_dir) is not None
+
+
+def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
+    """The common (non-sharded) state of a checkpoint."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    return _load_common(config, checkpoint_dir, None, _sharded_load_strategy(config, None))
+
+
+def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
+    """Data-less ShardedTensors describing every global tensor of the checkpoint."""
+    config = load_config(checkpoint_dir)
+    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None,
+                          common_strategy: Optional[LoadCommonStrategy] = None) -> ShardedStateDict:
+    """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
+    config = load_config(checkpoint_dir)
+    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(Path(checkpoint_dir))
+
+
+def load_plain_tensors(checkpoint_dir: CkptDir) -> StateDict:
+    """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    strategy = _sharded_load_strategy(config, None)
+    request = strategy.load_tensors_metadata(checkpoint_dir)
+    if hasattr(strategy, "load_local"):
+        return strategy.load_local(request, checkpoint_dir)
+    return strategy.load(request, checkpoint_dir)
+
+
+def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,
+                          preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
+    """The ``content_metadata`` given to ``save`` (``None`` if there was none)."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise CheckpointingException("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
+def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str) -> None:
+    """Remove the tensors whose key starts with ``key_prefix`` from a checkpoint (one process)."""
+    config = load_config(checkpoint_dir)
+    _sharded_load_strategy(config, None).remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

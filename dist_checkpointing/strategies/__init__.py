@@ -1,0 +1,14 @@
+"""Save/load strategies. Built-in ones register themselves on first lookup."""
+
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    LoadStrategyBase,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    SaveStrategyBase,
+    StrategyAction,
+    get_default_strategy,
+    register_default_strategy,
+)

@@ -1,0 +1,57 @@
+"""Common (non-sharded) state: ``common.pt``, written by the coordinator rank."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from ..core import CheckpointingException, atomic_write_bytes
+from ..mapping import StateDict
+from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+from .safe_pickle import safe_torch_load
+
+COMMON_STATE_FNAME = "common.pt"
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Writes the common state with ``torch.save`` to ``common.pt`` (atomically)."""
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
+        buf = io.BytesIO()
+        try:
+            torch.save(common_state_dict, buf)
+        except Exception as e:  # noqa: BLE001 - unpicklable user object
+            raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
+        atomic_write_bytes(Path(checkpoint_dir) / COMMON_STATE_FNAME, buf.getbuffer())
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads ``common.pt`` safely (``allow_pickle=True`` opts in to arbitrary objects)."""
+
+    def __init__(self, allow_pickle: bool = False):
+        self.allow_pickle = allow_pickle
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        try:
+            with open(path, "rb") as f:
+                return safe_torch_load(f, f"common state {path}", self.allow_pickle)
+        except FileNotFoundError as e:
+            raise CheckpointingException(f"Common state file {path} is missing") from e
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != "torch":
+            raise CheckpointingException(f"Cannot read common state of backend {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != 1:
+            raise CheckpointingException(f"Cannot read common state version {loaded_version!r}")
+
+
+def register_default_common_strategies() -> None:
+    """Register the ``torch`` common strategies (done automatically on first lookup)."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))

@@ -1,0 +1,120 @@
+"""Loading pickled checkpoint content without executing arbitrary code.
+
+* :func:`safe_torch_load` wraps ``torch.load(weights_only=True)`` with an allow-list
+  extended by NumPy arrays (RNG states hold them); anything else needs the explicit
+  ``allow_pickle=True`` opt-in and fails with a message naming the blocked globals.
+* :func:`load_dcp_metadata` unpickles a DCP ``.metadata`` file with an allow-list of
+  PyTorch DCP classes, mapping Megatron-Core's metadata classes to local stand-ins, so
+  checkpoints written by Megatron-Core load without Megatron installed.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any, Union
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint import planner as dcp_planner
+
+from ..core import CheckpointingException
+
+try:  # NumPy >= 2
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+
+_NUMPY_SAFE_GLOBALS = [np.ndarray, np.dtype, _np_reconstruct] + [
+    type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                np.uint16, np.uint32, np.uint64, np.float16, np.float32,
+                                np.float64, np.complex64, np.complex128)
+]
+
+
+def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = False) -> Any:
+    """``torch.load`` of ``f`` (CPU) with the safe allow-list; ``what`` names it in errors."""
+    if isinstance(f, (bytes, bytearray, memoryview)):
+        f = io.BytesIO(f)
+    try:
+        if allow_pickle:
+            return torch.load(f, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_NUMPY_SAFE_GLOBALS):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointingException(
+            f"Refusing to unpickle {what}: it needs globals outside the safe allow-list "
+            f"({str(e).splitlines()[-1] if str(e) else e}). If you trust this checkpoint, "
+            "load it with allow_pickle=True on the load strategy."
+        ) from e
+    except Exception as e:  # noqa: BLE001 - corrupted data of any kind
+        raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
+
+
+class MCoreMetadata(dcp_md.Metadata):
+    """Stand-in for Megatron-Core 0.15's ``MCoreMetadata`` (adds ``mcore_data``)."""
+
+
+class MCoreSavePlan(dcp_planner.SavePlan):
+    """Stand-in for Megatron-Core's ``MCoreSavePlan`` (pickled inside 0.15 metadata)."""
+
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+}
+_ALLOWED.update({
+    ("torch.distributed.checkpoint.planner", name): getattr(dcp_planner, name)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
+                 "ReadItem", "LoadItemType")
+})
+_ALLOWED.update({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("builtins", "slice"): slice,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): MCoreMetadata,
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): MCoreSavePlan,
+    ("dist_checkpointing.strategies.safe_pickle", "MCoreMetadata"): MCoreMetadata,
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f: IO[bytes], path: str):
+        super().__init__(f)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module in ("torch", "torch.distributed.checkpoint.metadata") and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
+            return getattr(torch, name)
+        raise CheckpointingException(
+            f"{self._path}: DCP metadata refers to {module}.{name}, which is not on the "
+            "allow-list of classes a checkpoint's metadata may contain"
+        )
+
+
+def load_dcp_metadata(path: Union[str, Path]) -> dcp_md.Metadata:
+    """Unpickle a DCP ``.metadata`` file safely."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, str(path)).load()
+    except CheckpointingException:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointingException(f"Checkpoint metadata file {path} is missing") from e
+    except Exception as e:  # noqa: BLE001 - truncated or corrupted pickle
+        raise CheckpointingException(f"Cannot read checkpoint metadata {path}: {e}") from e
+    if not isinstance(metadata, dcp_md.Metadata):
+        raise CheckpointingException(f"{path} does not hold DCP metadata")
+    return metadata

@@ -1,0 +1,615 @@
+"""The ``torch_dist`` strategy: ShardedTensors and ShardedObjects in PyTorch DCP's format.
+
+On disk (see ``docs/format.md``): every main-replica chunk is a ``torch.save`` blob in a
+``__{rank}_{n}.distcp`` file, ShardedObjects are ``torch.save([data])`` blobs under their
+unique key, and the DCP ``.metadata`` maps every key to its global shape, its chunks and
+their byte ranges. The format is the one Megatron-Core and ``torch.distributed.checkpoint``
+read and write; the machinery is this library's own:
+
+* save writes each rank's items with ``thread_count`` threads through reused staging
+  buffers (no planning round trip before writing), then gathers the per-rank byte ranges
+  to rank 0, which writes ``.metadata``: one ``all_gather_object`` of a status/digest and
+  one ``gather_object`` of item locations per save;
+* load parses each blob's small header and reads the tensor bytes straight into the
+  request's own tensors (or just the needed span when resharding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..collectives import (
+    all_gather_object,
+    broadcast_object,
+    error_message,
+    gather_object,
+    get_rank,
+    raise_if_any,
+    run_agreed,
+)
+from ..core import CheckpointingException, atomic_write_bytes
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
+from .filesystem_async import write_file, zip_crc_disabled
+from .resharding import Region, intersect, region_volume, relative_slices
+from .safe_pickle import load_dcp_metadata, safe_torch_load
+from .torch_blob import TensorHeader, read_tensor_header
+
+METADATA_FNAME = ".metadata"
+DCP_VERSION = "1.0.0"
+COMMON_STATE_OBJECT_KEY = "common_state/shard_0_1"
+
+
+# ----------------------------------------------------------------------------- save
+
+
+@dataclass
+class _SaveItem:
+    key: str  # DCP key: ShardedTensor.key or ShardedObject.unique_key
+    payload: Union[torch.Tensor, bytes]
+    nbytes: int
+    tensor_meta: Optional[Tuple[Tuple[int, ...], torch.dtype, Tuple[int, ...], Tuple[int, ...]]]
+
+
+def _object_payload(obj: ShardedObject) -> bytes:
+    buf = io.BytesIO()
+    try:
+        torch.save([obj.data], buf)
+    except Exception as e:  # noqa: BLE001 - unpicklable user object
+        raise CheckpointingException(f"Cannot serialize ShardedObject {obj.unique_key!r}: {e}") from e
+    return buf.getvalue()
+
+
+def _collect_save_items(sharded_state_dict: ShardedStateDict) -> List[_SaveItem]:
+    items: List[_SaveItem] = []
+    for sh in nested_values(sharded_state_dict):
+        if not is_main_replica(sh.replica_id):
+            continue
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+            sh.validate_metadata_integrity()
+            offsets, sizes = sh.global_region()
+            data = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+            items.append(
+                _SaveItem(sh.key, data, data.numel() * data.element_size(),
+                          (sh.global_shape, sh.dtype, offsets, sizes))
+            )
+        elif isinstance(sh, ShardedObject):
+            payload = _object_payload(sh)
+            items.append(_SaveItem(sh.unique_key, payload, len(payload), None))
+        else:
+            raise CheckpointingException(f"Unexpected sharded item {type(sh).__name__} for key {sh.key!r}")
+    return items
+
+
+def _assign_files(items: List[_SaveItem], rank: int, thread_count: int,
+                  separation_hint: Optional[str]) -> Dict[str, List[_SaveItem]]:
+    """Split items into at most ``thread_count`` files per group, balancing bytes."""
+    groups: Dict[str, List[_SaveItem]] = {}
+    for item in items:
+        prefix = ""
+        if separation_hint and item.key.startswith(separation_hint):
+            prefix = separation_hint.replace("/", "_")
+        groups.setdefault(prefix, []).append(item)
+    files: Dict[str, List[_SaveItem]] = {}
+    for prefix, group in groups.items():
+        buckets: List[List[_SaveItem]] = [[] for _ in range(max(1, thread_count))]
+        loads = [0] * len(buckets)
+        for item in sorted(group, key=lambda it: -it.nbytes):
+            i = loads.index(min(loads))
+            buckets[i].append(item)
+            loads[i] += item.nbytes
+        order = {id(it): n for n, it in enumerate(group)}
+        non_empty = [sorted(b, key=lambda it: order[id(it)]) for b in buckets if b]
+        for n, bucket in enumerate(non_empty):
+            files[f"{prefix}__{rank}_{n}.distcp"] = bucket
+    return files
+
+
+# One location entry per written item: (key, tensor_meta or None, file, offset, length)
+_Location = Tuple[str, Optional[tuple], str, int, int]
+
+
+def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Metadata:
+    """Global DCP metadata from every rank's item locations, with consistency checks."""
+    state_dict_metadata: Dict[str, Any] = {}
+    storage_data: Dict[MetadataIndex, _StorageInfo] = {}
+    owner: Dict[MetadataIndex, int] = {}
+    shape_owner: Dict[str, int] = {}
+    for rank, locations in enumerate(per_rank):
+        for key, tensor_meta, fname, offset, length in locations:
+            if tensor_meta is None:
+                index = MetadataIndex(key)
+                if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
+                state_dict_metadata[key] = BytesStorageMetadata()
+            else:
+                global_shape, dtype, offsets, sizes = tensor_meta
+                index = MetadataIndex(key, torch.Size(offsets))
+                md = state_dict_metadata.get(key)
+                if md is None:
+                    md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
+                    state_dict_metadata[key] = md
+                    shape_owner[key] = rank
+                elif not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
+                elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != dtype:
+                    raise CheckpointingException(
+                        f"ShardedTensor {key!r}: rank {shape_owner[key]} saves global shape "
+                        f"{tuple(md.size)} dtype {md.properties.dtype}, rank {rank} saves "
+                        f"{tuple(global_shape)} dtype {dtype}"
+                    )
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            if index in storage_data:
+                raise CheckpointingException(
+                    f"Item {key!r} (offset {tuple(index.offset) if index.offset is not None else None}) "
+                    f"is saved as main replica by both rank {owner[index]} and rank {rank}"
+                )
+            storage_data[index] = _StorageInfo(fname, offset, length)
+            owner[index] = rank
+    for md in state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            md.chunks.sort(key=lambda c: tuple(c.offsets))
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4())),
+        version=DCP_VERSION,
+    )
+    metadata.mcore_data = {}  # Megatron-Core's loader looks up per-key extras here
+    return metadata
+
+
+def _as_plain_metadata(metadata: Metadata) -> Metadata:
+    """A plain DCP ``Metadata`` copy (drops Megatron's pickled plans, keeps ``mcore_data``)."""
+    plain = Metadata(
+        state_dict_metadata=dict(metadata.state_dict_metadata),
+        planner_data=metadata.planner_data,
+        storage_data=dict(metadata.storage_data),
+        storage_meta=metadata.storage_meta,
+        version=metadata.version,
+    )
+    plain.mcore_data = dict(getattr(metadata, "mcore_data", None) or {})
+    return plain
+
+
+def _write_metadata(metadata: Metadata, checkpoint_dir: Path) -> None:
+    atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
+
+
+class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects in the torch_dist (DCP) format.
+
+    Args:
+        backend, version: recorded in ``metadata.json``.
+        keep_only_main_replica: accepted for Megatron-Core compatibility; only main
+            replicas are ever written.
+        thread_count: writer threads (and files) per rank.
+        cached_metadata: when every rank writes the same items as in the previous save
+            with this strategy, skip gathering item locations and reuse the previous
+            global metadata.
+        separation_hint: keys starting with this prefix go to separate files
+            ``{hint}__{rank}_{n}.distcp``.
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
+                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None):
+        super().__init__(backend, version)
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = max(1, int(thread_count))
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+        self._cache: Optional[Tuple[List[str], Metadata]] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
+        checkpoint_dir = Path(checkpoint_dir)
+        rank = get_rank()
+        locations: List[_Location] = []
+        error: Optional[str] = None
+        try:
+            items = _collect_save_items(sharded_state_dict)
+            files = _assign_files(items, rank, self.thread_count, self.separation_hint)
+            locations = self._write_files(files, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = error_message(e)
+        digest = hashlib.sha256(pickle.dumps(sorted(locations, key=lambda loc: (loc[2], loc[3])))).hexdigest()
+        statuses = all_gather_object((error, digest))
+        raise_if_any([s[0] for s in statuses], "Writing the checkpoint data")
+        digests = [s[1] for s in statuses]
+
+        metadata_error: Optional[str] = None
+        reuse = self.cached_metadata and self._cache is not None and self._cache[0] == digests
+        per_rank = None if reuse else gather_object(locations)
+        if rank == 0:
+            try:
+                if reuse:
+                    metadata = self._cache[1]
+                    metadata.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
+                else:
+                    metadata = _build_metadata(per_rank, checkpoint_dir)
+                _write_metadata(metadata, checkpoint_dir)
+                if self.cached_metadata:
+                    self._cache = (digests, metadata)
+            except Exception as e:  # noqa: BLE001 - broadcast below
+                metadata_error = error_message(e)
+        elif self.cached_metadata:
+            self._cache = (digests, None)  # only rank 0 needs the metadata itself
+        metadata_error = broadcast_object(metadata_error)
+        if metadata_error is not None:
+            raise CheckpointingException(f"Writing the checkpoint metadata failed on rank 0: {metadata_error}")
+
+    def _write_files(self, files: Dict[str, List[_SaveItem]], checkpoint_dir: Path) -> List[_Location]:
+        def write_one(fname: str) -> List[_Location]:
+            bucket = files[fname]
+            spans = write_file(checkpoint_dir / fname, [it.payload for it in bucket])
+            return [(it.key, it.tensor_meta, fname, off, length) for it, (off, length) in zip(bucket, spans)]
+
+        with zip_crc_disabled():
+            if len(files) <= 1:
+                results = [write_one(f) for f in files]
+            else:
+                with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
+                    results = list(pool.map(write_one, files))
+        return [loc for result in results for loc in result]
+
+
+# ----------------------------------------------------------------------------- load
+
+_metadata_cache: Dict[str, Tuple[Tuple[int, int], Metadata]] = {}
+_metadata_cache_lock = threading.Lock()
+
+
+def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
+    """The DCP metadata of a checkpoint (cached while the file is unchanged)."""
+    path = Path(checkpoint_dir) / METADATA_FNAME
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointingException(f"Checkpoint metadata file {path} is missing") from e
+    stamp = (st.st_mtime_ns, st.st_size)
+    with _metadata_cache_lock:
+        cached = _metadata_cache.get(str(path))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    metadata = load_dcp_metadata(path)
+    with _metadata_cache_lock:
+        _metadata_cache.clear()
+        _metadata_cache[str(path)] = (stamp, metadata)
+    return metadata
+
+
+@dataclass
+class _TensorRead:
+    key: str
+    storage: _StorageInfo
+    chunk: Region
+    dtype: torch.dtype
+    dest: torch.Tensor  # request data viewed with prepended axes (global rank)
+    dest_origin: Tuple[int, ...]
+    overlap: Region
+
+
+@dataclass
+class _ObjectRead:
+    key: str
+    storage: _StorageInfo
+    result: List[Any] = field(default_factory=list)
+
+
+class _Reader:
+    """Executes reads with one fd per file and cached blob headers."""
+
+    def __init__(self, checkpoint_dir: Path, allow_pickle: bool):
+        self.dir = checkpoint_dir
+        self.allow_pickle = allow_pickle
+        self._fds: Dict[str, int] = {}
+        self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, relative_path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(relative_path)
+            if fd is None:
+                path = self.dir / relative_path
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointingException(f"Cannot open checkpoint data file {path}: {e}") from e
+                self._fds[relative_path] = fd
+            return fd
+
+    def _header(self, read: _TensorRead, fd: int) -> Optional[TensorHeader]:
+        cache_key = (read.storage.relative_path, read.storage.offset)
+        with self._lock:
+            if cache_key in self._headers:
+                return self._headers[cache_key]
+        header = read_tensor_header(fd, read.storage.offset, read.storage.length)
+        if (header is not None and header.dtype == read.dtype and header.size != tuple(read.chunk[1])
+                and header.is_contiguous() and region_volume(header.size) == region_volume(read.chunk[1])):
+            header = TensorHeader(header.dtype, tuple(read.chunk[1]), _contiguous_strides(read.chunk[1]),
+                                  header.data_offset)
+        if header is not None and (header.dtype != read.dtype or header.size != tuple(read.chunk[1])):
+            raise CheckpointingException(
+                f"Item {read.key!r} at {self.dir / read.storage.relative_path}:{read.storage.offset} holds a "
+                f"{header.dtype} tensor of shape {header.size}, but the metadata says {read.dtype} "
+                f"{tuple(read.chunk[1])}"
+            )
+        with self._lock:
+            self._headers[cache_key] = header
+        return header
+
+    def read_tensor(self, read: _TensorRead) -> None:
+        where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
+        fd = self._fd(read.storage.relative_path)
+        try:
+            header = self._header(read, fd)
+        except CheckpointingException:
+            raise
+        except Exception as e:  # noqa: BLE001 - damaged archive
+            raise CheckpointingException(f"Item {read.key!r} at {where} is damaged: {e}") from e
+        dest = read.dest[relative_slices(read.overlap, read.dest_origin)]
+        if header is None:
+            return self._read_tensor_via_torch_load(read, fd, dest, where)
+        rel = [o - c for o, c in zip(read.overlap[0], read.chunk[0])]
+        first = sum(r * st for r, st in zip(rel, header.stride))
+        last = sum((r + s - 1) * st for r, s, st in zip(rel, read.overlap[1], header.stride))
+        itemsize = dest.element_size()
+        whole = tuple(read.overlap[1]) == tuple(read.chunk[1])
+        if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
+            _pread_into(fd, _byte_view(dest), header.data_offset, where)
+            return
+        span = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
+        _pread_into(fd, span.numpy(), header.data_offset + first * itemsize, where)
+        src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride)
+        dest.copy_(src)
+
+    def _read_tensor_via_torch_load(self, read: _TensorRead, fd: int, dest: torch.Tensor, where: str) -> None:
+        raw = os.pread(fd, read.storage.length, read.storage.offset)
+        loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
+        if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != tuple(read.chunk[1]):
+            raise CheckpointingException(f"Item {read.key!r} at {where} does not hold the expected tensor")
+        rel = tuple(slice(o - c, o - c + s) for o, c, s in zip(read.overlap[0], read.chunk[0], read.overlap[1]))
+        dest.copy_(loaded[rel])
+
+    def read_object(self, read: _ObjectRead) -> None:
+        where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
+        fd = self._fd(read.storage.relative_path)
+        raw = os.pread(fd, read.storage.length, read.storage.offset)
+        if len(raw) != read.storage.length:
+            raise CheckpointingException(f"ShardedObject {read.key!r} at {where} is truncated")
+        loaded = safe_torch_load(raw, f"ShardedObject {read.key!r} at {where}", self.allow_pickle)
+        if not (isinstance(loaded, list) and len(loaded) == 1):
+            raise CheckpointingException(f"ShardedObject {read.key!r} at {where} has an unexpected layout")
+        read.result.append(loaded[0])
+
+
+def _contiguous_strides(sizes) -> Tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(tuple(sizes)):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def _byte_view(t: torch.Tensor):
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _pread_into(fd: int, buf, offset: int, where: str) -> None:
+    mv = memoryview(buf).cast("B")
+    done = 0
+    while done < mv.nbytes:
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointingException(f"Unexpected end of file reading {where}")
+        done += n
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads the torch_dist format (ours, Megatron-Core's and plain DCP's) with resharding.
+
+    Args:
+        thread_count: reader threads per rank.
+        allow_pickle: opt in to unpickling objects outside the safe allow-list.
+    """
+
+    def __init__(self, thread_count: int = 4, allow_pickle: bool = False):
+        self.thread_count = max(1, int(thread_count))
+        self.allow_pickle = allow_pickle
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != "torch_dist":
+            raise CheckpointingException(f"{type(self).__name__} cannot read backend {loaded_backend!r}")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != 1:
+            raise CheckpointingException(f"{type(self).__name__} cannot read version {loaded_version!r}")
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Collective load: errors on any rank are raised on every rank."""
+        checkpoint_dir = Path(checkpoint_dir)
+        plan = run_agreed(lambda: self._plan(sharded_state_dict, checkpoint_dir), "Planning the load")
+        run_agreed(lambda: self._execute(plan, checkpoint_dir), "Reading the checkpoint")
+        return self._result(sharded_state_dict, plan)
+
+    def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Load in this process alone (no collectives): for offline tools."""
+        checkpoint_dir = Path(checkpoint_dir)
+        plan = self._plan(sharded_state_dict, checkpoint_dir)
+        self._execute(plan, checkpoint_dir)
+        return self._result(sharded_state_dict, plan)
+
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+        metadata = read_metadata(checkpoint_dir)
+        tensor_reads: List[_TensorRead] = []
+        object_reads: Dict[int, _ObjectRead] = {}
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor):
+                tensor_reads.extend(self._plan_tensor(sh, metadata, checkpoint_dir))
+            elif isinstance(sh, ShardedObject):
+                md = metadata.state_dict_metadata.get(sh.unique_key)
+                if not isinstance(md, BytesStorageMetadata):
+                    raise CheckpointingException(
+                        f"ShardedObject {sh.unique_key!r} not found in checkpoint {checkpoint_dir}"
+                    )
+                object_reads[id(sh)] = _ObjectRead(sh.unique_key, metadata.storage_data[MetadataIndex(sh.unique_key)])
+            else:
+                raise CheckpointingException(f"Cannot load {type(sh).__name__} {getattr(sh, 'key', sh)!r}")
+        return tensor_reads, object_reads
+
+    def _plan_tensor(self, sh: ShardedTensor, metadata: Metadata, checkpoint_dir: Path) -> List[_TensorRead]:
+        md = metadata.state_dict_metadata.get(sh.key)
+        if md is None:
+            raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in checkpoint {checkpoint_dir}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointingException(f"Key {sh.key!r} is an object in checkpoint {checkpoint_dir}, not a tensor")
+        if tuple(md.size) != sh.global_shape and not sh.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"Global shape mismatch for key {sh.key!r}: checkpoint {checkpoint_dir} has "
+                f"{tuple(md.size)}, the request expects {sh.global_shape}"
+            )
+        if md.properties.dtype != sh.dtype:
+            raise CheckpointingException(
+                f"Dtype mismatch for key {sh.key!r}: checkpoint {checkpoint_dir} has "
+                f"{md.properties.dtype}, the request expects {sh.dtype}"
+            )
+        sh.init_data("cpu")
+        sh.validate_metadata_integrity()
+        dest = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+        request = sh.global_region()
+        reads, covered = [], 0
+        for chunk_md in md.chunks:
+            chunk = (tuple(chunk_md.offsets), tuple(chunk_md.sizes))
+            overlap = intersect(request, chunk)
+            if overlap is None:
+                continue
+            storage = metadata.storage_data.get(MetadataIndex(sh.key, torch.Size(chunk[0])))
+            if storage is None:
+                raise CheckpointingException(
+                    f"Checkpoint {checkpoint_dir} has no storage entry for chunk {chunk[0]} of {sh.key!r}"
+                )
+            covered += region_volume(overlap[1])
+            reads.append(_TensorRead(sh.key, storage, chunk, sh.dtype, dest, request[0], overlap))
+        if covered != region_volume(request[1]) and not sh.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"Checkpoint {checkpoint_dir} does not cover the requested chunk of {sh.key!r} "
+                f"(offset {request[0]}, shape {request[1]}): {covered} of {region_volume(request[1])} "
+                "elements are stored"
+            )
+        return reads
+
+    def _execute(self, plan, checkpoint_dir: Path) -> None:
+        tensor_reads, object_reads = plan
+        reader = _Reader(checkpoint_dir, self.allow_pickle)
+        try:
+            tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
+            tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
+            if self.thread_count == 1 or len(tasks) <= 1:
+                for fn, arg in tasks:
+                    fn(arg)
+            else:
+                with ThreadPoolExecutor(self.thread_count) as pool:
+                    for f in [pool.submit(fn, arg) for fn, arg in tasks]:
+                        f.result()
+        finally:
+            reader.close()
+
+    @staticmethod
+    def _result(sharded_state_dict: ShardedStateDict, plan) -> StateDict:
+        _, object_reads = plan
+
+        def unwrap(sh: Any) -> Any:
+            if isinstance(sh, ShardedTensor):
+                return sh.data
+            if isinstance(sh, ShardedObject):
+                return object_reads[id(sh)].result[0]
+            return sh
+
+        return dict_list_map_outplace(unwrap, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        metadata = read_metadata(checkpoint_dir)
+        return {
+            key: ShardedTensor(key, None, md.properties.dtype, tuple(md.size), tuple(md.size),
+                               (0,) * len(md.size), (1,) * len(md.size))
+            for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """Tensors keyed by key; ShardedObjects keyed by unique key (data-less)."""
+        result = self.load_tensors_metadata(checkpoint_dir)
+        for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                try:
+                    result[key] = ShardedObject.empty_from_unique_key(key)
+                except CheckpointingException:
+                    continue  # a bytes item that is not a ShardedObject
+        return result
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """The common state of checkpoints that store it as the ``common_state`` object."""
+        request = {"common": ShardedObject.empty_from_unique_key(COMMON_STATE_OBJECT_KEY)}
+        return self.load_local(request, checkpoint_dir)["common"]
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+        """Remove tensors whose key starts with ``key_prefix``; data files that hold
+        nothing else are deleted."""
+        checkpoint_dir = Path(checkpoint_dir)
+        metadata = _as_plain_metadata(read_metadata(checkpoint_dir))
+        removed = {k for k, md in metadata.state_dict_metadata.items()
+                   if isinstance(md, TensorStorageMetadata) and k.startswith(key_prefix)}
+        if not removed:
+            return
+        files_before = {si.relative_path for si in metadata.storage_data.values()}
+        metadata.state_dict_metadata = {k: v for k, v in metadata.state_dict_metadata.items() if k not in removed}
+        metadata.storage_data = {i: si for i, si in metadata.storage_data.items() if i.fqn not in removed}
+        metadata.mcore_data = {k: v for k, v in metadata.mcore_data.items() if k not in removed}
+        _write_metadata(metadata, checkpoint_dir)
+        for fname in files_before - {si.relative_path for si in metadata.storage_data.values()}:
+            try:
+                os.remove(checkpoint_dir / fname)
+            except FileNotFoundError:
+                pass
+
+
+def register_default_torch_strategies() -> None:
+    """Register the torch_dist strategies (done automatically on first lookup)."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy())

@@ -1,0 +1,43 @@
+"""Shared fixtures: per-world-size process pools and the Megatron-Core fixture paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .dist_pool import DistPool
+
+_POOLS: dict = {}
+
+FIXTURES = Path(os.environ.get("DIST_CKPT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+
+def get_pool(world_size: int) -> DistPool:
+    """The session's pool of ``world_size`` gloo ranks (started on first use)."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = DistPool(world_size)
+    return _POOLS[world_size]
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda w: f"world{w}")
+def pool(request) -> DistPool:
+    """Each test using it runs at world sizes 1, 2 and 4."""
+    return get_pool(request.param)
+
+
+@pytest.fixture
+def pool2() -> DistPool:
+    return get_pool(2)
+
+
+@pytest.fixture
+def pool4() -> DistPool:
+    return get_pool(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for p in _POOLS.values():
+        p.close()
+    _POOLS.clear()

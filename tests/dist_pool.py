@@ -1,0 +1,126 @@
+"""A pool of real processes joined in a gloo process group, reused across tests.
+
+Spawning ranks costs seconds, so each world size gets one pool per test session.
+``pool.run(fn, *args)`` runs the module-level function ``fn(rank, world_size, *args)`` on
+every rank and returns the per-rank results; an exception on any rank is re-raised in
+the test with the rank's traceback. A call that does not finish within its timeout
+fails the test and the pool is restarted (a hang is a bug, never a pass).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Callable, List
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RankError(Exception):
+    """An exception raised by a function on one of the ranks."""
+
+    def __init__(self, rank: int, exc: BaseException, tb: str):
+        super().__init__(f"rank {rank}: {type(exc).__name__}: {exc}\n{tb}")
+        self.rank, self.exc = rank, exc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    sys.path.insert(0, _ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            result = (True, fn(rank, world_size, *args))
+        except BaseException as e:  # noqa: BLE001 - shipped to the test
+            result = (False, (e, traceback.format_exc()))
+        try:
+            conn.send(result)
+        except Exception as e:  # noqa: BLE001 - unpicklable result
+            conn.send((False, (RuntimeError(f"unpicklable result: {e}"), "")))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` ranks in a gloo group, waiting for functions to run."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: List[mp.Process] = []
+        self._conns: list = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.restart()
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)")
+            ok, value = conn.recv()
+            if ok:
+                results.append(value)
+            else:
+                errors.append(RankError(rank, *value))
+        if errors:
+            raise errors[0]
+        return results
+
+    def run_expect_error(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[BaseException]:
+        """Run ``fn`` and return every rank's exception; fail if any rank succeeded."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        excs = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.restart()
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)")
+            ok, value = conn.recv()
+            if ok:
+                raise AssertionError(f"rank {rank} did not raise (returned {value!r})")
+            excs.append(value[0])
+        return excs
+
+    def restart(self) -> None:
+        self.close()
+        self._procs, self._conns = [], []
+        self._start()
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
