@@ -76,32 +76,34 @@ def build_params(size_gib: float, rank: int, world: int, seed: int = 0) -> List[
     """This rank's local tensors of a GPT-like model (random values)."""
     h = hidden_size_for(size_gib)
     vocab, ffn = 16 * h, 4 * h
-    gen = torch.Generator().manual_seed(seed + rank)
+    split_gen = torch.Generator().manual_seed(seed + 1 + rank)
+    replicated_gen = torch.Generator().manual_seed(seed)  # replicas hold equal values
     bf16, fp32 = torch.bfloat16, torch.float32
 
-    def rand(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def rand(shape: Tuple[int, ...], dtype: torch.dtype, replicated: bool = False) -> torch.Tensor:
+        gen = replicated_gen if replicated else split_gen
         return torch.randn(shape, generator=gen, dtype=fp32).to(dtype)
+
+    def norm(name: str) -> List[Param]:
+        return [Param(f"{name}.{w}", rand((h,), fp32, replicated=True), None) for w in ("weight", "bias")]
 
     params = [Param("embedding.word_embeddings.weight", rand((vocab // world, h), bf16), 0)]
     for i in range(NUM_LAYERS):
         p = f"decoder.layers.{i}."
         params += [
-            Param(p + "input_layernorm.weight", rand((h,), fp32), None),
-            Param(p + "input_layernorm.bias", rand((h,), fp32), None),
+            *norm(p + "input_layernorm"),
             Param(p + "self_attention.linear_qkv.weight", rand((3 * h // world, h), bf16), 0),
             Param(p + "self_attention.linear_qkv.bias", rand((3 * h // world,), fp32), 0),
             Param(p + "self_attention.linear_proj.weight", rand((h, h // world), bf16), 1),
-            Param(p + "self_attention.linear_proj.bias", rand((h,), fp32), None),
-            Param(p + "pre_mlp_layernorm.weight", rand((h,), fp32), None),
-            Param(p + "pre_mlp_layernorm.bias", rand((h,), fp32), None),
+            Param(p + "self_attention.linear_proj.bias", rand((h,), fp32, replicated=True), None),
+            *norm(p + "pre_mlp_layernorm"),
             Param(p + "mlp.linear_fc1.weight", rand((ffn // world, h), bf16), 0),
             Param(p + "mlp.linear_fc1.bias", rand((ffn // world,), fp32), 0),
             Param(p + "mlp.linear_fc2.weight", rand((h, ffn // world), bf16), 1),
-            Param(p + "mlp.linear_fc2.bias", rand((h,), fp32), None),
+            Param(p + "mlp.linear_fc2.bias", rand((h,), fp32, replicated=True), None),
         ]
     params += [
-        Param("decoder.final_layernorm.weight", rand((h,), fp32), None),
-        Param("decoder.final_layernorm.bias", rand((h,), fp32), None),
+        *norm("decoder.final_layernorm"),
         Param("output_layer.weight", rand((vocab // world, h), bf16), 0),
     ]
     return params

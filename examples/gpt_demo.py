@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_checkpointing
-from dist_checkpointing import ShardedObject, ShardedTensor
+from dist_checkpointing import ShardedObject, ShardedTensor, serialization
 
 ITERATION = 1000
 BASE_SEED = 1234
@@ -418,6 +418,13 @@ def format_table(cfg: ModelConfig, world_size: int, rows: Sequence[PhaseResult])
     return "\n".join(lines)
 
 
+def warm_up() -> None:
+    """Resolve the default strategies once, so that the timings measure I/O and not the
+    first import of ``torch.distributed.checkpoint`` (seconds on a small machine)."""
+    serialization.get_default_save_sharded_strategy()
+    serialization.get_default_save_common_strategy()
+
+
 def run_demo(cfg: ModelConfig, root: Path, keep: bool) -> None:
     """Save at TP=2 (1 if the world is odd), reload at TP=world and TP=1; verify; report."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -425,6 +432,7 @@ def run_demo(cfg: ModelConfig, root: Path, keep: bool) -> None:
     check_divisible(cfg, [save_tp, world_size, 1])
     save_layout = Layout.of_world(save_tp, world_size, rank)
     ckpt_dir = root / f"gpt_demo_{save_layout.name}"
+    warm_up()
     rows = [save_phase(cfg, save_layout, world_size, ckpt_dir)]
     for tp in (world_size, 1):
         rows.append(load_phase(cfg, Layout.of_world(tp, world_size, rank), world_size, save_layout, ckpt_dir))
@@ -451,6 +459,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--layers", type=int, default=8, help="number of layers (default 8)")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
+    parser.add_argument("--start-method", choices=("fork", "spawn"), default=None,
+                        help="how local ranks are started (default: fork on Linux, else spawn)")
     args = parser.parse_args(argv)
     for name in ("hidden", "layers", "vocab"):
         if getattr(args, name) < 1:
@@ -469,6 +479,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def default_start_method() -> str:
+    """``fork`` on Linux (the ranks inherit the parent's imports: seconds saved per rank on a
+    small machine; the parent runs no torch op before forking), ``spawn`` elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 def set_threads(local_world_size: int) -> None:
@@ -521,8 +537,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
         return rank_main(cfg, args.dir, args.keep)
     nproc = args.nproc or 4
+    start_method = args.start_method or default_start_method()
+    if start_method == "fork":
+        warm_up()  # the forked ranks inherit the imported strategy modules
     try:
-        mp.spawn(spawned_worker, args=(nproc, free_port(), cfg, args.dir, args.keep), nprocs=nproc)
+        mp.start_processes(spawned_worker, args=(nproc, free_port(), cfg, args.dir, args.keep),
+                           nprocs=nproc, start_method=start_method)
     except mp.ProcessExitedException as e:
         print(f"demo FAILED: rank {e.error_index} exited with code {e.exit_code}", file=sys.stderr)
         return 1

@@ -1,0 +1,163 @@
+"""Strategy registry, torch_dist options, and interoperability with plain PyTorch DCP."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dist_checkpointing as dc
+from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
+from dist_checkpointing.core import CONFIG_FNAME
+from dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from dist_checkpointing.serialization import get_default_load_sharded_strategy, get_default_save_sharded_strategy
+from dist_checkpointing.strategies import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+    register_default_strategy,
+)
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+from .conftest import get_pool
+
+
+class _WholeTensorSave(SaveShardedStrategy):
+    """A toy backend: each whole (unsharded) main-replica tensor in its own torch.save file."""
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        for sh in nested_values(sharded_state_dict):
+            if sh.replica_id == 0:
+                torch.save(sh.data, Path(checkpoint_dir) / f"{sh.key}.pt")
+
+
+class _WholeTensorLoad(LoadShardedStrategy):
+    def load(self, sharded_state_dict, checkpoint_dir):
+        return dict_list_map_outplace(
+            lambda sh: torch.load(Path(checkpoint_dir) / f"{sh.key}.pt", weights_only=True), sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir):
+        return {}
+
+    def check_backend_compatibility(self, loaded_backend):
+        pass
+
+    def check_version_compatibility(self, loaded_version):
+        pass
+
+
+def test_builtin_strategies_need_no_import_side_effects():
+    assert isinstance(get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1), TorchDistSaveShardedStrategy)
+    assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1), TorchDistLoadShardedStrategy)
+    assert isinstance(get_default_save_sharded_strategy(), TorchDistSaveShardedStrategy)
+    with pytest.raises(CheckpointingException, match="nobackend"):
+        get_default_strategy(StrategyAction.SAVE_SHARDED, "nobackend", 1)
+
+
+def test_user_strategy_used_by_save_and_picked_by_load(tmp_path):
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "mybackend", 1, _WholeTensorSave("mybackend", 1))
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "mybackend", 1, _WholeTensorLoad())
+    ckpt = tmp_path / "ckpt"
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0)), "step": 3}, ckpt,
+            sharded_strategy=("mybackend", 1))
+    assert json.loads((ckpt / CONFIG_FNAME).read_text())["sharded_backend"] == "mybackend"
+    assert (ckpt / "w.pt").is_file()
+    assert isinstance(get_default_load_sharded_strategy(ckpt), _WholeTensorLoad)
+    loaded = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ckpt)
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["step"] == 3
+
+
+def _save_with_options(rank, world, ckpt, thread_count, hint):
+    strategy = TorchDistSaveShardedStrategy(thread_count=thread_count, separation_hint=hint)
+    sd = {f"model.w{i}": ShardedTensor.from_rank_offsets(f"model.w{i}", torch.full((4,), float(i + rank)), (0, rank, world))
+          for i in range(4)}
+    sd.update({f"optimizer.m{i}": ShardedTensor.from_rank_offsets(f"optimizer.m{i}", torch.full((4,), -float(i + rank)),
+                                                                  (0, rank, world)) for i in range(3)})
+    dc.save(sd, ckpt, sharded_strategy=strategy)
+    loaded = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(4), (0, rank, world)) for k in sd}, ckpt)
+    for k, v in sd.items():
+        assert torch.equal(loaded[k], v.data), k
+    return True
+
+
+def test_thread_count_and_separation_hint_files(pool2, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    pool2.run(_save_with_options, str(ckpt), 3, "optimizer.")
+    names = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp")
+    for rank in range(2):
+        assert [n for n in names if n.startswith(f"__{rank}_")] == [f"__{rank}_{i}.distcp" for i in range(3)]
+        assert [n for n in names if n.startswith(f"optimizer.__{rank}_")] == [f"optimizer.__{rank}_{i}.distcp" for i in range(3)]
+    dc.remove_sharded_tensors(ckpt, "optimizer.")
+    assert not any(p.name.startswith("optimizer.") for p in ckpt.iterdir()), "separated files are deleted"
+    assert set(dc.load_plain_tensors(ckpt)) == {f"model.w{i}" for i in range(4)}
+    ckpt1 = tmp_path / "ckpt1"
+    pool2.run(_save_with_options, str(ckpt1), 1, None)
+    assert sorted(p.name for p in ckpt1.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def _cached_saves(rank, world, root):
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    for step in range(3):
+        data = torch.full((3,), float(step * 10 + rank))
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", data, (0, rank, world))}, f"{root}/s{step}",
+                sharded_strategy=strategy)
+    # a structure change must not reuse the cached metadata
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3), (0, rank, world)),
+             "v": ShardedTensor.from_rank_offsets("v", torch.ones(2), (0, rank, world))}, f"{root}/s3",
+            sharded_strategy=strategy)
+    return True
+
+
+def test_cached_metadata_repeated_saves(pool2, tmp_path):
+    pool2.run(_cached_saves, str(tmp_path))
+    for step in range(3):
+        plain = dc.load_plain_tensors(tmp_path / f"s{step}")
+        assert torch.equal(plain["w"], torch.tensor([step * 10.0] * 3 + [step * 10.0 + 1] * 3))
+    assert set(dc.load_plain_tensors(tmp_path / "s3")) == {"w", "v"}
+
+
+def _save_for_dcp(rank, world, ckpt):
+    w = torch.arange(8.0 * world).reshape(world * 2, 4)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", w[rank * 2:(rank + 1) * 2].clone(), (0, rank, world)),
+             "b": ShardedTensor.from_rank_offsets("b", torch.arange(6, dtype=torch.bfloat16), replica_id=rank),
+             "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}, ckpt)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_plain_torch_dcp_loads_our_checkpoint(world, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    get_pool(world).run(_save_for_dcp, str(ckpt))
+    state = {"w": torch.zeros(world * 2, 4), "b": torch.zeros(6, dtype=torch.bfloat16)}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    assert torch.equal(state["w"], torch.arange(8.0 * world).reshape(world * 2, 4))
+    assert torch.equal(state["b"], torch.arange(6, dtype=torch.bfloat16))
+
+
+def test_metadata_only_readers_and_ranges(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2, 3), (0, 0, 1)),
+             "o": ShardedObject("obj", [1, 2], (2,), (1,))}, ckpt)
+    meta = dc.load_sharded_metadata(ckpt)
+    assert meta["a"].global_shape == (2, 3) and meta["a"].data is None
+    assert meta["obj/shard_1_2"].global_offset == (1,)
+    assert isinstance(get_default_load_sharded_strategy(ckpt), TorchDistLoadShardedStrategy)
+
+
+def test_unsafe_object_needs_opt_in(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dc.save({"o": ShardedObject("o", _Custom(3), (1,), (0,))}, ckpt)
+    with pytest.raises(CheckpointingException, match="allow_pickle"):
+        dc.load({"o": ShardedObject("o", None, (1,), (0,))}, ckpt)
+    loaded = dc.load({"o": ShardedObject("o", None, (1,), (0,))}, ckpt,
+                     sharded_strategy=TorchDistLoadShardedStrategy(allow_pickle=True))
+    assert loaded["o"].value == 3
+
+
+class _Custom:
+    def __init__(self, value):
+        self.value = value
