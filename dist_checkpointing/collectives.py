@@ -59,9 +59,17 @@ def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
 def raise_if_any(errors: List[Optional[str]], what: str) -> None:
     """Raise one CheckpointingException listing every rank's error, if there is any."""
     failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
-    if failed:
-        details = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed)
-        raise CheckpointingException(f"{what} failed on {len(failed)} rank(s): {details}")
+    if not failed:
+        return
+    if len(errors) > 1 and all(msg == failed[0][1] for _, msg in failed) and len(failed) == len(errors):
+        raise CheckpointingException(failed[0][1])  # already agreed: same message everywhere
+    by_message: dict = {}
+    for rank, msg in failed:
+        by_message.setdefault(msg, []).append(rank)
+    details = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()
+    )
+    raise CheckpointingException(f"{what} failed on {len(failed)} rank(s): {details}")
 
 
 def error_message(e: BaseException) -> str:

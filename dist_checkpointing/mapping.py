@@ -290,7 +290,7 @@ class ShardedTensor(ShardedBase):
         return f"{self.__class__.__name__}(key='{self.key}')"
 
 
-_UNIQUE_KEY_RE = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]*)_(?P<shape>[\d.]*)$")
+_UNIQUE_KEY_RE = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]*)_(?P<shape>[\d.]*)$", re.DOTALL)
 
 
 @dataclass

@@ -172,7 +172,7 @@ def save(
             common_strategy_.save_common(common, checkpoint_dir)
 
     run_agreed(save_common, "Saving the common state")
-    sharded_strategy_.save(sharded, checkpoint_dir)
+    run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
 
     def commit():
         if rank == 0:
@@ -237,7 +237,7 @@ def load(
         return sharded_strategy_, common, sharded, nonpersistent
 
     sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")
-    loaded = sharded_strategy_.load(sharded, checkpoint_dir)
+    loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
 
     def finish():
         result = apply_factory_merges(loaded, sharded_state_dict)
@@ -255,7 +255,10 @@ def load(
 
 def check_is_distributed_checkpoint(checkpoint_dir: CkptDir) -> bool:
     """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
-    return maybe_load_config(checkpoint_dir) is not None
+    try:
+        return maybe_load_config(checkpoint_dir) is not None
+    except CheckpointingException:
+        return False  # an unreadable metadata.json
 
 
 def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
@@ -271,8 +274,7 @@ def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[Lo
     return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(Path(checkpoint_dir))
 
 
-def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None,
-                          common_strategy: Optional[LoadCommonStrategy] = None) -> ShardedStateDict:
+def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
     """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
     config = load_config(checkpoint_dir)
     return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(Path(checkpoint_dir))

@@ -59,6 +59,10 @@ class DemoVerificationError(Exception):
     """Loaded state differs from what was saved (the message lists every difference)."""
 
 
+class DemoConfigError(ValueError):
+    """The model sizes do not fit the parallel layouts of the demo."""
+
+
 # ----------------------------------------------------------------------------- model and layout
 
 
@@ -76,6 +80,7 @@ class ModelConfig:
         return 4 * self.hidden
 
     def as_dict(self) -> Dict[str, int]:
+        """The sizes as a plain dict (stored in the common state)."""
         return {"hidden": self.hidden, "layers": self.layers, "vocab": self.vocab, "ffn": self.ffn}
 
 
@@ -89,20 +94,24 @@ class Layout:
 
     @classmethod
     def of_world(cls, tp: int, world_size: int, rank: int) -> "Layout":
+        """TP=``tp`` and DP=``world_size / tp`` for ``rank``."""
         if world_size % tp:
             raise ValueError(f"TP={tp} does not divide the world size {world_size}")
         return cls(tp, world_size // tp, rank)
 
     @property
     def tp_rank(self) -> int:
+        """Position in the tensor-parallel group."""
         return self.rank % self.tp
 
     @property
     def dp_rank(self) -> int:
+        """Position in the data-parallel group."""
         return self.rank // self.tp
 
     @property
     def name(self) -> str:
+        """E.g. ``tp2dp2``."""
         return f"tp{self.tp}dp{self.dp}"
 
 
@@ -134,12 +143,17 @@ def param_specs(cfg: ModelConfig) -> List[ParamSpec]:
     ]
 
 
-def check_divisible(cfg: ModelConfig, tps: Sequence[int]) -> None:
-    """Raise ValueError if some TP-split axis cannot be split evenly by some TP size."""
-    for tp in tps:
+def demo_tps(world_size: int) -> Tuple[int, int, int]:
+    """TP sizes of the save layout and of the two load layouts for ``world_size`` ranks."""
+    return (2 if world_size % 2 == 0 else 1), world_size, 1
+
+
+def check_config(cfg: ModelConfig, world_size: int) -> None:
+    """Raise DemoConfigError if a TP-split axis cannot be split evenly by a demo TP size."""
+    for tp in demo_tps(world_size):
         for spec in param_specs(cfg):
             if spec.tp_axis is not None and spec.shape[spec.tp_axis] % tp:
-                raise ValueError(
+                raise DemoConfigError(
                     f"{spec.key}: axis {spec.tp_axis} of size {spec.shape[spec.tp_axis]} cannot be "
                     f"split by TP={tp}; choose --hidden/--vocab divisible by {tp}"
                 )
@@ -358,6 +372,7 @@ class PhaseResult:
 
     @property
     def gb_per_s(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
@@ -428,13 +443,13 @@ def warm_up() -> None:
 def run_demo(cfg: ModelConfig, root: Path, keep: bool) -> None:
     """Save at TP=2 (1 if the world is odd), reload at TP=world and TP=1; verify; report."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    save_tp = 2 if world_size % 2 == 0 else 1
-    check_divisible(cfg, [save_tp, world_size, 1])
+    save_tp, *load_tps = demo_tps(world_size)
+    check_config(cfg, world_size)
     save_layout = Layout.of_world(save_tp, world_size, rank)
     ckpt_dir = root / f"gpt_demo_{save_layout.name}"
     warm_up()
     rows = [save_phase(cfg, save_layout, world_size, ckpt_dir)]
-    for tp in (world_size, 1):
+    for tp in load_tps:
         rows.append(load_phase(cfg, Layout.of_world(tp, world_size, rank), world_size, save_layout, ckpt_dir))
     dist.barrier()
     if rank == 0:
@@ -450,6 +465,7 @@ def run_demo(cfg: ModelConfig, root: Path, keep: bool) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line of the demo."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks to spawn locally (default 4; ignored under torchrun)")
@@ -476,6 +492,7 @@ def launched_by_torchrun() -> bool:
 
 
 def free_port() -> int:
+    """A TCP port that is free on this host right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -507,9 +524,10 @@ def rank_main(cfg: ModelConfig, root: Optional[Path], keep: bool) -> int:
             if made_root and not keep and rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
         return 0
-    except DemoVerificationError as e:
+    except (DemoVerificationError, DemoConfigError) as e:  # raised alike on every rank
         if rank == 0:
             print(f"demo FAILED: {e}", file=sys.stderr, flush=True)
+        dist.barrier()  # no rank exits (and gets its peers killed) before rank 0 has reported
         return 1
     except Exception as e:  # noqa: BLE001 - reported with the rank, then a non-zero exit
         print(f"[rank {rank}] demo FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -520,7 +538,7 @@ def rank_main(cfg: ModelConfig, root: Optional[Path], keep: bool) -> int:
 
 def spawned_worker(rank: int, world_size: int, port: int, cfg: ModelConfig,
                    root: Optional[Path], keep: bool) -> None:
-    """Entry point of a rank started by ``torch.multiprocessing.spawn``."""
+    """Entry point of a rank started by ``torch.multiprocessing.start_processes``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     set_threads(world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
@@ -530,6 +548,7 @@ def spawned_worker(rank: int, world_size: int, port: int, cfg: ModelConfig,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the demo on torchrun's ranks, or spawn ``--nproc`` local ranks; the exit code."""
     args = parse_args(argv)
     cfg = ModelConfig(args.hidden, args.layers, args.vocab)
     if launched_by_torchrun():
@@ -537,6 +556,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
         return rank_main(cfg, args.dir, args.keep)
     nproc = args.nproc or 4
+    try:
+        check_config(cfg, nproc)
+    except DemoConfigError as e:
+        print(f"demo FAILED: {e}", file=sys.stderr)
+        return 2
     start_method = args.start_method or default_start_method()
     if start_method == "fork":
         warm_up()  # the forked ranks inherit the imported strategy modules

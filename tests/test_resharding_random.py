@@ -216,7 +216,7 @@ def run_case(world: int, keys, base_dir) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"world{w}")
 @settings(
-    max_examples=12,
+    max_examples=int(__import__("os").environ.get("RESHARD_EXAMPLES", 12)),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )

@@ -161,3 +161,27 @@ def test_unsafe_object_needs_opt_in(tmp_path):
 class _Custom:
     def __init__(self, value):
         self.value = value
+
+
+def test_mcore_planners_with_plain_dcp(tmp_path):
+    from dist_checkpointing.strategies.torch import MCoreLoadPlanner, MCoreSavePlanner
+
+    ckpt = tmp_path / "dcp"
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(state, checkpoint_id=str(ckpt), planner=MCoreSavePlanner(nd_flattened_global_shapes={"w": (6,)}),
+             no_dist=True)
+    from dist_checkpointing.strategies.torch import read_metadata
+
+    assert read_metadata(ckpt).mcore_data == {"w": {"nd_reformulated_orig_global_shape": (6,)}}
+    good = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))
+    target = {"w": torch.zeros(2, 3)}
+    dcp.load(target, checkpoint_id=str(ckpt), planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=(good,)),
+             no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+    bad = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3))
+    # DCP wraps planner errors in its own CheckpointException, which carries ours
+    with pytest.raises(BaseException) as excinfo:  # DCP's CheckpointException is a BaseException
+        dcp.load({"w": torch.zeros(4, 3)}, checkpoint_id=str(ckpt),
+                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=(bad,)), no_dist=True)
+    failures = getattr(excinfo.value, "failures", {0: excinfo.value})
+    assert any("Global shape mismatch for key 'w'" in str(f) for f in failures.values())

@@ -71,8 +71,8 @@ _crc_saved = True
 def zip_crc_disabled() -> Iterator[None]:
     """Skip ``torch.save``'s zip CRC32 (a slow byte-by-byte pass) while saving.
 
-    ``torch.load`` does not verify it; the library's own integrity checks cover the data.
-    Re-entrant and thread-safe; the previous setting is restored on exit.
+    Neither ``torch.load`` nor DCP verifies it (stdlib ``zipfile.read`` would: read our blobs
+    with ``torch.load``). Re-entrant and thread-safe; the previous setting is restored on exit.
     """
     global _crc_depth, _crc_saved
     with _crc_lock:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from pathlib import Path
 from typing import IO, Any, Union
@@ -25,10 +26,12 @@ from ..core import CheckpointingException
 
 try:  # NumPy >= 2
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
+    from numpy._core.multiarray import scalar as _np_scalar
 except ImportError:  # pragma: no cover - NumPy 1.x
     from numpy.core.multiarray import _reconstruct as _np_reconstruct
+    from numpy.core.multiarray import scalar as _np_scalar
 
-_NUMPY_SAFE_GLOBALS = [np.ndarray, np.dtype, _np_reconstruct] + [
+_NUMPY_SAFE_GLOBALS = [np.ndarray, np.dtype, _np_reconstruct, _np_scalar] + [
     type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                                 np.uint16, np.uint32, np.uint64, np.float16, np.float32,
                                 np.float64, np.complex64, np.complex128)
@@ -45,10 +48,15 @@ def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = 
         with torch.serialization.safe_globals(_NUMPY_SAFE_GLOBALS):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        try:
+            f.seek(0)
+            blocked = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+        except Exception:  # noqa: BLE001 - best effort for the message
+            blocked = "unknown"
         raise CheckpointingException(
             f"Refusing to unpickle {what}: it needs globals outside the safe allow-list "
-            f"({str(e).splitlines()[-1] if str(e) else e}). If you trust this checkpoint, "
-            "load it with allow_pickle=True on the load strategy."
+            f"({blocked}). If you trust this checkpoint, load it with allow_pickle=True on "
+            "the load strategy."
         ) from e
     except Exception as e:  # noqa: BLE001 - corrupted data of any kind
         raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
@@ -78,6 +86,10 @@ _ALLOWED.update({
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
     ("builtins", "slice"): slice,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): MCoreMetadata,

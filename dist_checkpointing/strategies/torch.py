@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -179,7 +180,8 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
         storage_meta=StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4())),
         version=DCP_VERSION,
     )
-    metadata.mcore_data = {}  # Megatron-Core's loader looks up per-key extras here
+    # Megatron-Core's loader looks up per-key extras here (empty: nothing is reformulated)
+    metadata.mcore_data = {k: {} for k, md in state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     return metadata
 
 
@@ -607,6 +609,56 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 os.remove(checkpoint_dir / fname)
             except FileNotFoundError:
                 pass
+
+
+# ----------------------------------------------------------------------------- plain DCP planners
+
+
+class MCoreSavePlanner(DefaultSavePlanner):
+    """A DCP save planner whose metadata carries Megatron-Core's ``mcore_data``.
+
+    For users who drive ``torch.distributed.checkpoint.save`` themselves:
+    ``nd_flattened_global_shapes`` maps keys to their original global shape when they are
+    stored N-D reformulated (recorded as ``nd_reformulated_orig_global_shape``).
+    """
+
+    def __init__(self, *args: Any, nd_flattened_global_shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.nd_flattened_global_shapes = dict(nd_flattened_global_shapes or {})
+
+    def create_global_plan(self, all_plans):
+        global_plan, metadata = super().create_global_plan(all_plans)
+        metadata.mcore_data = {key: {"nd_reformulated_orig_global_shape": tuple(shape)}
+                               for key, shape in self.nd_flattened_global_shapes.items()}
+        return global_plan, metadata
+
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """A DCP load planner that checks requested global shapes against the checkpoint.
+
+    ``shapes_validation_sharded_tensors`` are the ShardedTensors whose global shapes must
+    match; a mismatch raises :class:`CheckpointingException` naming the key (plain DCP
+    would fail later with a less helpful error, or silently load a smaller tensor).
+    """
+
+    def __init__(self, *args: Any, shapes_validation_sharded_tensors: Tuple[ShardedTensor, ...] = (),
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = tuple(shapes_validation_sharded_tensors)
+
+    def create_local_plan(self):
+        for sh in self.shapes_validation_sharded_tensors:
+            md = self.metadata.state_dict_metadata.get(sh.key)
+            if md is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in the checkpoint")
+            if not isinstance(md, TensorStorageMetadata) or (
+                    tuple(md.size) != sh.global_shape and not sh.allow_shape_mismatch):
+                raise CheckpointingException(
+                    f"Global shape mismatch for key {sh.key!r}: checkpoint has "
+                    f"{tuple(getattr(md, 'size', ()))}, the request expects {sh.global_shape}"
+                )
+        return super().create_local_plan()
 
 
 def register_default_torch_strategies() -> None:
