@@ -447,6 +447,9 @@ def format_table(s: Dict[str, object]) -> str:
                      f"{r['load_GBps']:>11.2f}{save_mem:>11}{load_mem:>11}  {r['verified']}")
     lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items()))
     lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
+    if "loadavg_before_after" in s:
+        before, after = s["loadavg_before_after"]
+        lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
     return "\n".join(lines)
 
 
@@ -476,7 +479,10 @@ def main() -> None:
     try:
         for world in worlds:
             print(f"== world size {world}: {args.rounds} rounds, scratch {scratch}", flush=True)
-            summaries.append(summarize(run_world(world, args)))
+            load_before = os.getloadavg()
+            summary = summarize(run_world(world, args))
+            summary["loadavg_before_after"] = [load_before, os.getloadavg()]  # machine noise
+            summaries.append(summary)
             print(format_table(summaries[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

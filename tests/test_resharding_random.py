@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import uuid
 from typing import Any, Dict, List, Tuple
 
@@ -37,6 +38,8 @@ DTYPES = [
 ]
 KEY_NAMES = ["decoder.layers.linear_qkv.weight", "optimizer/state/exp_avg", "embedding.word_embeddings.weight"]
 MAX_DIM_SIZE = {1: 9, 2: 5, 3: 4}
+# raise (e.g. RESHARD_EXAMPLES=500) for a longer bug hunt
+EXAMPLES_PER_WORLD = int(os.environ.get("RESHARD_EXAMPLES", "12"))
 
 # A chunk held by a rank: (global_offset, sizes including prepended axes, replica_id)
 Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], Any]
@@ -216,7 +219,7 @@ def run_case(world: int, keys, base_dir) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"world{w}")
 @settings(
-    max_examples=int(__import__("os").environ.get("RESHARD_EXAMPLES", 12)),
+    max_examples=EXAMPLES_PER_WORLD,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )

@@ -185,3 +185,47 @@ def test_mcore_planners_with_plain_dcp(tmp_path):
                  planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=(bad,)), no_dist=True)
     failures = getattr(excinfo.value, "failures", {0: excinfo.value})
     assert any("Global shape mismatch for key 'w'" in str(f) for f in failures.values())
+
+
+def _dcp_bridge(rank, world, plain_dir, ours_dir):
+    from dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        MCoreSavePlanner,
+        TorchDistLoadShardedStrategy,
+        mcore_to_pyt_state_dict,
+    )
+
+    full = torch.arange(4.0 * world * 3).reshape(3, 4 * world)
+    sd = {"layers": [ShardedTensor.from_rank_offsets("w", full[i, rank * 4:(rank + 1) * 4].clone(), (0, i, 3),
+                                                     (1, rank, world), prepend_axis_num=1) for i in range(3)],
+          "norm": ShardedTensor.from_rank_offsets("norm", torch.ones(5), replica_id=rank),
+          "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}
+    # our state through plain DCP save, read back by our loader
+    dcp.save(mcore_to_pyt_state_dict(sd), checkpoint_id=plain_dir, planner=MCoreSavePlanner())
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4 * world)), "o": ShardedObject("o", None, (world,), (0,))}
+    loaded = TorchDistLoadShardedStrategy().load_local(request, plain_dir)
+    assert torch.equal(loaded["w"], full) and loaded["o"] == {"r": 0}
+    # our checkpoint read by plain DCP into a converted request at another layout
+    dc.save(sd, ours_dir)
+    cols = 4 * world // (2 if world > 1 else 1)
+    col_rank = rank % 2 if world > 1 else 0
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, cols), (1, col_rank, 4 * world // cols),
+                                                replica_id=rank // 2)}
+    req["o"] = ShardedObject("o", None, (world,), ((rank + 1) % world,))
+    target = req["w"].data
+    pyt = mcore_to_pyt_state_dict(req, is_loading=True)
+    dcp.load(pyt, checkpoint_id=ours_dir, planner=MCoreLoadPlanner())
+    assert torch.equal(target, full[:, col_rank * cols:(col_rank + 1) * cols])
+    assert pyt[req["o"].unique_key] == {"r": (rank + 1) % world}
+    return True
+
+
+def test_mcore_to_pyt_state_dict_with_plain_dcp(pool, tmp_path):
+    assert all(pool.run(_dcp_bridge, str(tmp_path / "plain"), str(tmp_path / "ours")))
+
+
+def test_torch_sharded_tensor_bridge_needs_process_group():
+    from dist_checkpointing.strategies.torch import sharded_tensor_to_torch_sharded_tensor
+
+    with pytest.raises(CheckpointingException, match="process group"):
+        sharded_tensor_to_torch_sharded_tensor([ShardedTensor.from_rank_offsets("w", torch.ones(2))])

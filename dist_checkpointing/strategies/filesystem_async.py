@@ -17,35 +17,37 @@ import fcntl
 import io
 import mmap
 import os
+import queue
 import threading
 from pathlib import Path
-from typing import Iterator, List, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.serialization import get_crc32_options, set_crc32_options
 
-STAGING_BUFFER_BYTES = 32 << 20
+STAGING_BUFFER_BYTES = 16 << 20
+BUFFERS_PER_FILE = 3
 _ALIGN = 4096
 
 Payload = Union[torch.Tensor, bytes]
 
 
 class _BufferPool:
-    """Page-aligned staging buffers, kept for reuse (bounded by the writer thread count)."""
+    """Page-aligned staging buffers, kept for reuse (bounded by writer threads x
+    ``BUFFERS_PER_FILE``)."""
 
     def __init__(self) -> None:
         self._free: List[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def buffer(self) -> Iterator[mmap.mmap]:
+    def acquire(self, n: int) -> List[mmap.mmap]:
         with self._lock:
-            buf = self._free.pop() if self._free else mmap.mmap(-1, STAGING_BUFFER_BYTES)
-        try:
-            yield buf
-        finally:
-            with self._lock:
-                self._free.append(buf)
+            taken, self._free = self._free[:n], self._free[n:]
+        return taken + [mmap.mmap(-1, STAGING_BUFFER_BYTES) for _ in range(n - len(taken))]
+
+    def release_buffers(self, buffers: List[mmap.mmap]) -> None:
+        with self._lock:
+            self._free.extend(buffers)
 
     def release(self) -> None:
         with self._lock:
@@ -90,16 +92,13 @@ def zip_crc_disabled() -> Iterator[None]:
 
 
 class StagedFileWriter(io.RawIOBase):
-    """A write-only file object that stages bytes in ``buf`` and writes them in large,
-    aligned blocks (``O_DIRECT`` when possible)."""
+    """A write-only file object that stages bytes in reused page-aligned buffers and
+    writes them in large aligned blocks (``O_DIRECT`` when possible) from a background
+    I/O thread, so copying into one buffer overlaps writing the previous one."""
 
-    def __init__(self, path: Union[str, Path], buf: mmap.mmap):
+    def __init__(self, path: Union[str, Path]):
         super().__init__()
         self._path = str(path)
-        self._buf = buf
-        self._view = memoryview(buf)
-        self._fill = 0
-        self._flushed = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         self._direct = hasattr(os, "O_DIRECT")
         try:
@@ -109,6 +108,18 @@ class StagedFileWriter(io.RawIOBase):
                 raise
             self._direct = False
             self._fd = os.open(self._path, flags, 0o644)
+        self._buffers = _POOL.acquire(BUFFERS_PER_FILE)
+        self._free: "queue.Queue[mmap.mmap]" = queue.Queue()
+        for buf in self._buffers[1:]:
+            self._free.put(buf)
+        self._full: "queue.Queue[Optional[Tuple[mmap.mmap, int]]]" = queue.Queue()
+        self._io_error: Optional[BaseException] = None
+        self._io_thread = threading.Thread(target=self._io_loop, name="dist-ckpt-writer", daemon=True)
+        self._io_thread.start()
+        self._buf = self._buffers[0]
+        self._view = memoryview(self._buf)
+        self._fill = 0
+        self._flushed = 0
 
     def writable(self) -> bool:
         return True
@@ -129,10 +140,32 @@ class StagedFileWriter(io.RawIOBase):
             self._fill += k
             pos += k
             if self._fill == size:
-                self._write_out(self._view)
-                self._flushed += size
-                self._fill = 0
+                self._hand_over(size)
         return n
+
+    def _hand_over(self, nbytes: int) -> None:
+        """Queue the current buffer for writing and continue in a free one."""
+        if self._io_error is not None:
+            raise self._io_error
+        self._view.release()
+        self._full.put((self._buf, nbytes))
+        self._flushed += self._fill
+        self._fill = 0
+        self._buf = self._free.get()
+        self._view = memoryview(self._buf)
+
+    def _io_loop(self) -> None:
+        while True:
+            item = self._full.get()
+            if item is None:
+                return
+            buf, nbytes = item
+            try:
+                if self._io_error is None:
+                    self._write_out(memoryview(buf)[:nbytes])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
+                self._io_error = e
+            self._free.put(buf)
 
     def _write_out(self, view: memoryview) -> None:
         done = 0
@@ -149,28 +182,35 @@ class StagedFileWriter(io.RawIOBase):
     def flush(self) -> None:
         """Data is written in blocks; :meth:`close` writes the rest."""
 
+    def _stop_io(self) -> None:
+        self._full.put(None)
+        self._io_thread.join()
+        self._view.release()
+        _POOL.release_buffers(self._buffers)
+
     def close(self) -> None:
         if self.closed:
             return
         try:
             total = self.tell()
             if self._fill:
-                if self._direct:
-                    padded = -(-self._fill // _ALIGN) * _ALIGN
-                    self._write_out(self._view[:padded])
-                    os.ftruncate(self._fd, total)
-                else:
-                    self._write_out(self._view[: self._fill])
+                fill = self._fill
+                padded = -(-fill // _ALIGN) * _ALIGN if self._direct else fill
+                self._hand_over(padded)
+            self._stop_io()
+            if self._io_error is not None:
+                raise self._io_error
+            if total % _ALIGN:
+                os.ftruncate(self._fd, total)
             os.fsync(self._fd)
         finally:
-            self._view.release()
             os.close(self._fd)
             super().close()
 
     def abort(self) -> None:
         """Close without finishing (after an error)."""
         if not self.closed:
-            self._view.release()
+            self._stop_io()
             os.close(self._fd)
             super().close()
 
@@ -199,18 +239,17 @@ def write_file(path: Union[str, Path], payloads: Sequence[Payload]) -> List[Tupl
     :func:`zip_crc_disabled` for full speed.
     """
     spans: List[Tuple[int, int]] = []
-    with _POOL.buffer() as buf:
-        writer = StagedFileWriter(path, buf)
-        try:
-            for payload in payloads:
-                start = writer.tell()
-                if isinstance(payload, torch.Tensor):
-                    torch.save(_exact_cpu_tensor(payload), writer)
-                else:
-                    writer.write(payload)
-                spans.append((start, writer.tell() - start))
-        except BaseException:
-            writer.abort()
-            raise
-        writer.close()
+    writer = StagedFileWriter(path)
+    try:
+        for payload in payloads:
+            start = writer.tell()
+            if isinstance(payload, torch.Tensor):
+                torch.save(_exact_cpu_tensor(payload), writer)
+            else:
+                writer.write(payload)
+            spans.append((start, writer.tell() - start))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
     return spans
