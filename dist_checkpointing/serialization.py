@@ -72,23 +72,14 @@ def _sharded_load_strategy(config: CheckpointingConfig, strategy: Optional[LoadS
     return strategy
 
 
-def _resolve_save_sharded(strategy: Union[None, SaveShardedStrategy, Tuple[str, int]]) -> SaveShardedStrategy:
+def _resolve_save_strategy(strategy: Any, action: StrategyAction, default: Tuple[str, int], base: type) -> Any:
+    """A save strategy given as ``None`` (the default), ``(backend, version)`` or an instance."""
     if strategy is None:
-        return get_default_save_sharded_strategy()
+        strategy = default
     if isinstance(strategy, tuple):
-        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
-    if not isinstance(strategy, SaveShardedStrategy):
-        raise CheckpointingException(f"Not a sharded save strategy: {strategy!r}")
-    return strategy
-
-
-def _resolve_save_common(strategy: Union[None, SaveCommonStrategy, Tuple[str, int]]) -> SaveCommonStrategy:
-    if strategy is None:
-        return get_default_save_common_strategy()
-    if isinstance(strategy, tuple):
-        return get_default_strategy(StrategyAction.SAVE_COMMON, *strategy)
-    if not isinstance(strategy, SaveCommonStrategy):
-        raise CheckpointingException(f"Not a common save strategy: {strategy!r}")
+        strategy = get_default_strategy(action, *strategy)
+    if not isinstance(strategy, base):
+        raise CheckpointingException(f"Not a {base.__name__}: {strategy!r}")
     return strategy
 
 
@@ -144,8 +135,10 @@ def save(
     rank = get_rank()
 
     def prepare():
-        sharded_strategy_ = _resolve_save_sharded(sharded_strategy)
-        common_strategy_ = _resolve_save_common(common_strategy)
+        sharded_strategy_ = _resolve_save_strategy(
+            sharded_strategy, StrategyAction.SAVE_SHARDED, ("torch_dist", 1), SaveShardedStrategy)
+        common_strategy_ = _resolve_save_strategy(
+            common_strategy, StrategyAction.SAVE_COMMON, ("torch", 1), SaveCommonStrategy)
         sharded, common, _ = _split_state_dict(sharded_state_dict)
         if content_metadata is not None:
             common[CONTENT_METADATA_KEY] = content_metadata

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,38 +76,33 @@ class DistPool:
             self._procs.append(p)
             self._conns.append(parent)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+    def _dispatch(self, fn: Callable[..., Any], args: tuple, timeout: float) -> List[Tuple[bool, Any]]:
+        """Send ``fn`` to every rank and collect ``(ok, value)`` per rank; a hang fails."""
         for conn in self._conns:
             conn.send((fn, args))
-        results, errors = [], []
+        replies = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
                 self.restart()
                 raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)")
-            ok, value = conn.recv()
-            if ok:
-                results.append(value)
-            else:
-                errors.append(RankError(rank, *value))
-        if errors:
-            raise errors[0]
-        return results
+            replies.append(conn.recv())
+        return replies
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+        replies = self._dispatch(fn, args, timeout)
+        for rank, (ok, value) in enumerate(replies):
+            if not ok:
+                raise RankError(rank, *value)
+        return [value for _, value in replies]
 
     def run_expect_error(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[BaseException]:
         """Run ``fn`` and return every rank's exception; fail if any rank succeeded."""
-        for conn in self._conns:
-            conn.send((fn, args))
-        excs = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
-                self.restart()
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)")
-            ok, value = conn.recv()
+        replies = self._dispatch(fn, args, timeout)
+        for rank, (ok, value) in enumerate(replies):
             if ok:
                 raise AssertionError(f"rank {rank} did not raise (returned {value!r})")
-            excs.append(value[0])
-        return excs
+        return [value[0] for _, value in replies]
 
     def restart(self) -> None:
         self.close()
