@@ -1,0 +1,51 @@
+"""Megatron-Core (a test-time peer only) reads what this library writes.
+
+Megatron-Core 0.15 is installed by .ci/run into a separate directory (``MCORE_SITE``),
+never into the library's environment; the check runs in a subprocess with that directory
+on its PYTHONPATH. Without it the test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import ShardedObject, ShardedTensor
+
+from .conftest import get_pool
+
+MCORE_SITE = os.environ.get("MCORE_SITE", str(Path(__file__).resolve().parents[1] / ".ci" / "mcore_site"))
+pytestmark = pytest.mark.skipif(
+    not (Path(MCORE_SITE) / "megatron" / "core").is_dir(),
+    reason=f"megatron-core 0.15 not installed in {MCORE_SITE} (.ci/run installs it)",
+)
+
+
+def _save(rank, world, ckpt):
+    rows = 2 * world
+    full_w = torch.arange(rows * 8.0).reshape(rows, 8)
+    full_q = torch.arange(3 * 4 * 2, dtype=torch.bfloat16).reshape(3, 4, 2)
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", full_w[rank * 2:(rank + 1) * 2].clone(), (0, rank, world)),
+        "q": [ShardedTensor.from_rank_offsets("q", full_q[i].clone(), (0, i, 3), replica_id=rank, prepend_axis_num=1)
+              for i in range(3)],
+        "o": ShardedObject("o", {"piece": rank}, (world,), (rank,)),
+        "step": 9,
+    }
+    dc.save(sd, ckpt, content_metadata={"by": "dist_checkpointing"})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_core_015_loads_our_checkpoint(world, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    get_pool(world).run(_save, str(ckpt))
+    env = {**os.environ, "PYTHONPATH": MCORE_SITE, "MASTER_PORT": str(29000 + os.getpid() % 1000 + world)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_peer_load.py")), str(ckpt), str(world)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "MEGATRON LOAD OK" in proc.stdout, proc.stderr[-4000:]
