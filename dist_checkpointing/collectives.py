@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .core import CheckpointingException
@@ -96,3 +97,13 @@ def run_agreed(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T
         error = error_message(e)
     raise_if_any(all_gather_object(error, group), what)
     return result  # type: ignore[return-value]
+
+
+def all_reduce_max_uint8(flags: List[int], group: Optional[Any] = None) -> List[int]:
+    """Element-wise max of a list of small ints (0..255) over the group's ranks."""
+    if get_world_size(group) == 1 or not flags:
+        return list(flags)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(flags, dtype=torch.uint8, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()

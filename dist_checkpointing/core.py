@@ -56,9 +56,14 @@ def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
         raise CheckpointingException(f"Checkpoint path {checkpoint_dir} is not a directory")
     config = maybe_load_config(checkpoint_dir)
     if config is None:
+        partial = any(p.name in (".metadata", "common.pt") or p.suffix == ".distcp" for p in checkpoint_dir.iterdir())
+        if partial:
+            raise CheckpointingException(
+                f"{checkpoint_dir} is an incomplete checkpoint: it has data files but no "
+                f"{CONFIG_FNAME}, so its save did not complete (it failed or was killed)"
+            )
         raise CheckpointingException(
-            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing "
-            "(not a checkpoint, or a save that did not complete)"
+            f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing"
         )
     return config
 

@@ -25,6 +25,7 @@ from .mapping import (
     ShardedBase,
     ShardedStateDict,
     ShardedTensor,
+    ShardedTensorFactory,
     StateDict,
     apply_factories,
     apply_factory_merges,
@@ -37,11 +38,19 @@ from .strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from .validation import StrictHandling, parse_strict_flag
+from .validation import (
+    StrictHandling,
+    check_common_state_consistency,
+    determine_missing_and_unexpected_keys,
+    handle_mismatched_keys,
+    parse_strict_flag,
+    validate_sharding_integrity,
+)
 
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
+COMMON_STATE_OBJECT_BASE_KEY = "common_state"  # Megatron-Core >= 0.19 keeps the common state here
 CkptDir = Union[str, os.PathLike]
 
 
@@ -124,9 +133,14 @@ def save(
 ) -> None:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
-    The directory must be empty or missing. ShardedTensors/ShardedObjects are written by
-    their main replicas, the common state by rank 0, and ``metadata.json`` last, so an
-    interrupted save never looks complete. The caller's dict is not modified.
+    The directory must be empty or missing. With ``validate_access_integrity`` the main
+    replicas are first checked to cover every global tensor exactly once (collectively;
+    nothing is written if any rank finds a problem). Ranks whose common state differs from
+    rank 0's log the differing keys (after ``preprocess_common_before_consistancy_check``,
+    which may drop keys that legitimately differ); rank 0's is saved. ShardedTensors and
+    ShardedObjects are written by their main replicas, the common state by rank 0, and
+    ``metadata.json`` last, so an interrupted save never looks complete. The caller's dict
+    is not modified.
     """
     if async_sharded_save:
         raise CheckpointingException("async_sharded_save is not available yet in this version")
@@ -149,6 +163,14 @@ def save(
         return sharded_strategy_, common_strategy_, sharded, common
 
     sharded_strategy_, common_strategy_, sharded, common = run_agreed(prepare, "Preparing the save")
+    if validate_access_integrity:
+        validate_sharding_integrity(nested_values(sharded))
+    common_view = run_agreed(
+        lambda: preprocess_common_before_consistancy_check(common)
+        if preprocess_common_before_consistancy_check is not None else common,
+        "Preprocessing the common state",
+    )
+    check_common_state_consistency(common_view)
 
     dir_error = None
     if rank == 0:
@@ -208,17 +230,26 @@ def load(
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
-) -> StateDict:
+) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
     Returns the request's structure with ShardedTensors replaced by loaded tensors (the
     request's own tensors, filled in place, where it has them), ShardedObjects by their
     objects, factories merged, non-persistent objects unwrapped, and the common state
     merged in.
+
+    ``validate_access_integrity`` checks, collectively, that the ranks agree on each
+    requested key's global shape and dtype and do not request a chunk with two main
+    replicas (partial requests are fine).
+
+    ``strict`` (:class:`StrictHandling`) decides what happens to *unexpected* keys
+    (requested here, absent from the checkpoint) and *missing* keys (in the checkpoint,
+    requested by no rank): the default assumes there are none (a requested key that is
+    absent is an error); ``LOG_*`` log them, ``RAISE_*`` raise on every rank, ``RETURN_*``
+    return ``(state_dict, missing_keys, unexpected_keys)`` and ``IGNORE_ALL`` ignores them.
+    Except in the raising modes, unexpected keys are left out of the load and the result.
     """
     strict = parse_strict_flag(strict)
-    if strict != StrictHandling.ASSUME_OK_UNEXPECTED:
-        raise CheckpointingException(f"strict={strict.value} is not available yet; use ASSUME_OK_UNEXPECTED")
     checkpoint_dir = Path(checkpoint_dir)
     start = time.perf_counter()
 
@@ -230,16 +261,40 @@ def load(
         return sharded_strategy_, common, sharded, nonpersistent
 
     sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")
+    if validate_access_integrity:
+        validate_sharding_integrity(nested_values(sharded), allow_gaps=True)
+    missing: set = set()
+    unexpected: set = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        def local_keys():
+            ckpt_keys = {sh.key for sh in sharded_strategy_.load_sharded_metadata(checkpoint_dir).values()}
+            ckpt_keys.discard(COMMON_STATE_OBJECT_BASE_KEY)
+            return ckpt_keys, {sh.key for sh in nested_values(sharded)}
+
+        ckpt_keys, requested = run_agreed(local_keys, "Reading the checkpoint's keys")
+        missing, unexpected = determine_missing_and_unexpected_keys(
+            ckpt_keys, requested, StrictHandling.requires_global_app_metadata(strict))
+        handle_mismatched_keys(strict, missing, unexpected, checkpoint_dir)
+        if unexpected:
+            sharded, _ = extract_matching_values(sharded, lambda sh: sh.key not in unexpected)
     loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
 
     def finish():
-        result = apply_factory_merges(loaded, sharded_state_dict)
+        request = sharded_state_dict
+        if unexpected:  # unexpected keys were dropped from the load: drop them here too
+            request, _ = extract_matching_values(
+                copy_structure(sharded_state_dict),
+                lambda v: not (isinstance(v, ShardedBase) and not isinstance(v, ShardedTensorFactory)
+                               and v.key in unexpected))
+        result = apply_factory_merges(loaded, request)
         dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, nonpersistent)
         merge(result, nonpersistent)
         return merge(common, result)
 
     result = run_agreed(finish, "Merging the loaded state")
     logger.info("Loaded checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, missing, unexpected
     return result
 
 

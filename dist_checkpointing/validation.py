@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .core import CheckpointingException
+
+logger = logging.getLogger(__name__)
 
 
 class StrictHandling(Enum):
@@ -50,3 +55,246 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
         raise CheckpointingException(
             f"Unknown strict mode {strict!r}; use one of {[m.value for m in StrictHandling]}"
         ) from e
+
+
+# ----------------------------------------------------------------------------- sharding integrity
+
+# Exact-cover fingerprints. A chunk [o, o+n) x ... of a global tensor is summarised by
+# F = prod_axis sum_{i=o}^{o+n-1} r_axis^i  (mod P). F is additive over disjoint chunks, so
+# the main replicas cover every element exactly once iff the volumes add up to the global
+# size and the fingerprints add up to F(whole tensor); a gap hidden by an overlap of the
+# same volume changes the sum except with probability ~ndim/P.
+_P = (1 << 61) - 1
+
+
+def _axis_base(axis: int) -> int:
+    return (0x9E3779B97F4A7C15 * (axis + 1) + 0x632BE59BD9B4E019) % (_P - 2) + 2
+
+
+def _geometric(r: int, offset: int, n: int) -> int:
+    if n <= 0:
+        return 0
+    return pow(r, offset, _P) * (pow(r, n, _P) - 1) % _P * pow(r - 1, _P - 2, _P) % _P
+
+
+def region_fingerprint(offsets: Sequence[int], sizes: Sequence[int]) -> int:
+    """Additive fingerprint of the elements of a region (see module comment)."""
+    fp = 1
+    for axis, (off, size) in enumerate(zip(offsets, sizes)):
+        fp = fp * _geometric(_axis_base(axis), off, size) % _P
+    return fp
+
+
+@dataclass
+class _KeySummary:
+    """What one rank contributes to the verdict on one key (a few dozen bytes)."""
+
+    kind: str  # "tensor" or "object"
+    meta: Tuple  # (global_shape, dtype name) for tensors, (grid shape,) for objects
+    n_main: int = 0
+    volume: int = 0
+    fingerprint: int = 0
+
+
+def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
+    from .mapping import ShardedObject, ShardedTensor, is_main_replica
+
+    out: Dict[str, _KeySummary] = {}
+    for sh in items:
+        if isinstance(sh, ShardedTensor):
+            kind, meta = "tensor", (tuple(sh.global_shape), str(sh.dtype))
+            offsets, sizes = sh.global_region()
+        elif isinstance(sh, ShardedObject):
+            kind, meta = "object", (tuple(sh.global_shape),)
+            offsets, sizes = sh.global_offset, (1,) * len(sh.global_offset)
+        else:
+            continue
+        summary = out.setdefault(f"{kind}:{sh.key}", _KeySummary(kind, meta))
+        if summary.meta != meta:
+            summary.meta = ("inconsistent on this rank", summary.meta, meta)
+        if is_main_replica(sh.replica_id):
+            summary.n_main += 1
+            summary.volume += _volume(sizes)
+            summary.fingerprint = (summary.fingerprint + region_fingerprint(offsets, sizes)) % _P
+    return out
+
+
+def _volume(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: bool) -> Optional[str]:
+    kind, key = name.split(":", 1)
+    label = "ShardedTensor" if kind == "tensor" else "ShardedObject"
+    metas = {s.meta for _, s in per_rank}
+    if len(metas) > 1:
+        what = "global shape/dtype" if kind == "tensor" else "grid shape"
+        detail = ", ".join(f"rank {r}: {s.meta}" for r, s in per_rank)
+        return f"{label} {key!r}: ranks disagree on the {what} ({detail})"
+    meta = per_rank[0][1].meta
+    grid = meta[0]
+    total = _volume(grid)
+    volume = sum(s.volume for _, s in per_rank)
+    fingerprint = sum(s.fingerprint for _, s in per_rank) % _P
+    holders = [r for r, s in per_rank if s.n_main]
+    unit = "elements" if kind == "tensor" else "pieces"
+    if volume == total and fingerprint == region_fingerprint((0,) * len(grid), grid) % _P:
+        return None
+    if allow_gaps and volume <= total:
+        return None  # a partial request; overlaps that hide in it are not detectable here
+    if volume > total:
+        problem = f"main replicas overlap: they cover {volume} {unit} of {total} (two main replicas of one chunk?)"
+    elif volume < total:
+        problem = f"{total - volume} of {total} {unit} have no main replica (a chunk held by no main replica)"
+    else:
+        problem = f"main replicas overlap and leave gaps ({volume} {unit} of {total}, misplaced)"
+    if kind == "object" and volume > total:
+        problem = f"duplicate main replicas: {volume} pieces for a grid of {total}"
+    return f"{label} {key!r} of shape {grid}: {problem}; main replicas on ranks {holders}"
+
+
+def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[Any] = None,
+                                allow_gaps: bool = False) -> None:
+    """Check, collectively, that the main replicas of every global tensor cover it exactly
+    once, that every ShardedObject grid has exactly one main replica per piece, and that
+    all ranks agree on each key's global shape and dtype. Raises
+    :class:`CheckpointingException` on every rank if any key fails.
+
+    Cost: two ``all_gather_object`` calls. The first carries, per rank, one small summary
+    per local key (key name + ~50 bytes: shape, dtype, count, volume, fingerprint) — never
+    the chunk lists; the second carries only the problems found (empty when all is well).
+    Each rank judges the keys whose hash maps to it, so the work is split across ranks.
+    ``allow_gaps`` (load requests may be partial) only rejects disagreeing shapes/dtypes
+    and more main replicas than elements.
+    """
+    from .collectives import all_gather_object, get_rank, get_world_size
+
+    local = _summaries(sharded_items)
+    gathered = all_gather_object(local, group)
+    rank, world = get_rank(group), get_world_size(group)
+    by_key: Dict[str, List[Tuple[int, _KeySummary]]] = {}
+    for r, summaries in enumerate(gathered):
+        for name, summary in summaries.items():
+            by_key.setdefault(name, []).append((r, summary))
+    problems = []
+    for name in sorted(by_key):
+        if int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world != rank:
+            continue
+        verdict = _verdict(name, by_key[name], allow_gaps)
+        if verdict is not None:
+            problems.append(verdict)
+    everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]
+    if everyone:
+        raise CheckpointingException("Sharding validation failed: " + "; ".join(sorted(everyone)))
+
+
+# ----------------------------------------------------------------------------- strict loading
+
+
+def determine_missing_and_unexpected_keys(
+    ckpt_keys: Set[str], local_keys: Set[str], need_missing: bool, group: Optional[Any] = None
+) -> Tuple[Set[str], Set[str]]:
+    """``(missing, unexpected)``: unexpected = requested here but not in the checkpoint;
+    missing = in the checkpoint but requested by no rank (only when ``need_missing``).
+
+    Missing keys cost one ``all_reduce`` (MAX) of a byte per checkpoint key: each rank marks
+    the keys it requests in a bitmap over the sorted checkpoint keys.
+    """
+    from .collectives import all_reduce_max_uint8
+
+    unexpected = local_keys - ckpt_keys
+    missing: Set[str] = set()
+    if need_missing:
+        ordered = sorted(ckpt_keys)
+        requested = all_reduce_max_uint8([1 if k in local_keys else 0 for k in ordered], group)
+        missing = {k for k, flag in zip(ordered, requested) if not flag}
+    return missing, unexpected
+
+
+def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected: Set[str],
+                           checkpoint_dir: Any, group: Optional[Any] = None) -> None:
+    """Log or raise (collectively: on every rank) as ``strict`` says."""
+    from .collectives import all_gather_object
+
+    def describe(m: Set[str], u: Set[str]) -> str:
+        parts = []
+        if u:
+            parts.append(f"unexpected keys (requested, not in the checkpoint): {sorted(u)}")
+        if m:
+            parts.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(m)}")
+        return "; ".join(parts)
+
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        if missing or unexpected:
+            logger.warning("Loading %s with key mismatches: %s", checkpoint_dir, describe(missing, unexpected))
+    elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        per_rank = all_gather_object(sorted(unexpected), group)
+        details = [f"rank {r}: unexpected keys {keys}" for r, keys in enumerate(per_rank) if keys]
+        if missing:
+            details.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(missing)}")
+        if details:
+            raise CheckpointingException(f"Strict load ({strict.value}) of {checkpoint_dir} failed: " + "; ".join(details))
+
+
+# ----------------------------------------------------------------------------- common state
+
+
+def _fingerprint(obj: Any, h: "hashlib._Hash") -> None:
+    import pickle
+
+    import torch
+
+    if isinstance(obj, dict):
+        h.update(b"d%d" % len(obj))
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode())
+            _fingerprint(obj[k], h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"l%d" % len(obj))
+        for v in obj:
+            _fingerprint(v, h)
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"t{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        try:
+            h.update(pickle.dumps(obj))
+        except Exception:  # noqa: BLE001 - unpicklable: compare by repr
+            h.update(repr(obj).encode())
+
+
+def common_state_digest(common: Any) -> str:
+    """A digest of a (nested) common state; equal states have equal digests."""
+    h = hashlib.blake2b(digest_size=16)
+    _fingerprint(common, h)
+    return h.hexdigest()
+
+
+def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> Optional[str]:
+    """Compare every rank's common state with rank 0's (which is the one saved).
+
+    Costs one ``all_gather_object`` of a 16-byte digest; only when digests differ, rank 0's
+    state is broadcast so that each differing rank can name the keys. Returns (and logs as
+    a warning) this rank's difference report, or ``None``.
+    """
+    from .collectives import all_gather_object, broadcast_object, get_rank
+    from .dict_utils import diff
+
+    digests = all_gather_object(common_state_digest(common), group)
+    if all(d == digests[0] for d in digests):
+        return None
+    reference = broadcast_object(common if get_rank(group) == 0 else None, group)
+    if digests[get_rank(group)] == digests[0]:
+        return None
+    only_rank0, only_here, different = diff(reference, common)
+    report = (
+        f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved: "
+        f"keys only on rank 0: {only_rank0}; keys only on this rank: {only_here}; "
+        f"keys with different values: {different}"
+    )
+    logger.warning(report)
+    return report

@@ -68,7 +68,7 @@ def _load_fixture(rank, world, name, layout):
     objects = sorted(exp["objects"])
     if objects:
         wanted = objects[(rank + 1) % len(objects)]
-        request["obj"] = ShardedObject.empty_from_unique_key(wanted)
+        request["obj"] = ShardedObject.empty_from_unique_key(wanted, replica_id=rank)
         expected["obj"] = exp["objects"][wanted]
     before = {k: v for k, v in request.items() if not isinstance(v, (list, ShardedObject))}
     loaded = dc.load(request, ckpt)

@@ -297,7 +297,7 @@ def test_several_keys_views_and_tuple_replicas(tmp_path):
               [((0, 0), (4, 6), (1, 0))]]
     # key b: uint8 (7,) uneven, all on rank 3
     save_b = [[], [], [], [((0,), (5,), 0), ((5,), (2,), 0)]]
-    load_b = [[((0,), (7,), 0)], [((0,), (7,), 1)], [], [((3,), (1,), 0)]]
+    load_b = [[((0,), (7,), 0)], [((0,), (7,), 1)], [], [((3,), (1,), 1)]]
     run_case(world, [
         _spec("a", (4, 6), torch.int16, save_a, load_a, save_view=True),
         _spec("b", (7,), torch.uint8, save_b, load_b, salt=1),

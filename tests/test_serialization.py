@@ -187,12 +187,12 @@ def _request_wrong_shape(rank, world, ckpt):
 
 
 def _request_wrong_dtype(rank, world, ckpt):
-    dtype = torch.float64 if rank == 0 else torch.float32
+    dtype = torch.float64
     dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(2, dtype=dtype), (0, rank, world))}, ckpt)
 
 
 def _request_missing_object(rank, world, ckpt):
-    dc.load({"o": ShardedObject("nothing", None, (1,), (0,))}, ckpt)
+    dc.load({"o": ShardedObject("nothing", None, (1,), (0,), replica_id=rank)}, ckpt)
 
 
 def test_load_bad_requests_raise_on_every_rank(pool, tmp_path):
@@ -203,7 +203,7 @@ def test_load_bad_requests_raise_on_every_rank(pool, tmp_path):
     excs = pool.run_expect_error(_request_wrong_shape, ckpt)
     _assert_all_checkpointing_errors(excs, "Global shape mismatch", "'t'")
     excs = pool.run_expect_error(_request_wrong_dtype, ckpt)
-    _assert_all_checkpointing_errors(excs, "Dtype mismatch", "rank 0")
+    _assert_all_checkpointing_errors(excs, "Dtype mismatch", "'t'", "float64")
     excs = pool.run_expect_error(_request_missing_object, ckpt)
     _assert_all_checkpointing_errors(excs, "nothing/shard_0_1")
 
@@ -230,7 +230,7 @@ def test_save_bad_data_raises_everywhere_and_leaves_no_checkpoint(pool, tmp_path
     excs = pool.run_expect_error(_save_with_unpicklable_object_on_last_rank, str(ckpt2))
     _assert_all_checkpointing_errors(excs, "o/shard_", f"rank {pool.world_size - 1}")
     assert not dc.check_is_distributed_checkpoint(ckpt2)
-    with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
+    with pytest.raises(CheckpointingException, match="incomplete checkpoint|not a distributed checkpoint"):
         dc.load_common_state_dict(ckpt2)
 
 
@@ -274,3 +274,16 @@ def test_corrupted_metadata_and_truncated_data_are_clear_errors(tmp_path):
     (ckpt / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointingException, match=".metadata"):
         dc.load_plain_tensors(ckpt)
+
+
+def _request_dtype_disagreeing_across_ranks(rank, world, ckpt):
+    dtype = torch.float64 if rank == 0 else torch.float32
+    dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(2, dtype=dtype), (0, rank, world))}, ckpt)
+
+
+def test_load_request_disagreeing_across_ranks(pool2, pool4, tmp_path):
+    for p in (pool2, pool4):
+        ckpt = str(tmp_path / f"w{p.world_size}")
+        p.run(_save_into, ckpt)
+        excs = p.run_expect_error(_request_dtype_disagreeing_across_ranks, ckpt)
+        _assert_all_checkpointing_errors(excs, "'t'", "disagree", "rank 0", "float64")

@@ -141,7 +141,7 @@ def test_plain_torch_dcp_loads_our_checkpoint(world, tmp_path):
 def test_metadata_only_readers_and_ranges(tmp_path):
     ckpt = tmp_path / "ckpt"
     dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2, 3), (0, 0, 1)),
-             "o": ShardedObject("obj", [1, 2], (2,), (1,))}, ckpt)
+             "o": ShardedObject("obj", [1, 2], (2,), (1,))}, ckpt, validate_access_integrity=False)
     meta = dc.load_sharded_metadata(ckpt)
     assert meta["a"].global_shape == (2, 3) and meta["a"].data is None
     assert meta["obj/shard_1_2"].global_offset == (1,)

@@ -353,6 +353,11 @@ class _Reader:
         with self._lock:
             fd = self._fds.get(relative_path)
             if fd is None:
+                if not relative_path or os.path.basename(relative_path) != relative_path or relative_path in (".", ".."):
+                    raise CheckpointingException(
+                        f"Checkpoint metadata in {self.dir} names data file {relative_path!r}, which is "
+                        "not a file inside the checkpoint directory"
+                    )
                 path = self.dir / relative_path
                 try:
                     fd = os.open(path, os.O_RDONLY)
