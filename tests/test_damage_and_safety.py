@@ -246,6 +246,8 @@ def test_hostile_dcp_metadata(world, how, tmp_path):
     marker = tmp_path / "pwned"
     pool.run(_save_state, str(ckpt), timeout=_TIMEOUT)
     (ckpt / ".metadata").write_bytes(_evil_metadata_bytes(ckpt, marker, how))
+    # an attacker also drops the checksum sidecar: the safe unpickler alone must refuse
+    (ckpt / ".metadata.checksum").unlink(missing_ok=True)
     _check_hostile(pool, world, ckpt, marker, ("load", "load_plain_tensors", "load_sharded_metadata"),
                    ".metadata")
     assert not marker.exists()
@@ -266,6 +268,7 @@ def test_hostile_tensor_blob(world, tmp_path):
     assert index in metadata.storage_data
     metadata.storage_data[index] = _StorageInfo("__evil.distcp", 0, evil_file.stat().st_size)
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    (ckpt / ".metadata.checksum").unlink(missing_ok=True)  # a consistent attacker drops it
     excs = pool.run_expect_error(_read, str(ckpt), "load", timeout=_TIMEOUT)
     _assert_all_raise(excs, world, "__evil.distcp", "layer.w")
     assert not marker.exists()

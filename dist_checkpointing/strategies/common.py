@@ -8,7 +8,8 @@ from typing import Union
 
 import torch
 
-from ..core import CheckpointingException, atomic_write_bytes
+from ..core import CheckpointingException
+from ..integrity import read_file_verified, write_file_with_checksum
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 from .safe_pickle import safe_torch_load
@@ -25,22 +26,26 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
             torch.save(common_state_dict, buf)
         except Exception as e:  # noqa: BLE001 - unpicklable user object
             raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
-        atomic_write_bytes(Path(checkpoint_dir) / COMMON_STATE_FNAME, buf.getbuffer())
+        write_file_with_checksum(Path(checkpoint_dir) / COMMON_STATE_FNAME, buf.getbuffer())
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
-    """Reads ``common.pt`` safely (``allow_pickle=True`` opts in to arbitrary objects)."""
+    """Reads ``common.pt`` safely and verifies its checksum when one was recorded.
 
-    def __init__(self, allow_pickle: bool = False):
+    Args:
+        allow_pickle: opt in to unpickling arbitrary objects (runs code from the file:
+            only for checkpoints you trust).
+        verify_checksums: check the bytes against ``common.pt.checksum``.
+    """
+
+    def __init__(self, allow_pickle: bool = False, verify_checksums: bool = True):
         self.allow_pickle = allow_pickle
+        self.verify_checksums = verify_checksums
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        try:
-            with open(path, "rb") as f:
-                return safe_torch_load(f, f"common state {path}", self.allow_pickle)
-        except FileNotFoundError as e:
-            raise CheckpointingException(f"Common state file {path} is missing") from e
+        data = read_file_verified(path, self.verify_checksums)
+        return safe_torch_load(data, f"common state {path}", self.allow_pickle)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != "torch":

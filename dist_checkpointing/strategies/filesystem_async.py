@@ -25,6 +25,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from ..integrity import checksum
+
 STAGING_BUFFER_BYTES = 16 << 20
 BUFFERS_PER_FILE = 3
 _ALIGN = 4096
@@ -215,6 +217,11 @@ class StagedFileWriter(io.RawIOBase):
             super().close()
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with exactly ``t``'s elements as its storage (``torch.save`` writes the
     whole storage, so a view of a large buffer must not drag the buffer along)."""
@@ -232,22 +239,29 @@ def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(flat_bytes).view(t.dtype).view(t.shape)
 
 
-def write_file(path: Union[str, Path], payloads: Sequence[Payload]) -> List[Tuple[int, int]]:
+def write_file(path: Union[str, Path], payloads: Sequence[Payload],
+               compute_checksums: bool = True) -> List[Tuple[int, int, Optional[int]]]:
     """Write ``payloads`` (tensors as ``torch.save`` blobs, bytes as is) into a new file.
 
-    Returns the ``(offset, length)`` of each payload in the file. Call inside
-    :func:`zip_crc_disabled` for full speed.
+    Returns ``(offset, length, checksum)`` of each payload in the file; the checksum
+    (``None`` unless ``compute_checksums``) covers a tensor's data bytes or a bytes
+    payload whole. It is computed here while the I/O thread writes the previous buffer,
+    so it mostly hides behind the disk. Call inside :func:`zip_crc_disabled` for full
+    speed.
     """
-    spans: List[Tuple[int, int]] = []
+    spans: List[Tuple[int, int, Optional[int]]] = []
     writer = StagedFileWriter(path)
     try:
         for payload in payloads:
             start = writer.tell()
             if isinstance(payload, torch.Tensor):
-                torch.save(_exact_cpu_tensor(payload), writer)
+                tensor = _exact_cpu_tensor(payload)
+                digest = checksum(tensor_bytes(tensor)) if compute_checksums else None
+                torch.save(tensor, writer)
             else:
+                digest = checksum(payload) if compute_checksums else None
                 writer.write(payload)
-            spans.append((start, writer.tell() - start))
+            spans.append((start, writer.tell() - start, digest))
     except BaseException:
         writer.abort()
         raise

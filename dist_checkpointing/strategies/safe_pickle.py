@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 
 from ..core import CheckpointingException
+from ..integrity import read_file_verified
 
 try:  # NumPy >= 2
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
@@ -116,15 +117,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(path: Union[str, Path]) -> dcp_md.Metadata:
-    """Unpickle a DCP ``.metadata`` file safely."""
+def load_dcp_metadata(path: Union[str, Path], verify_checksum: bool = True) -> dcp_md.Metadata:
+    """Unpickle a DCP ``.metadata`` file safely (checking its checksum sidecar if any)."""
+    data = read_file_verified(path, verify_checksum)
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, str(path)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data), str(path)).load()
     except CheckpointingException:
         raise
-    except FileNotFoundError as e:
-        raise CheckpointingException(f"Checkpoint metadata file {path} is missing") from e
     except Exception as e:  # noqa: BLE001 - truncated or corrupted pickle
         raise CheckpointingException(f"Cannot read checkpoint metadata {path}: {e}") from e
     if not isinstance(metadata, dcp_md.Metadata):

@@ -58,7 +58,8 @@ from ..collectives import (
     raise_if_any,
     run_agreed,
 )
-from ..core import CheckpointingException, atomic_write_bytes
+from ..core import CheckpointingException
+from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_file_with_checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
@@ -139,8 +140,13 @@ def _assign_files(items: List[_SaveItem], rank: int, thread_count: int,
     return files
 
 
-# One location entry per written item: (key, tensor_meta or None, file, offset, length)
-_Location = Tuple[str, Optional[tuple], str, int, int]
+# One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
+_Location = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
+
+
+def _checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]]) -> Dict[str, Any]:
+    items = {(fname, offset): cs for entries in per_rank_checksums for fname, offset, cs in entries if cs is not None}
+    return {"algorithm": ALGORITHM, "items": items}
 
 
 def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Metadata:
@@ -150,7 +156,7 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
     owner: Dict[MetadataIndex, int] = {}
     shape_owner: Dict[str, int] = {}
     for rank, locations in enumerate(per_rank):
-        for key, tensor_meta, fname, offset, length in locations:
+        for key, tensor_meta, fname, offset, length, _ in locations:
             if tensor_meta is None:
                 index = MetadataIndex(key)
                 if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
@@ -191,6 +197,7 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
     )
     # Megatron-Core's loader looks up per-key extras here (empty: nothing is reformulated)
     metadata.mcore_data = {k: {} for k, md in state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    metadata.checksums = _checksum_table([[(loc[2], loc[3], loc[5]) for loc in locs] for locs in per_rank])
     return metadata
 
 
@@ -204,11 +211,13 @@ def _as_plain_metadata(metadata: Metadata) -> Metadata:
         version=metadata.version,
     )
     plain.mcore_data = dict(getattr(metadata, "mcore_data", None) or {})
+    if getattr(metadata, "checksums", None) is not None:
+        plain.checksums = metadata.checksums
     return plain
 
 
 def _write_metadata(metadata: Metadata, checkpoint_dir: Path) -> None:
-    atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
+    write_file_with_checksum(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
 
 
 class TorchDistSaveShardedStrategy(SaveShardedStrategy):
@@ -224,11 +233,14 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             global metadata.
         separation_hint: keys starting with this prefix go to separate files
             ``{hint}__{rank}_{n}.distcp``.
+        checksums: record an xxh3-64 checksum of every stored item (verified on load).
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
-                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None):
+                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
+                 checksums: bool = True):
         super().__init__(backend, version)
+        self.checksums = checksums
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = max(1, int(thread_count))
         self.cached_metadata = cached_metadata
@@ -250,19 +262,22 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
             locations = self._write_files(files, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = error_message(e)
-        digest = hashlib.sha256(pickle.dumps(sorted(locations, key=lambda loc: (loc[2], loc[3])))).hexdigest()
+        layout = sorted((loc[:5] for loc in locations), key=lambda loc: (loc[2], loc[3]))
+        digest = hashlib.sha256(pickle.dumps(layout)).hexdigest()
         statuses = all_gather_object((error, digest))
         raise_if_any([s[0] for s in statuses], "Writing the checkpoint data")
         digests = [s[1] for s in statuses]
 
         metadata_error: Optional[str] = None
         reuse = self.cached_metadata and self._cache is not None and self._cache[0] == digests
-        per_rank = None if reuse else gather_object(locations)
+        # Same layout as last time: only the checksums (8 bytes per item) travel.
+        per_rank = gather_object([(loc[2], loc[3], loc[5]) for loc in locations] if reuse else locations)
         if rank == 0:
             try:
                 if reuse:
                     metadata = self._cache[1]
                     metadata.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
+                    metadata.checksums = _checksum_table(per_rank)
                 else:
                     metadata = _build_metadata(per_rank, checkpoint_dir)
                 _write_metadata(metadata, checkpoint_dir)
@@ -279,8 +294,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def _write_files(self, files: Dict[str, List[_SaveItem]], checkpoint_dir: Path) -> List[_Location]:
         def write_one(fname: str) -> List[_Location]:
             bucket = files[fname]
-            spans = write_file(checkpoint_dir / fname, [it.payload for it in bucket])
-            return [(it.key, it.tensor_meta, fname, off, length) for it, (off, length) in zip(bucket, spans)]
+            spans = write_file(checkpoint_dir / fname, [it.payload for it in bucket], self.checksums)
+            return [(it.key, it.tensor_meta, fname, off, length, cs) for it, (off, length, cs) in zip(bucket, spans)]
 
         with zip_crc_disabled():
             if len(files) <= 1:
@@ -337,9 +352,10 @@ class _ObjectRead:
 class _Reader:
     """Executes reads with one fd per file and cached blob headers."""
 
-    def __init__(self, checkpoint_dir: Path, allow_pickle: bool):
+    def __init__(self, checkpoint_dir: Path, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]]):
         self.dir = checkpoint_dir
         self.allow_pickle = allow_pickle
+        self.checksums = checksums or {}
         self._fds: Dict[str, int] = {}
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
         self._lock = threading.Lock()
@@ -396,26 +412,36 @@ class _Reader:
         except Exception as e:  # noqa: BLE001 - damaged archive
             raise CheckpointingException(f"Item {read.key!r} at {where} is damaged: {e}") from e
         dest = read.dest[relative_slices(read.overlap, read.dest_origin)]
+        expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
+        what = f"tensor {read.key!r} (chunk at {tuple(read.chunk[0])})"
         if header is None:
-            return self._read_tensor_via_torch_load(read, fd, dest, where)
+            return self._read_tensor_via_torch_load(read, fd, dest, where, expected, what)
         rel = [o - c for o, c in zip(read.overlap[0], read.chunk[0])]
         first = sum(r * st for r, st in zip(rel, header.stride))
         last = sum((r + s - 1) * st for r, s, st in zip(rel, read.overlap[1], header.stride))
         itemsize = dest.element_size()
         whole = tuple(read.overlap[1]) == tuple(read.chunk[1])
         if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
-            _pread_into(fd, _byte_view(dest), header.data_offset, where)
+            _pread_into(fd, _byte_view(dest), header.data_offset, where, expected, what)
             return
-        span = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
-        _pread_into(fd, span.numpy(), header.data_offset + first * itemsize, where)
-        src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride)
+        read_from, read_to = first, last
+        verify = expected is not None and header.is_contiguous()
+        if verify:  # the checksum covers the whole chunk: read and verify all of it
+            read_from, read_to = 0, region_volume(read.chunk[1]) - 1
+        span = torch.empty((read_to - read_from + 1) * itemsize, dtype=torch.uint8)
+        _pread_into(fd, span.numpy(), header.data_offset + read_from * itemsize, where,
+                    expected if verify else None, what)
+        src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride, first - read_from)
         dest.copy_(src)
 
-    def _read_tensor_via_torch_load(self, read: _TensorRead, fd: int, dest: torch.Tensor, where: str) -> None:
+    def _read_tensor_via_torch_load(self, read: _TensorRead, fd: int, dest: torch.Tensor, where: str,
+                                    expected: Optional[int], what: str) -> None:
         raw = os.pread(fd, read.storage.length, read.storage.offset)
         loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
         if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != tuple(read.chunk[1]):
             raise CheckpointingException(f"Item {read.key!r} at {where} does not hold the expected tensor")
+        if expected is not None and checksum(_byte_view(loaded.contiguous())) != expected:
+            raise mismatch_error(what, where)
         rel = tuple(slice(o - c, o - c + s) for o, c, s in zip(read.overlap[0], read.chunk[0], read.overlap[1]))
         dest.copy_(loaded[rel])
 
@@ -425,6 +451,9 @@ class _Reader:
         raw = os.pread(fd, read.storage.length, read.storage.offset)
         if len(raw) != read.storage.length:
             raise CheckpointingException(f"ShardedObject {read.key!r} at {where} is truncated")
+        expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
+        if expected is not None and checksum(raw) != expected:
+            raise mismatch_error(f"ShardedObject {read.key!r}", where)
         loaded = safe_torch_load(raw, f"ShardedObject {read.key!r} at {where}", self.allow_pickle)
         if not (isinstance(loaded, list) and len(loaded) == 1):
             raise CheckpointingException(f"ShardedObject {read.key!r} at {where} has an unexpected layout")
@@ -443,14 +472,24 @@ def _byte_view(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _pread_into(fd: int, buf, offset: int, where: str) -> None:
+_VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
+
+
+def _pread_into(fd: int, buf, offset: int, where: str, expected: Optional[int] = None, what: str = "") -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; with ``expected``, verify the bytes' checksum."""
     mv = memoryview(buf).cast("B")
+    hasher = new_hasher() if expected is not None else None
+    piece = _VERIFY_PIECE if hasher is not None else mv.nbytes
     done = 0
     while done < mv.nbytes:
-        n = os.preadv(fd, [mv[done:]], offset + done)
+        n = os.preadv(fd, [mv[done:done + piece]], offset + done)
         if n <= 0:
-            raise CheckpointingException(f"Unexpected end of file reading {where}")
+            raise CheckpointingException(f"Unexpected end of file reading {what or 'data'} at {where}")
+        if hasher is not None:
+            hasher.update(mv[done:done + n])
         done += n
+    if hasher is not None and hasher.intdigest() != expected:
+        raise mismatch_error(what, where)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -458,12 +497,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     Args:
         thread_count: reader threads per rank.
-        allow_pickle: opt in to unpickling objects outside the safe allow-list.
+        allow_pickle: opt in to unpickling objects outside the safe allow-list (runs code
+            from the checkpoint: only for checkpoints you trust).
+        verify_checksums: verify every item read against its recorded checksum
+            (checkpoints without checksums, e.g. Megatron-Core's, load unverified).
     """
 
-    def __init__(self, thread_count: int = 4, allow_pickle: bool = False):
+    def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True):
         self.thread_count = max(1, int(thread_count))
         self.allow_pickle = allow_pickle
+        self.verify_checksums = verify_checksums
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -552,7 +595,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _execute(self, plan, checkpoint_dir: Path) -> None:
         tensor_reads, object_reads = plan
-        reader = _Reader(checkpoint_dir, self.allow_pickle)
+        table = getattr(read_metadata(checkpoint_dir), "checksums", None) if self.verify_checksums else None
+        if table is not None and table.get("algorithm") != ALGORITHM:
+            raise CheckpointingException(
+                f"Checkpoint {checkpoint_dir} uses checksum algorithm {table.get('algorithm')!r}, which this "
+                "version cannot verify (load with verify_checksums=False to skip verification)"
+            )
+        reader = _Reader(checkpoint_dir, self.allow_pickle, table["items"] if table else None)
         try:
             tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
             tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
