@@ -5,6 +5,10 @@ whose qkv/proj/fc1/fc2 weights are tensor-parallel (TP) split, plus replicated f
 layernorms) is saved and loaded by each method, at each world size (real gloo processes;
 at world size 2 every rank holds its TP half, so the total stays the same).
 
+``ours`` runs with the defaults (item checksums at save, verification at load, sharding
+validation); ``ours_nocheck`` is the same save/load with checksums and their verification
+off, so ``ours / ours_nocheck`` is the cost of integrity checking.
+
 Methods run interleaved: every round runs each method once, in rotating order. Every save
 goes to a fresh directory, deleted (and ``sync``-ed) after the method's load. Loads are
 timed with a warm page cache (the method's files are read once, untimed, before). Each
@@ -38,10 +42,12 @@ import torch.multiprocessing as mp
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_save_load.json"
-METHODS = ("ours", "dcp", "torch_save", "raw")
+METHODS = ("ours", "ours_nocheck", "dcp", "torch_save", "raw")
+INTEGRITY_TARGET = 1.05  # ours (checksums on) / ours_nocheck, save and load
 NUM_LAYERS = 8
 MiB = 1 << 20
 
@@ -160,6 +166,9 @@ class Methods:
     def __init__(self, params: List[Param], dest: List[torch.Tensor], rank: int, world: int):
         self.params, self.dest, self.rank, self.world = params, dest, rank, world
         self.loaded_torch: Optional[Dict[str, torch.Tensor]] = None
+        # Created once and reused, like the registered default strategies that ``ours`` gets.
+        self.nocheck_save_strategy = TorchDistSaveShardedStrategy(checksums=False)
+        self.nocheck_load_strategy = TorchDistLoadShardedStrategy(verify_checksums=False)
 
     def _local_dict(self, tensors: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
         return {f"{p.key}.rank{self.rank}": t for p, t in zip(self.params, tensors)}
@@ -173,6 +182,14 @@ class Methods:
 
     def ours_load(self, d: Path) -> None:
         dist_checkpointing.load(self._sharded(self.dest), d)
+
+    # ours without checksums (save) and without checksum verification (load)
+    def ours_nocheck_save(self, d: Path) -> None:
+        dist_checkpointing.save(self._sharded([p.tensor for p in self.params]), d,
+                                sharded_strategy=self.nocheck_save_strategy)
+
+    def ours_nocheck_load(self, d: Path) -> None:
+        dist_checkpointing.load(self._sharded(self.dest), d, sharded_strategy=self.nocheck_load_strategy)
 
     # torch.distributed.checkpoint
     def dcp_save(self, d: Path) -> None:
@@ -419,14 +436,28 @@ def summarize(raw: Dict[str, object]) -> Dict[str, object]:
         "torch_save / ours_save": med["torch_save"][0] / med["ours"][0],
         "torch_load / ours_load": med["torch_save"][1] / med["ours"][1],
         "ours_load / raw_load": med["ours"][1] / med["raw"][1],
+        "ours_save / ours_nocheck_save": med["ours"][0] / med["ours_nocheck"][0],
+        "ours_load / ours_nocheck_load": med["ours"][1] / med["ours_nocheck"][1],
+    }
+    # Less noise-prone view of the integrity overhead: median over rounds of the per-round
+    # ratio (both runs of a round are close in time, mostly back to back).
+    paired = {
+        f"ours_{a} / ours_nocheck_{a}": statistics.median(r["ours"][f"{a}_s"] / r["ours_nocheck"][f"{a}_s"]
+                                                          for r in rounds)
+        for a in ("save", "load")
     }
     targets = {
         "ours_save / raw_save <= 1.25": ratios["ours_save / raw_save"] <= 1.25,
         "dcp_save / ours_save >= 2": ratios["dcp_save / ours_save"] >= 2.0,
         "dcp_load / ours_load >= 3": ratios["dcp_load / ours_load"] >= 3.0,
+        f"ours_save / ours_nocheck_save <= {INTEGRITY_TARGET}":
+            ratios["ours_save / ours_nocheck_save"] <= INTEGRITY_TARGET,
+        f"ours_load / ours_nocheck_load <= {INTEGRITY_TARGET}":
+            ratios["ours_load / ours_nocheck_load"] <= INTEGRITY_TARGET,
     }
     return {**{k: v for k, v in raw.items() if k != "rounds"}, "state_bytes_total": total,
-            "rounds": rounds, "methods": per_method, "ratios": ratios, "targets_met": targets}
+            "rounds": rounds, "methods": per_method, "ratios": ratios,
+            "integrity_overhead_paired_median": paired, "targets_met": targets}
 
 
 def format_table(s: Dict[str, object]) -> str:
@@ -436,16 +467,20 @@ def format_table(s: Dict[str, object]) -> str:
         f"world size {s['world_size']}: state {s['state_bytes_total'] / (1 << 30):.3f} GiB total "
         f"({', '.join(f'{m:.0f}' for m in per_rank_mib)} MiB per rank, {s['num_tensors_per_rank']} tensors "
         f"per rank), {len(s['rounds'])} rounds, medians; GB = 1e9 bytes",
-        f"{'method':<11}{'save s':>8}{'save GB/s':>11}{'load s':>8}{'load GB/s':>11}"
+        f"{'method':<13}{'save s':>8}{'save GB/s':>11}{'load s':>8}{'load GB/s':>11}"
         f"{'save +MiB':>11}{'load +MiB':>11}  verified",
     ]
     for m in METHODS:
         r = s["methods"][m]
         save_mem = "/".join(f"{x:.0f}" for x in r["save_peak_extra_mib_per_rank"])
         load_mem = "/".join(f"{x:.0f}" for x in r["load_peak_extra_mib_per_rank"])
-        lines.append(f"{m:<11}{r['save_median_s']:>8.2f}{r['save_GBps']:>11.2f}{r['load_median_s']:>8.2f}"
+        lines.append(f"{m:<13}{r['save_median_s']:>8.2f}{r['save_GBps']:>11.2f}{r['load_median_s']:>8.2f}"
                      f"{r['load_GBps']:>11.2f}{save_mem:>11}{load_mem:>11}  {r['verified']}")
-    lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items()))
+    integrity = {k: v for k, v in s["ratios"].items() if "nocheck" in k}
+    lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items() if k not in integrity))
+    lines.append("integrity overhead (checksums on / off): " + ", ".join(f"{k} = {v:.3f}" for k, v in integrity.items())
+                 + "; median of per-round ratios: "
+                 + ", ".join(f"{v:.3f}" for v in s["integrity_overhead_paired_median"].values()))
     lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
     if "loadavg_before_after" in s:
         before, after = s["loadavg_before_after"]

@@ -153,6 +153,8 @@ def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: boo
         problem = f"main replicas overlap and leave gaps ({volume} {unit} of {total}, misplaced)"
     if kind == "object" and volume > total:
         problem = f"duplicate main replicas: {volume} pieces for a grid of {total}"
+    elif kind == "object" and volume == total:
+        problem = "some pieces have duplicate main replicas and others none"
     return f"{label} {key!r} of shape {grid}: {problem}; main replicas on ranks {holders}"
 
 
