@@ -39,11 +39,18 @@ def mismatch_error(what: str, where: str) -> CheckpointingException:
 
 
 def write_file_with_checksum(path: Union[str, Path], data) -> None:
-    """Write ``data`` atomically to ``path`` and its checksum to ``path.checksum``."""
+    """Write ``data`` atomically to ``path`` and its checksum to ``path.checksum``.
+
+    Safe to use on an existing checkpoint: the old sidecar is removed first, then the file
+    replaced, then the new sidecar written, so a crash at any point leaves a file that
+    matches its sidecar or has none (read unverified) — never a false mismatch.
+    """
     path = Path(path)
-    sidecar = {"algorithm": ALGORITHM, "checksum": f"{checksum(data):016x}", "length": len(data)}
-    atomic_write_bytes(path.with_name(path.name + SIDECAR_SUFFIX), json.dumps(sidecar).encode())
+    sidecar_path = path.with_name(path.name + SIDECAR_SUFFIX)
+    sidecar_path.unlink(missing_ok=True)
     atomic_write_bytes(path, data)
+    sidecar = {"algorithm": ALGORITHM, "checksum": f"{checksum(data):016x}", "length": len(data)}
+    atomic_write_bytes(sidecar_path, json.dumps(sidecar).encode())
 
 
 def read_file_verified(path: Union[str, Path], verify: bool = True) -> bytes:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
+import torch
+
+from .collectives import all_gather_object, all_reduce_max_uint8, broadcast_object, get_rank, get_world_size
 from .core import CheckpointingException
+from .dict_utils import diff
+from .mapping import ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +103,6 @@ class _KeySummary:
 
 
 def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
-    from .mapping import ShardedObject, ShardedTensor, is_main_replica
-
     out: Dict[str, _KeySummary] = {}
     for sh in items:
         if isinstance(sh, ShardedTensor):
@@ -172,8 +176,6 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     ``allow_gaps`` (load requests may be partial) only rejects disagreeing shapes/dtypes
     and more main replicas than elements.
     """
-    from .collectives import all_gather_object, get_rank, get_world_size
-
     local = _summaries(sharded_items)
     gathered = all_gather_object(local, group)
     rank, world = get_rank(group), get_world_size(group)
@@ -205,8 +207,6 @@ def determine_missing_and_unexpected_keys(
     Missing keys cost one ``all_reduce`` (MAX) of a byte per checkpoint key: each rank marks
     the keys it requests in a bitmap over the sorted checkpoint keys.
     """
-    from .collectives import all_reduce_max_uint8
-
     unexpected = local_keys - ckpt_keys
     missing: Set[str] = set()
     if need_missing:
@@ -219,8 +219,6 @@ def determine_missing_and_unexpected_keys(
 def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected: Set[str],
                            checkpoint_dir: Any, group: Optional[Any] = None) -> None:
     """Log or raise (collectively: on every rank) as ``strict`` says."""
-    from .collectives import all_gather_object
-
     def describe(m: Set[str], u: Set[str]) -> str:
         parts = []
         if u:
@@ -245,10 +243,6 @@ def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected
 
 
 def _fingerprint(obj: Any, h: "hashlib._Hash") -> None:
-    import pickle
-
-    import torch
-
     if isinstance(obj, dict):
         h.update(b"d%d" % len(obj))
         for k in sorted(obj, key=repr):
@@ -283,9 +277,6 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     state is broadcast so that each differing rank can name the keys. Returns (and logs as
     a warning) this rank's difference report, or ``None``.
     """
-    from .collectives import all_gather_object, broadcast_object, get_rank
-    from .dict_utils import diff
-
     digests = all_gather_object(common_state_digest(common), group)
     if all(d == digests[0] for d in digests):
         return None

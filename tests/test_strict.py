@@ -64,11 +64,12 @@ def _request(rank, world, situation, extra_ranks):
     missing    -- nobody requests 'b'
     partial    -- 'b' and 'obj' requested by rank 0 only (so nothing is missing)
     both       -- missing 'b' and the extras on ``extra_ranks``
+    only_a     -- nobody requests 'b' nor the object 'obj'
     """
     sd = {"a": _st_a(rank, world, False)}
     if situation in ("exact", "unexpected") or (situation == "partial" and rank == 0):
         sd["b"] = _st_b(rank, False)
-    if situation != "partial" or rank == 0:
+    if situation != "only_a" and (situation != "partial" or rank == 0):
         sd["obj"] = _obj(rank, world, False)
     if situation in ("unexpected", "both") and rank in extra_ranks:
         replica = list(extra_ranks).index(rank)  # one main replica among the requesting ranks
@@ -171,7 +172,7 @@ def test_unexpected_keys_on_one_rank(ckpt_for, mode):
         excs = pool.run_expect_error(_load, ckpt, mode, "unexpected")
         for rank, exc in enumerate(excs):
             assert isinstance(exc, CheckpointingException), (rank, repr(exc))
-            assert "extra" in str(exc), (rank, str(exc))
+            assert "extra.w" in str(exc) and "rank 1" in str(exc), (rank, str(exc))
             if mode in RAISING:
                 msg = str(exc)
                 assert "extra.w" in msg and "extra_obj" in msg, (rank, msg)
@@ -238,6 +239,22 @@ def test_key_requested_by_one_rank_is_not_missing(ckpt_for, mode):
         assert rep["logs"] == [], (rank, rep["logs"])
         if mode in RETURNING:
             assert rep["missing"] == set() and rep["unexpected"] == set(), rank
+
+
+@pytest.mark.parametrize("mode", [S.RETURN_ALL, S.RAISE_ALL, S.RETURN_UNEXPECTED, S.IGNORE_ALL], ids=_ids)
+def test_missing_object_counts_by_base_key(ckpt_for, mode):
+    pool = get_pool(2)
+    ckpt = str(ckpt_for(2))
+    if mode == S.RAISE_ALL:
+        for exc in pool.run_expect_error(_load, ckpt, mode, "only_a"):
+            assert isinstance(exc, CheckpointingException) and "['b', 'obj']" in str(exc), str(exc)
+            assert "shard_" not in str(exc), str(exc)
+        return
+    for rank, rep in enumerate(pool.run(_load, ckpt, mode, "only_a")):
+        assert rep["keys"] == ["a", "it"], rank
+        if mode in RETURNING:
+            assert rep["missing"] == ({"b", "obj"} if mode == S.RETURN_ALL else set()), (rank, rep["missing"])
+            assert rep["unexpected"] == set()
 
 
 # ----------------------------------------------------------------------------- combined / strings
