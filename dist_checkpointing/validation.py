@@ -280,14 +280,21 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     digests = all_gather_object(common_state_digest(common), group)
     if all(d == digests[0] for d in digests):
         return None
-    reference = broadcast_object(common if get_rank(group) == 0 else None, group)
+    payload = None
+    if get_rank(group) == 0:
+        try:  # pickle here, so a failure cannot leave the other ranks waiting in the broadcast
+            payload = pickle.dumps(common)
+        except Exception:  # noqa: BLE001 - the others then report without key details
+            payload = None
+    payload = broadcast_object(payload, group)
     if digests[get_rank(group)] == digests[0]:
         return None
-    only_rank0, only_here, different = diff(reference, common)
-    report = (
-        f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved: "
-        f"keys only on rank 0: {only_rank0}; keys only on this rank: {only_here}; "
-        f"keys with different values: {different}"
-    )
+    prefix = f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved"
+    if payload is None:
+        report = f"{prefix} (rank 0's common state cannot be pickled, so the differing keys are unknown)"
+    else:
+        only_rank0, only_here, different = diff(pickle.loads(payload), common)
+        report = (f"{prefix}: keys only on rank 0: {only_rank0}; keys only on this rank: {only_here}; "
+                  f"keys with different values: {different}")
     logger.warning(report)
     return report

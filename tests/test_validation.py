@@ -216,3 +216,34 @@ def test_flipped_byte_is_an_error_on_every_rank(world, target, tmp_path):
     assert len(excs) == world
     if target == "tensor_data":  # without verification the corruption goes unnoticed: the switch works
         pool.run(_load_for_integrity, str(ckpt), False)
+
+
+def _diverging_unpicklable_common(rank, world, ckpt):
+    extra = {"fn": (lambda: None)} if rank == 0 else {"fn": "string"}
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world)), **extra}, ckpt)
+
+
+def test_unpicklable_diverging_common_state_fails_cleanly(pool2, tmp_path):
+    """Rank 0's common state cannot be pickled: every rank gets an error, nobody hangs."""
+    excs = pool2.run_expect_error(_diverging_unpicklable_common, str(tmp_path / "c"))
+    assert all(isinstance(e, CheckpointingException) and "common state" in str(e) for e in excs), excs
+
+
+def test_remove_sharded_tensors_refuses_crafted_paths(tmp_path):
+    import pickle
+
+    from dist_checkpointing.strategies.torch import read_metadata
+
+    ckpt = tmp_path / "ckpt"
+    dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2)),
+             "b": ShardedTensor.from_rank_offsets("b", torch.ones(2))}, ckpt)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    md = read_metadata(ckpt)
+    index = next(i for i in md.storage_data if i.fqn == "b")
+    md.storage_data[index].relative_path = "../victim.txt"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    (ckpt / ".metadata.checksum").unlink()
+    with pytest.raises(CheckpointingException, match="victim.txt"):
+        dc.remove_sharded_tensors(ckpt, "b")
+    assert victim.read_text() == "keep"

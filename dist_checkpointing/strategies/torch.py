@@ -369,12 +369,7 @@ class _Reader:
         with self._lock:
             fd = self._fds.get(relative_path)
             if fd is None:
-                if not relative_path or os.path.basename(relative_path) != relative_path or relative_path in (".", ".."):
-                    raise CheckpointingException(
-                        f"Checkpoint metadata in {self.dir} names data file {relative_path!r}, which is "
-                        "not a file inside the checkpoint directory"
-                    )
-                path = self.dir / relative_path
+                path = data_file_path(self.dir, relative_path)
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except OSError as e:
@@ -458,6 +453,17 @@ class _Reader:
         if not (isinstance(loaded, list) and len(loaded) == 1):
             raise CheckpointingException(f"ShardedObject {read.key!r} at {where} has an unexpected layout")
         read.result.append(loaded[0])
+
+
+def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
+    """The path of a data file named in ``.metadata``; only plain names inside the
+    checkpoint directory are accepted (a crafted ``.metadata`` cannot reach other files)."""
+    if not relative_path or os.path.basename(relative_path) != relative_path or relative_path in (".", ".."):
+        raise CheckpointingException(
+            f"Checkpoint metadata in {checkpoint_dir} names data file {relative_path!r}, which is "
+            "not a file inside the checkpoint directory"
+        )
+    return checkpoint_dir / relative_path
 
 
 def _contiguous_strides(sizes) -> Tuple[int, ...]:
@@ -663,13 +669,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if not removed:
             return
         files_before = {si.relative_path for si in metadata.storage_data.values()}
+        for fname in files_before:
+            data_file_path(checkpoint_dir, fname)  # refuse a crafted .metadata before changing anything
         metadata.state_dict_metadata = {k: v for k, v in metadata.state_dict_metadata.items() if k not in removed}
         metadata.storage_data = {i: si for i, si in metadata.storage_data.items() if i.fqn not in removed}
         metadata.mcore_data = {k: v for k, v in metadata.mcore_data.items() if k not in removed}
         _write_metadata(metadata, checkpoint_dir)
         for fname in files_before - {si.relative_path for si in metadata.storage_data.values()}:
             try:
-                os.remove(checkpoint_dir / fname)
+                os.remove(data_file_path(checkpoint_dir, fname))
             except FileNotFoundError:
                 pass
 
