@@ -26,7 +26,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import tempfile
 import threading
@@ -39,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+
+from _common import clean_dir, closing_lines, free_port
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -309,14 +310,6 @@ def gather_floats(value: float) -> List[float]:
     return [float(t.item()) for t in out]
 
 
-def clean_dir(path: Path, rank: int) -> None:
-    """Remove ``path`` (rank 0), flush the file system, and wait for every rank."""
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.sync()
-    dist.barrier()
-
 
 def verify(method: str, methods: Methods) -> bool:
     """True if the last load of ``method`` returned the saved values (all ranks)."""
@@ -385,12 +378,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     finally:
         dist.destroy_process_group()
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(world: int, args: argparse.Namespace) -> Dict[str, object]:
@@ -481,10 +468,7 @@ def format_table(s: Dict[str, object]) -> str:
     lines.append("integrity overhead (checksums on / off): " + ", ".join(f"{k} = {v:.3f}" for k, v in integrity.items())
                  + "; median of per-round ratios: "
                  + ", ".join(f"{v:.3f}" for v in s["integrity_overhead_paired_median"].values()))
-    lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
-    if "loadavg_before_after" in s:
-        before, after = s["loadavg_before_after"]
-        lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
+    lines.extend(closing_lines(s))
     return "\n".join(lines)
 
 

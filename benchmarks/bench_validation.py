@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -32,6 +31,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from _common import clean_dir, closing_lines, free_port
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -73,14 +74,6 @@ def timed(fn: Callable[[], None]) -> float:
     return float(out.item())
 
 
-def clean_dir(path: Path, rank: int) -> None:
-    """Remove ``path`` (rank 0), flush the file system, and wait for every rank."""
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.sync()
-    dist.barrier()
-
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     """One rank: build the state, time validation and saves; rank 0 writes the raw results."""
@@ -118,12 +111,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def summarize(raw: Dict[str, object], args: argparse.Namespace) -> Dict[str, object]:
     """Medians (and min/max) of every timing, the validation share of a save, the target."""
@@ -158,10 +145,7 @@ def format_table(s: Dict[str, object]) -> str:
         lines.append(f"{name:<30}{t['median_s']:>10.4f}{t['min_s']:>9.4f}{t['max_s']:>9.4f}")
     lines.append(f"first (warm-up) validation: {s['validation_warmup_s']:.4f} s; save on - off (medians): "
                  f"{s['save_on_minus_off_s']:+.4f} s, on / off = {s['save_on / save_off']:.3f}")
-    lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
-    if "loadavg_before_after" in s:
-        before, after = s["loadavg_before_after"]
-        lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
+    lines.extend(closing_lines(s))
     return "\n".join(lines)
 
 

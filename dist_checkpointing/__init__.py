@@ -30,3 +30,11 @@ from .serialization import (
 from .validation import StrictHandling
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointingConfig", "CheckpointingException", "LocalNonpersistentObject", "ShardedObject",
+    "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "StrictHandling",
+    "apply_factories", "apply_factory_merges", "check_is_distributed_checkpoint", "is_main_replica",
+    "load", "load_common_state_dict", "load_content_metadata", "load_plain_tensors",
+    "load_sharded_metadata", "load_tensors_metadata", "remove_sharded_tensors", "save",
+]

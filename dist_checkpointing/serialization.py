@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Tuple, Union
 
-import torch
 
 from .collectives import broadcast_object, error_message, get_rank, run_agreed
 from .core import CheckpointingConfig, CheckpointingException, load_config, maybe_load_config, save_config

@@ -12,3 +12,9 @@ from .base import (
     get_default_strategy,
     register_default_strategy,
 )
+
+__all__ = [
+    "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
+    "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
+    "get_default_strategy", "register_default_strategy",
+]

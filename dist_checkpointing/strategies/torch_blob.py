@@ -22,8 +22,6 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..core import CheckpointingException
-
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_SIG = 0x04034B50
 

@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmark scripts (processes, scratch dirs, report lines)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Dict, List
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_dir(path: Path, rank: int) -> None:
+    """Remove ``path`` (rank 0), flush the file system, and wait for every rank."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+    dist.barrier()
+
+
+def closing_lines(summary: Dict[str, object]) -> List[str]:
+    """The 'targets' and 'load average' lines of a summary table."""
+    lines = ["targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in summary["targets_met"].items())]
+    if "loadavg_before_after" in summary:
+        before, after = summary["loadavg_before_after"]
+        lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
+    return lines
