@@ -24,6 +24,13 @@ ShardedStateDict = Dict[str, Any]
 StateDict = Dict[str, Any]
 
 
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def is_main_replica(replica_id: ReplicaId) -> bool:
     """True for the replica that is written on save: ``0`` or a tuple of zeros."""
     if isinstance(replica_id, int):
@@ -72,8 +79,8 @@ class ShardedTensor(ShardedBase):
         replica_id: which replica of the chunk this is; ``0`` (or all zeros) is written.
         prepend_axis_num: number of leading global axes of size 1 absent from ``data``.
         allow_shape_mismatch: skip the global shape check on load.
-        flattened_range: distributed-optimizer slice of the flattened chunk (a later
-            feature: rejected for now).
+        flattened_range: for distributed-optimizer state, the slice of the flattened local
+            chunk that ``data`` (1-D) holds; ``local_shape`` is then the chunk's shape.
     """
 
     key: str
@@ -103,11 +110,6 @@ class ShardedTensor(ShardedBase):
         key = self.key
         if not isinstance(key, str) or not key:
             raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {key!r}")
-        if self.flattened_range is not None:
-            raise CheckpointingException(
-                f"ShardedTensor {key!r}: flattened_range is not supported yet "
-                "(distributed-optimizer slices arrive with flattened_range support)"
-            )
         if not isinstance(self.dtype, torch.dtype):
             raise CheckpointingException(f"ShardedTensor {key!r}: dtype must be a torch.dtype")
         if self.prepend_axis_num < 0:
@@ -122,7 +124,7 @@ class ShardedTensor(ShardedBase):
                     f"ShardedTensor {key!r}: data dtype {self.data.dtype} does not match "
                     f"the declared dtype {self.dtype}"
                 )
-            if tuple(self.data.shape) != self.local_shape:
+            if self.flattened_range is None and tuple(self.data.shape) != self.local_shape:
                 raise CheckpointingException(
                     f"ShardedTensor {key!r}: data shape {tuple(self.data.shape)} does not "
                     f"match local_shape {self.local_shape}"
@@ -152,6 +154,36 @@ class ShardedTensor(ShardedBase):
                     f"outside the global shape {self.global_shape} (global_offset "
                     f"{self.global_offset}, local_shape {self.local_shape})"
                 )
+        if self.flattened_range is not None:
+            self._validate_flattened()
+
+    def _validate_flattened(self) -> None:
+        key, rng = self.key, self.flattened_range
+        if not isinstance(rng, slice) or not isinstance(rng.start, int) or not isinstance(rng.stop, int):
+            raise CheckpointingException(f"ShardedTensor {key!r}: flattened_range must be a slice of ints, got {rng!r}")
+        if rng.step not in (None, 1):
+            raise CheckpointingException(f"ShardedTensor {key!r}: flattened_range {rng} must not have a step")
+        numel = _numel(self.local_shape)
+        if not 0 <= rng.start <= rng.stop <= numel:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: flattened_range {rng} lies outside the chunk of {numel} elements "
+                f"(local_shape {self.local_shape})"
+            )
+        if self.data is not None and (self.data.ndim != 1 or self.data.numel() != rng.stop - rng.start):
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: flat data must be 1-D with {rng.stop - rng.start} elements "
+                f"(flattened_range {rng}), got shape {tuple(self.data.shape)}"
+            )
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"ShardedTensor {key!r}: a flattened tensor needs a regular grid "
+                                         "(axis_fragmentations)")
+        for axis, (glob, fr) in enumerate(zip(self.global_shape, self.axis_fragmentations)):
+            size = 1 if axis < self.prepend_axis_num else self.local_shape[axis - self.prepend_axis_num]
+            if axis >= self.prepend_axis_num and (size * fr != glob or self.global_offset[axis] % max(size, 1)):
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: a flattened tensor's chunks must form a regular grid, but axis "
+                    f"{axis} has global size {glob}, {fr} fragments of {size} and offset {self.global_offset[axis]}"
+                )
 
     @classmethod
     def from_rank_offsets(
@@ -173,6 +205,7 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: use from_rank_offsets_flat for flattened tensors"
             )
+        init_kwargs.pop("flattened_range", None)
         if not isinstance(data, torch.Tensor):
             raise CheckpointingException(f"ShardedTensor {key!r}: data must be a torch.Tensor")
         ndim = data.ndim + prepend_axis_num
@@ -224,6 +257,29 @@ class ShardedTensor(ShardedBase):
             **init_kwargs,
         )
 
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        flat_data: torch.Tensor,
+        non_flat_local_shape: Tuple[int, ...],
+        *rank_offsets: Tuple[int, int, int],
+        flattened_range: Optional[slice] = None,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Like :meth:`from_rank_offsets` for distributed-optimizer slices: ``flat_data`` is
+        ``chunk.flatten()[flattened_range]`` of a chunk of shape ``non_flat_local_shape``."""
+        if flattened_range is None:
+            raise CheckpointingException(f"ShardedTensor {key!r}: from_rank_offsets_flat needs a flattened_range")
+        if not isinstance(flat_data, torch.Tensor) or flat_data.ndim != 1:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: flat data must be a 1-D tensor, got "
+                f"{tuple(flat_data.shape) if isinstance(flat_data, torch.Tensor) else type(flat_data)}"
+            )
+        meta = torch.empty(tuple(non_flat_local_shape), dtype=flat_data.dtype, device="meta")
+        sh = cls.from_rank_offsets(key, meta, *rank_offsets, **init_kwargs)
+        return replace(sh, data=flat_data, flattened_range=flattened_range)
+
     def global_slice(self) -> Tuple[Union[int, slice], ...]:
         """Index of the local chunk in the global tensor (ints on prepended axes)."""
         pre = self.prepend_axis_num
@@ -248,14 +304,46 @@ class ShardedTensor(ShardedBase):
         """``(offsets, sizes)`` of the chunk in the global tensor (size 1 on prepended axes)."""
         return self.global_offset, (1,) * self.prepend_axis_num + self.local_shape
 
+    def reformulated_region(self) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+        """For a flattened tensor: ``(shape, offsets, sizes)`` of its slice in the N-D
+        reformulated tensor ``axis_fragmentations + (prod(local_shape),)``, where each chunk of
+        the grid is one row and the slice a range of the last axis (Megatron-Core 0.15's
+        storage layout of flattened tensors)."""
+        if self.flattened_range is None:
+            raise CheckpointingException(f"ShardedTensor {self.key!r} is not flattened")
+        chunk = self.local_chunk_offset_in_global()
+        rng = self.flattened_range
+        shape = tuple(self.axis_fragmentations) + (_numel(self.local_shape),)
+        return shape, chunk + (rng.start,), (1,) * len(chunk) + (rng.stop - rng.start,)
+
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
 
     def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
-        """Allocate ``data`` (if missing) on ``device`` with ``init_fn(shape, dtype=, device=)``."""
+        """Allocate ``data`` (if missing) on ``device`` with ``init_fn(shape, dtype=, device=)``
+        (1-D with the slice's length for flattened tensors)."""
         if self.data is not None:
             return
-        self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+        shape = self.local_shape
+        if self.flattened_range is not None:
+            shape = (self.flattened_range.stop - self.flattened_range.start,)
+        self.data = init_fn(shape, dtype=self.dtype, device=device)
+
+    def local_coordinates(self) -> Tuple[torch.Tensor, ...]:
+        """Per element of ``data`` (in order), its index along each axis of the local chunk."""
+        if self.flattened_range is None:
+            grids = torch.meshgrid(*(torch.arange(s) for s in self.local_shape), indexing="ij")
+            return tuple(g.reshape(-1) for g in grids)
+        flat = torch.arange(self.flattened_range.start, self.flattened_range.stop)
+        return tuple(torch.unravel_index(flat, self.local_shape)) if self.local_shape else ()
+
+    def global_coordinates(self) -> Tuple[torch.Tensor, ...]:
+        """Per element of ``data`` (in order), its index along each global axis."""
+        local = self.local_coordinates()
+        n = local[0].numel() if local else 1
+        pre = tuple(torch.full((n,), off, dtype=torch.long) for off in self.global_offset[: self.prepend_axis_num])
+        rest = tuple(c + off for c, off in zip(local, self.global_offset[self.prepend_axis_num:]))
+        return pre + rest
 
     def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
         """Narrow the local data along ``dim``; the result describes a chunk of a *smaller*
@@ -271,11 +359,25 @@ class ShardedTensor(ShardedBase):
                 f"ShardedTensor {self.key!r}: cannot narrow axis {dim} of size {local_len} to "
                 f"{length} on a grid with global size {glob} and offset {off}"
             )
-        new_data = self.data.narrow(dim, start, length)
         global_shape = list(self.global_shape)
         global_offset = list(self.global_offset)
         global_shape[gdim] = glob * length // local_len
         global_offset[gdim] = off * length // local_len
+        local_shape = list(self.local_shape)
+        local_shape[dim] = length
+        if self.flattened_range is not None:
+            if dim != 0:
+                raise CheckpointingException(f"ShardedTensor {self.key!r}: a flat tensor can only be narrowed on dim 0")
+            row = _numel(self.local_shape[1:])
+            lo = max(self.flattened_range.start, start * row)
+            hi = min(self.flattened_range.stop, (start + length) * row)
+            if lo >= hi:
+                return []
+            data = self.data[lo - self.flattened_range.start: hi - self.flattened_range.start]
+            new_range = slice(lo - start * row, hi - start * row)
+            return [replace(self, data=data, local_shape=tuple(local_shape), global_shape=tuple(global_shape),
+                            global_offset=tuple(global_offset), flattened_range=new_range)]
+        new_data = self.data.narrow(dim, start, length)
         return [
             replace(
                 self,

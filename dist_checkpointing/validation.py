@@ -105,7 +105,11 @@ class _KeySummary:
 def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
     out: Dict[str, _KeySummary] = {}
     for sh in items:
-        if isinstance(sh, ShardedTensor):
+        if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
+            # flattened slices must tile every chunk: check them in the reformulated space
+            shape, offsets, sizes = sh.reformulated_region()
+            kind, meta = "tensor", (shape, str(sh.dtype), "flattened")
+        elif isinstance(sh, ShardedTensor):
             kind, meta = "tensor", (tuple(sh.global_shape), str(sh.dtype))
             offsets, sizes = sh.global_region()
         elif isinstance(sh, ShardedObject):

@@ -139,7 +139,7 @@ def test_validate_metadata_integrity_after_mutation():
         sh.validate_metadata_integrity()
 
 
-def test_flattened_range_rejected_for_now():
+def test_flattened_range_needs_flat_data_and_the_flat_constructor():
     with pytest.raises(CheckpointingException, match="flattened_range"):
         _st(flattened_range=slice(0, 2))
     with pytest.raises(CheckpointingException, match="flattened_range|from_rank_offsets_flat"):

@@ -1,8 +1,10 @@
-"""Geometry of chunks in a global tensor: which stored chunks overlap a requested one."""
+"""Geometry of chunks in a global tensor: which stored chunks overlap a requested one, and
+how flattened (N-D reformulated) chunks map back to the original tensor."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import itertools
+from typing import Iterator, Optional, Sequence, Tuple
 
 Region = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
 
@@ -30,3 +32,40 @@ def intersect(a: Region, b: Region) -> Optional[Region]:
 def relative_slices(region: Region, origin: Sequence[int]) -> Tuple[slice, ...]:
     """Index of ``region`` within a tensor whose first element sits at ``origin``."""
     return tuple(slice(off - o, off - o + size) for off, size, o in zip(region[0], region[1], origin))
+
+
+def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Row-major strides (in elements) of a tensor of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def linear_index(coords: Sequence[int], strides: Sequence[int]) -> int:
+    """Position of ``coords`` in a row-major layout with ``strides``."""
+    return sum(c * s for c, s in zip(coords, strides))
+
+
+def grid_chunks_overlapping(region: Region, chunk_shape: Sequence[int]) -> Iterator[Tuple[int, ...]]:
+    """Indices of the chunks of a regular grid (chunks of ``chunk_shape``) that ``region`` touches."""
+    ranges = [range(off // c, (off + size - 1) // c + 1) for off, size, c in zip(region[0], region[1], chunk_shape)]
+    return itertools.product(*ranges)
+
+
+def flat_slice_bounding_region(chunk_offsets: Sequence[int], chunk_sizes: Sequence[int], prepend: int,
+                               flat_range: slice) -> Tuple[Region, int]:
+    """The smallest block of whole rows of a chunk that holds the flat slice ``flat_range``
+    of it (flat indices count over the non-prepended axes), and the flat index of the
+    block's first element. Reading this block is all a flattened request needs."""
+    local = tuple(chunk_sizes[prepend:])
+    if not local:
+        return (tuple(chunk_offsets), tuple(chunk_sizes)), 0
+    row = region_volume(local[1:])
+    first_row, last_row = flat_range.start // row, (flat_range.stop - 1) // row
+    offsets = list(chunk_offsets)
+    sizes = list(chunk_sizes)
+    offsets[prepend] += first_row
+    sizes[prepend] = last_row - first_row + 1
+    return (tuple(offsets), tuple(sizes)), first_row * row

@@ -26,7 +26,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
@@ -64,7 +64,16 @@ from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
 from .filesystem_async import write_file, zip_crc_disabled
-from .resharding import Region, intersect, region_volume, relative_slices
+from .resharding import (
+    Region,
+    contiguous_strides,
+    flat_slice_bounding_region,
+    grid_chunks_overlapping,
+    intersect,
+    linear_index,
+    region_volume,
+    relative_slices,
+)
 from .safe_pickle import load_dcp_metadata, safe_torch_load
 from .torch_blob import TensorHeader, read_tensor_header
 
@@ -81,7 +90,8 @@ class _SaveItem:
     key: str  # DCP key: ShardedTensor.key or ShardedObject.unique_key
     payload: Union[torch.Tensor, bytes]
     nbytes: int
-    tensor_meta: Optional[Tuple[Tuple[int, ...], torch.dtype, Tuple[int, ...], Tuple[int, ...]]]
+    # (global shape as stored, dtype, offsets, sizes, original global shape if reformulated)
+    tensor_meta: Optional[Tuple[Tuple[int, ...], torch.dtype, Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, ...]]]]
 
 
 def _object_payload(obj: ShardedObject) -> bytes:
@@ -102,12 +112,17 @@ def _collect_save_items(sharded_state_dict: ShardedStateDict) -> List[_SaveItem]
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
             sh.validate_metadata_integrity()
-            offsets, sizes = sh.global_region()
-            data = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
-            items.append(
-                _SaveItem(sh.key, data, data.numel() * data.element_size(),
-                          (sh.global_shape, sh.dtype, offsets, sizes))
-            )
+            if sh.flattened_range is not None:
+                # Megatron-Core 0.15 layout: the slice is a range of the last axis of the
+                # N-D reformulated tensor; written by its holder, no communication.
+                shape, offsets, sizes = sh.reformulated_region()
+                data = sh.data.reshape(sizes)
+                meta = (shape, sh.dtype, offsets, sizes, tuple(sh.global_shape))
+            else:
+                offsets, sizes = sh.global_region()
+                data = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+                meta = (sh.global_shape, sh.dtype, offsets, sizes, None)
+            items.append(_SaveItem(sh.key, data, data.numel() * data.element_size(), meta))
         elif isinstance(sh, ShardedObject):
             payload = _object_payload(sh)
             items.append(_SaveItem(sh.unique_key, payload, len(payload), None))
@@ -152,6 +167,7 @@ def _checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]
 def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Metadata:
     """Global DCP metadata from every rank's item locations, with consistency checks."""
     state_dict_metadata: Dict[str, Any] = {}
+    orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
     storage_data: Dict[MetadataIndex, _StorageInfo] = {}
     owner: Dict[MetadataIndex, int] = {}
     shape_owner: Dict[str, int] = {}
@@ -163,13 +179,19 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
                     raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 state_dict_metadata[key] = BytesStorageMetadata()
             else:
-                global_shape, dtype, offsets, sizes = tensor_meta
+                global_shape, dtype, offsets, sizes, orig_shape = tensor_meta
                 index = MetadataIndex(key, torch.Size(offsets))
                 md = state_dict_metadata.get(key)
                 if md is None:
                     md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
                     state_dict_metadata[key] = md
+                    orig_shapes[key] = orig_shape
                     shape_owner[key] = rank
+                elif orig_shapes.get(key) != orig_shape:
+                    raise CheckpointingException(
+                        f"ShardedTensor {key!r}: rank {shape_owner[key]} and rank {rank} save it with different "
+                        f"flattening (original global shapes {orig_shapes.get(key)} and {orig_shape})"
+                    )
                 elif not isinstance(md, TensorStorageMetadata):
                     raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != dtype:
@@ -195,8 +217,12 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
         storage_meta=StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4())),
         version=DCP_VERSION,
     )
-    # Megatron-Core's loader looks up per-key extras here (empty: nothing is reformulated)
-    metadata.mcore_data = {k: {} for k, md in state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    # Megatron-Core's loader looks up per-key extras here: the original global shape of
+    # flattened (N-D reformulated) tensors, nothing for the others.
+    metadata.mcore_data = {
+        k: ({"nd_reformulated_orig_global_shape": orig_shapes[k]} if orig_shapes.get(k) is not None else {})
+        for k, md in state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+    }
     metadata.checksums = _checksum_table([[(loc[2], loc[3], loc[5]) for loc in locs] for locs in per_rank])
     return metadata
 
@@ -385,7 +411,7 @@ class _Reader:
         header = read_tensor_header(fd, read.storage.offset, read.storage.length)
         if (header is not None and header.dtype == read.dtype and header.size != tuple(read.chunk[1])
                 and header.is_contiguous() and region_volume(header.size) == region_volume(read.chunk[1])):
-            header = TensorHeader(header.dtype, tuple(read.chunk[1]), _contiguous_strides(read.chunk[1]),
+            header = TensorHeader(header.dtype, tuple(read.chunk[1]), contiguous_strides(read.chunk[1]),
                                   header.data_offset)
         if header is not None and (header.dtype != read.dtype or header.size != tuple(read.chunk[1])):
             raise CheckpointingException(
@@ -466,12 +492,11 @@ def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
     return checkpoint_dir / relative_path
 
 
-def _contiguous_strides(sizes) -> Tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(tuple(sizes)):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
+def original_global_shape(metadata: Metadata, key: str) -> Optional[Tuple[int, ...]]:
+    """The original global shape of a key stored N-D reformulated (flattened), else ``None``."""
+    extras = (getattr(metadata, "mcore_data", None) or {}).get(key) or {}
+    shape = extras.get("nd_reformulated_orig_global_shape")
+    return tuple(shape) if shape is not None else None
 
 
 def _byte_view(t: torch.Tensor):
@@ -543,10 +568,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         metadata = read_metadata(checkpoint_dir)
         tensor_reads: List[_TensorRead] = []
+        post_copies: List[Callable[[], Any]] = []
         object_reads: Dict[int, _ObjectRead] = {}
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor):
-                tensor_reads.extend(self._plan_tensor(sh, metadata, checkpoint_dir))
+                reads, copies = self._plan_tensor(sh, metadata, checkpoint_dir)
+                tensor_reads.extend(reads)
+                post_copies.extend(copies)
             elif isinstance(sh, ShardedObject):
                 md = metadata.state_dict_metadata.get(sh.unique_key)
                 if not isinstance(md, BytesStorageMetadata):
@@ -556,18 +584,22 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 object_reads[id(sh)] = _ObjectRead(sh.unique_key, metadata.storage_data[MetadataIndex(sh.unique_key)])
             else:
                 raise CheckpointingException(f"Cannot load {type(sh).__name__} {getattr(sh, 'key', sh)!r}")
-        return tensor_reads, object_reads
+        return tensor_reads, object_reads, post_copies
 
-    def _plan_tensor(self, sh: ShardedTensor, metadata: Metadata, checkpoint_dir: Path) -> List[_TensorRead]:
+    def _plan_tensor(self, sh: ShardedTensor, metadata: Metadata,
+                     checkpoint_dir: Path) -> Tuple[List[_TensorRead], List[Callable[[], Any]]]:
+        """Reads (and copies to run after them) that fill ``sh.data`` from the checkpoint."""
         md = metadata.state_dict_metadata.get(sh.key)
         if md is None:
             raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in checkpoint {checkpoint_dir}")
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointingException(f"Key {sh.key!r} is an object in checkpoint {checkpoint_dir}, not a tensor")
-        if tuple(md.size) != sh.global_shape and not sh.allow_shape_mismatch:
+        orig = original_global_shape(metadata, sh.key)
+        stored_shape = orig if orig is not None else tuple(md.size)
+        if stored_shape != sh.global_shape and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Global shape mismatch for key {sh.key!r}: checkpoint {checkpoint_dir} has "
-                f"{tuple(md.size)}, the request expects {sh.global_shape}"
+                f"{stored_shape}, the request expects {sh.global_shape}"
             )
         if md.properties.dtype != sh.dtype:
             raise CheckpointingException(
@@ -576,8 +608,30 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         sh.init_data("cpu")
         sh.validate_metadata_integrity()
-        dest = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
-        request = sh.global_region()
+        rng = sh.flattened_range
+        if rng is not None and rng.stop == rng.start:
+            return [], []
+        if rng is not None and orig is not None and sh.reformulated_region()[0] == tuple(md.size):
+            # Same grid as saved: the slice is a range of one row of the stored tensor.
+            _, offsets, sizes = sh.reformulated_region()
+            return self._region_reads(sh, md, metadata, (offsets, sizes), sh.data.view(sizes), checkpoint_dir), []
+        finish: List[Callable[[], Any]] = []
+        if rng is None:
+            region = sh.global_region()
+            dest = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+        else:
+            # Another grid: read the rows of the request's chunk that hold its slice, then cut it.
+            region, first = flat_slice_bounding_region(*sh.global_region(), sh.prepend_axis_num, rng)
+            dest = torch.empty(region[1], dtype=sh.dtype)
+            finish.append(lambda: sh.data.copy_(dest.reshape(-1)[rng.start - first: rng.stop - first]))
+        if orig is None:
+            return self._region_reads(sh, md, metadata, region, dest, checkpoint_dir), finish
+        reads, copies = self._assemble_from_flat(sh, md, metadata, orig, region, dest, checkpoint_dir)
+        return reads, copies + finish
+
+    def _region_reads(self, sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata, request: Region,
+                      dest: torch.Tensor, checkpoint_dir: Path) -> List[_TensorRead]:
+        """Reads of the stored chunks overlapping ``request`` (in stored coordinates) into ``dest``."""
         reads, covered = [], 0
         for chunk_md in md.chunks:
             chunk = (tuple(chunk_md.offsets), tuple(chunk_md.sizes))
@@ -599,8 +653,41 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         return reads
 
+    def _assemble_from_flat(self, sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata,
+                            orig: Tuple[int, ...], region: Region, dest: torch.Tensor,
+                            checkpoint_dir: Path) -> Tuple[List[_TensorRead], List[Callable[[], Any]]]:
+        """Fill ``dest`` (the original-space ``region``) from a flattened key: for each stored
+        chunk that ``region`` touches, read the span of its row between the first and the last
+        needed element (from the DP slices that hold it) and copy the needed elements out."""
+        fragm, row_len = tuple(md.size[:-1]), md.size[-1]
+        if len(fragm) != len(orig) or any(f <= 0 or o % f for o, f in zip(orig, fragm)) or \
+                region_volume([o // f for o, f in zip(orig, fragm)]) != row_len:
+            raise CheckpointingException(
+                f"Key {sh.key!r} in checkpoint {checkpoint_dir} is stored flattened as {tuple(md.size)}, which is "
+                f"not a regular grid of its original shape {orig}"
+            )
+        chunk_shape = tuple(o // f for o, f in zip(orig, fragm))
+        strides = contiguous_strides(chunk_shape)
+        reads: List[_TensorRead] = []
+        copies: List[Callable[[], Any]] = []
+        for index in grid_chunks_overlapping(region, chunk_shape):
+            chunk_origin = tuple(i * c for i, c in zip(index, chunk_shape))
+            overlap = intersect(region, (chunk_origin, chunk_shape))
+            if overlap is None:
+                continue
+            rel = [o - c for o, c in zip(overlap[0], chunk_origin)]
+            first = linear_index(rel, strides)
+            last = linear_index([r + s - 1 for r, s in zip(rel, overlap[1])], strides)
+            span = torch.empty(last - first + 1, dtype=sh.dtype)
+            span_region = (tuple(index) + (first,), (1,) * len(index) + (last - first + 1,))
+            reads += self._region_reads(sh, md, metadata, span_region, span.view(span_region[1]), checkpoint_dir)
+            src = torch.as_strided(span, overlap[1], strides)
+            dst = dest[relative_slices(overlap, region[0])]
+            copies.append(lambda dst=dst, src=src: dst.copy_(src))
+        return reads, copies
+
     def _execute(self, plan, checkpoint_dir: Path) -> None:
-        tensor_reads, object_reads = plan
+        tensor_reads, object_reads, post_copies = plan
         table = getattr(read_metadata(checkpoint_dir), "checksums", None) if self.verify_checksums else None
         if table is not None and table.get("algorithm") != ALGORITHM:
             raise CheckpointingException(
@@ -620,10 +707,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                         f.result()
         finally:
             reader.close()
+        for copy in post_copies:  # assembled flattened data into its destination
+            copy()
 
     @staticmethod
     def _result(sharded_state_dict: ShardedStateDict, plan) -> StateDict:
-        _, object_reads = plan
+        _, object_reads, _ = plan
 
         def unwrap(sh: Any) -> Any:
             if isinstance(sh, ShardedTensor):
@@ -635,13 +724,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return dict_list_map_outplace(unwrap, sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """Whole-tensor ShardedTensors in the original global shape (flattened keys too)."""
         metadata = read_metadata(checkpoint_dir)
-        return {
-            key: ShardedTensor(key, None, md.properties.dtype, tuple(md.size), tuple(md.size),
-                               (0,) * len(md.size), (1,) * len(md.size))
-            for key, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)
-        }
+        result = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = original_global_shape(metadata, key) or tuple(md.size)
+                result[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, (0,) * len(shape),
+                                            (1,) * len(shape))
+        return result
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         """Tensors keyed by key; ShardedObjects keyed by unique key (data-less)."""
