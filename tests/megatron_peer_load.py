@@ -31,13 +31,18 @@ def main(ckpt: str, world_saved: int) -> None:
         "q": [ShardedTensor.from_rank_offsets("q", torch.zeros(4, 2, dtype=torch.bfloat16), (0, i, 3),
                                               prepend_axis_num=1) for i in range(3)],
         "o": ShardedObject("o", None, (world_saved,), (world_saved - 1,)),
+        # another grid (TP1: the whole tensor flattened) and other slice boundaries: a
+        # single-process Megatron-Core cannot request one chunk of a multi-chunk flat grid
+        "opt": ShardedTensor.from_rank_offsets_flat("opt", torch.zeros(9), (rows, 8),
+                                                    flattened_range=slice(rows * 8 - 12, rows * 8 - 3)),
     }
     out = mdc.load(request, ckpt, validate_access_integrity=False)
     assert torch.equal(out["w"], full_w[rows // 2:]), out["w"]
     assert all(torch.equal(out["q"][i], full_q[i]) for i in range(3))
     assert out["o"] == {"piece": world_saved - 1}, out["o"]
+    assert torch.equal(out["opt"], full_w.flatten()[rows * 8 - 12:rows * 8 - 3]), out["opt"]
     assert out["step"] == 9 and mdc.load_content_metadata(ckpt) == {"by": "dist_checkpointing"}
-    assert set(mdc.load_tensors_metadata(ckpt)) == {"w", "q"}
+    assert set(mdc.load_tensors_metadata(ckpt)) == {"w", "q", "opt"}
     print("MEGATRON LOAD OK")
 
 

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _save(rank, world, ckpt):
+    from dist_checkpointing import ShardedTensor
+
     rows = 2 * world
     full_w = torch.arange(rows * 8.0).reshape(rows, 8)
     full_q = torch.arange(3 * 4 * 2, dtype=torch.bfloat16).reshape(3, 4, 2)
@@ -37,6 +39,10 @@ def _save(rank, world, ckpt):
               for i in range(3)],
         "o": ShardedObject("o", {"piece": rank}, (world,), (rank,)),
         "step": 9,
+        # distributed-optimizer state: TP chunk of rows, every rank's slice is [0,5) and [5,16)
+        "opt": [ShardedTensor.from_rank_offsets_flat("opt", full_w[rank * 2:(rank + 1) * 2].flatten()[a:b].clone(),
+                                                     (2, 8), (0, rank, world), replica_id=0, flattened_range=slice(a, b))
+                for a, b in ((0, 5), (5, 16))],
     }
     dc.save(sd, ckpt, content_metadata={"by": "dist_checkpointing"})
 

@@ -330,13 +330,11 @@ def _load_and_continue(rank, world, ckpt, kind, tp, dp, flat, shift):
     opt = _make_optimizer(kind, list(params.values()), lr=0.7)  # the checkpoint's lr wins
     for p in params.values():
         opt.state[p] = _zero_state(kind, p)
-    model_sd = {name: layout.sharded(name, p.detach()) for name, p in params.items()}
-    mapping_sd = {name: layout.sharded(name, p) for name, p in params.items()}
-    request = {"model": model_sd, "optimizer": sharded_optimizer_state_dict(opt, mapping_sd)}
-    loaded = dc.load(request, ckpt)
+    model_sd = {"model": {name: layout.sharded(name, p) for name, p in params.items()}}
+    loaded = dc.load({**model_sd, "optimizer": sharded_optimizer_state_dict(opt, model_sd)}, ckpt)
     assert loaded["iteration"] == _SAVE_STEPS
     for name, p in params.items():  # the model was loaded in place (checked against the reference below)
-        assert loaded["model"][name].data_ptr() == p.data_ptr()
+        assert loaded["model"][name] is p
     opt.load_state_dict(loaded["optimizer"])
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["params"] == list(params.values())
     _check_against_reference(kind, layout, params, opt, _SAVE_STEPS)

@@ -803,6 +803,11 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
             chunk_sizes.append(glob // fr)
     local = {}
     for sh in sh_tens:
+        if sh.flattened_range is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} is flattened: the torch ShardedTensor bridge takes whole chunks only "
+                "(save flattened state with dist_checkpointing.save)"
+            )
         if (sh.key, sh.global_shape, sh.dtype, sh.axis_fragmentations) != (first.key, first.global_shape, first.dtype, fragm):
             raise CheckpointingException(f"ShardedTensors {first.key!r} and {sh.key!r} do not describe one grid")
         if sh.data is None or list(sh.global_region()[1]) != chunk_sizes:
