@@ -145,10 +145,11 @@ def optim_state_to_sharding_state(
     tensor (:func:`make_sharded_optimizer_tensor` with prefix
     ``f"optimizer.state.{state_key}"``). Other values (Adam's 0-dim ``'step'``, Python
     numbers) stay as they are and end up in the common state, so they must be equal on
-    every rank. Keys in ``exclude_keys`` (a sequence, or one key as a str) are dropped. ``param_groups`` is deep-copied and
-    each group's ``'params'`` wrapped in a :class:`LocalNonpersistentObject`: on load the
-    loading optimizer keeps its own param indices. The per-parameter dicts of the input
-    are not modified (``optimizer.state_dict()`` shares them with the live optimizer).
+    every rank. Keys in ``exclude_keys`` (a sequence, or one key as a str) are dropped.
+    ``param_groups`` is deep-copied and each group's ``'params'`` wrapped in a
+    :class:`LocalNonpersistentObject`: on load the loading optimizer keeps its own param
+    indices. The per-parameter dicts of the input are not modified
+    (``optimizer.state_dict()`` shares them with the live optimizer).
 
     Raises:
         CheckpointingException: a param index has no entry in ``id_to_sharded_param_map``,

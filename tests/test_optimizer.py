@@ -189,7 +189,8 @@ def test_sharded_optimizer_state_dict_factory_roundtrip_single_process(tmp_path)
     opt.step()
     expected = {k: v.clone() for k, v in opt.state[param].items()}
     dc.save({"optimizer": sharded_optimizer_state_dict(opt, {"p": _factory("p", param)})}, tmp_path / "ckpt")
-    assert {"optimizer.state.exp_avg.p.a", "optimizer.state.exp_avg_sq.p.b"} <= set(dc.load_tensors_metadata(tmp_path / "ckpt"))
+    stored = set(dc.load_tensors_metadata(tmp_path / "ckpt"))
+    assert {"optimizer.state.exp_avg.p.a", "optimizer.state.exp_avg_sq.p.b"} <= stored
 
     param2 = torch.nn.Parameter(torch.zeros(5))
     opt2 = torch.optim.Adam([param2], lr=0.5)
@@ -330,11 +331,14 @@ def _load_and_continue(rank, world, ckpt, kind, tp, dp, flat, shift):
     opt = _make_optimizer(kind, list(params.values()), lr=0.7)  # the checkpoint's lr wins
     for p in params.values():
         opt.state[p] = _zero_state(kind, p)
-    model_sd = {"model": {name: layout.sharded(name, p) for name, p in params.items()}}
-    loaded = dc.load({**model_sd, "optimizer": sharded_optimizer_state_dict(opt, model_sd)}, ckpt)
+    # The optimizer is mapped through the parameters themselves; the model is loaded into
+    # detached aliases (loading into a resharded nn.Parameter: see test_load_into_parameters).
+    mapping_sd = {name: layout.sharded(name, p) for name, p in params.items()}
+    model_sd = {name: layout.sharded(name, p.detach()) for name, p in params.items()}
+    loaded = dc.load({"model": model_sd, "optimizer": sharded_optimizer_state_dict(opt, mapping_sd)}, ckpt)
     assert loaded["iteration"] == _SAVE_STEPS
     for name, p in params.items():  # the model was loaded in place (checked against the reference below)
-        assert loaded["model"][name] is p
+        assert loaded["model"][name].data_ptr() == p.data_ptr()
     opt.load_state_dict(loaded["optimizer"])
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["params"] == list(params.values())
     _check_against_reference(kind, layout, params, opt, _SAVE_STEPS)
@@ -366,3 +370,21 @@ def test_optimizer_roundtrip_flat_dp_sliced(tmp_path, kind):
     slice boundaries), and non-flat at TP=4 and TP=1."""
     _roundtrip(tmp_path, kind, save=(2, 2, True, -1),
                loads=[(4, 1, True, 0), (1, 4, True, 1), (4, 1, False, 0), (1, 1, False, 0)])
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["chunk", "flat"])
+def test_load_into_parameters(tmp_path, flat):
+    """Model sharded state dicts hold the nn.Parameters themselves (they are what the optimizer
+    is mapped through), so a resharded load must fill Parameters in place."""
+    full = torch.arange(12.0).reshape(4, 3)
+    dc.save({"p": ShardedTensor.from_rank_offsets("p", full)}, tmp_path / "ckpt")
+    if flat:
+        param = torch.nn.Parameter(torch.zeros(4))
+        request = ShardedTensor.from_rank_offsets_flat("p", param, (2, 3), (0, 1, 2), flattened_range=slice(1, 5))
+        expected = full[2:].reshape(-1)[1:5]
+    else:
+        param = torch.nn.Parameter(torch.zeros(2, 3))
+        request = ShardedTensor.from_rank_offsets("p", param, (0, 1, 2))
+        expected = full[2:]
+    loaded = dc.load({"p": request}, tmp_path / "ckpt")
+    assert loaded["p"] is param and torch.equal(param.detach(), expected) and param.requires_grad

@@ -608,22 +608,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         sh.init_data("cpu")
         sh.validate_metadata_integrity()
+        data = sh.data.detach()  # fill in place, also parameters that require grad
         rng = sh.flattened_range
         if rng is not None and rng.stop == rng.start:
             return [], []
         if rng is not None and orig is not None and sh.reformulated_region()[0] == tuple(md.size):
             # Same grid as saved: the slice is a range of one row of the stored tensor.
             _, offsets, sizes = sh.reformulated_region()
-            return self._region_reads(sh, md, metadata, (offsets, sizes), sh.data.view(sizes), checkpoint_dir), []
+            return self._region_reads(sh, md, metadata, (offsets, sizes), data.view(sizes), checkpoint_dir), []
         finish: List[Callable[[], Any]] = []
         if rng is None:
             region = sh.global_region()
-            dest = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+            dest = data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else data
         else:
             # Another grid: read the rows of the request's chunk that hold its slice, then cut it.
             region, first = flat_slice_bounding_region(*sh.global_region(), sh.prepend_axis_num, rng)
             dest = torch.empty(region[1], dtype=sh.dtype)
-            finish.append(lambda: sh.data.copy_(dest.reshape(-1)[rng.start - first: rng.stop - first]))
+            finish.append(lambda: data.copy_(dest.reshape(-1)[rng.start - first: rng.stop - first]))
         if orig is None:
             return self._region_reads(sh, md, metadata, region, dest, checkpoint_dir), finish
         reads, copies = self._assemble_from_flat(sh, md, metadata, orig, region, dest, checkpoint_dir)
