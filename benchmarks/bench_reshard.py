@@ -275,10 +275,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 load_s, load_mem = timed_collective(load)
                 ok = all_true(state.verify(layout, box["loaded"])) if check else None
                 results[name] = {"load_s": load_s, "load_extra_mib": gather_floats(load_mem), "verified": ok}
-            rounds.append({"order": list(order), **results})
+            rounds.append({"order": list(order), "loadavg_1min_after": os.getloadavg()[0], **results})
             if rank == 0:
                 line = "  ".join(f"{n} {results[n]['load_s']:.3f}" for n in NAMES)
-                print(f"round {rnd + 1}/{args.rounds} load s: {line}", flush=True)
+                print(f"round {rnd + 1}/{args.rounds} load s: {line}  (load average {os.getloadavg()[0]:.1f})",
+                      flush=True)
         local = {lay.name: gather_floats(float(state.local_bytes(lay))) for lay in LAYOUTS}
         save_mem_all = gather_floats(save_mem)
         if rank == 0:

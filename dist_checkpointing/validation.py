@@ -97,6 +97,7 @@ class _KeySummary:
 
     kind: str  # "tensor" or "object"
     meta: Tuple  # (global_shape, dtype name) for tensors, (grid shape,) for objects
+    other_meta: Optional[Tuple] = None  # a second layout of the key on the same rank
     n_main: int = 0
     volume: int = 0
     fingerprint: int = 0
@@ -119,7 +120,7 @@ def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
             continue
         summary = out.setdefault(f"{kind}:{sh.key}", _KeySummary(kind, meta))
         if summary.meta != meta:
-            summary.meta = ("inconsistent on this rank", summary.meta, meta)
+            summary.other_meta = meta
         if is_main_replica(sh.replica_id):
             summary.n_main += 1
             summary.volume += _volume(sizes)
@@ -137,6 +138,10 @@ def _volume(sizes: Sequence[int]) -> int:
 def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: bool) -> Optional[str]:
     kind, key = name.split(":", 1)
     label = "ShardedTensor" if kind == "tensor" else "ShardedObject"
+    mixed = [(r, s) for r, s in per_rank if s.other_meta is not None]
+    if mixed:
+        detail = ", ".join(f"rank {r}: {s.meta} and {s.other_meta}" for r, s in mixed)
+        return f"{label} {key!r}: a rank holds it in two different layouts ({detail})"
     metas = {s.meta for _, s in per_rank}
     if len(metas) > 1:
         what = "global shape/dtype" if kind == "tensor" else "grid shape"
@@ -191,7 +196,10 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     for name in sorted(by_key):
         if int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world != rank:
             continue
-        verdict = _verdict(name, by_key[name], allow_gaps)
+        try:
+            verdict = _verdict(name, by_key[name], allow_gaps)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the next collective
+            verdict = f"{name}: cannot be validated ({type(e).__name__}: {e})"
         if verdict is not None:
             problems.append(verdict)
     everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]

@@ -31,10 +31,9 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, re
 from .conftest import FIXTURES, get_pool
 
 _TIMEOUT = 120.0
-# Empty save slices (slice(a, a)) currently make save fail (see
-# test_save_with_empty_flat_slices); flip to True once fixed, so the random test draws them too.
-EMPTY_SAVE_SLICES = False
-EXAMPLES = int(os.environ.get("FLAT_EXAMPLES", "10"))
+# Empty save slices (slice(a, a)) are drawn too (FLAT_EMPTY_SAVE_SLICES=0 turns them off).
+EMPTY_SAVE_SLICES = os.environ.get("FLAT_EMPTY_SAVE_SLICES", "1") == "1"
+EXAMPLES = int(os.environ.get("FLAT_EXAMPLES", "10"))  # raise for a longer bug hunt
 
 
 # ----------------------------------------------------------------------------- values and pieces
@@ -130,7 +129,8 @@ def tp_dp_layout(shape, prepend: int, tp_axis: int, tp: int, world: int, flat: b
 # A key spec: {"name", "shape", "dtype", "salt", "pieces": per-rank lists of pieces}
 
 
-def _save_rank(rank: int, world: int, ckpt_dir: str, specs: List[Dict[str, Any]], tag: int) -> int:
+def _save_rank(rank: int, world: int, ckpt_dir: str, specs: List[Dict[str, Any]], tag: int,
+               validate: bool = True) -> int:
     model: Dict[str, Any] = {}
     for spec in specs:
         glob = global_values(spec["shape"], spec["dtype"], spec["salt"])
@@ -141,7 +141,7 @@ def _save_rank(rank: int, world: int, ckpt_dir: str, specs: List[Dict[str, Any]]
     sd: Dict[str, Any] = {"tag": tag}
     if model:
         sd["model"] = model
-    dc.save(sd, ckpt_dir)
+    dc.save(sd, ckpt_dir, validate_access_integrity=validate)
     return sum(len(v) for v in model.values())
 
 
@@ -425,7 +425,8 @@ def _grid(draw, shape):
 
 @st.composite
 def _flat_layout(draw, shape, world, grid, allow_empty: bool, complete: bool):
-    """Every chunk of ``grid`` cut into 1-4 DP slices (replica 0), each held by a random rank."""
+    """Every chunk of ``grid`` cut into 1-4 DP slices, each held by a random rank (main replica)
+    and sometimes by another one too (non-main replica)."""
     prepend, tp_axis, tp = grid
     n = math.prod(shape[prepend:]) // tp
     per_rank: List[List[Dict[str, Any]]] = [[] for _ in range(world)]
@@ -436,7 +437,11 @@ def _flat_layout(draw, shape, world, grid, allow_empty: bool, complete: bool):
             for lo, hi in zip(b, b[1:]):
                 if not complete and draw(st.integers(0, 7)) == 0:
                     continue  # nobody requests this slice
-                per_rank[draw(st.integers(0, world - 1))].append(_piece(prepend, layer, tp_axis, t, tp, (lo, hi), 0))
+                # usually one holder; sometimes non-main copies elsewhere (e.g. replicated across EP)
+                n_holders = draw(st.sampled_from([1, 1, 1, 2]))
+                holders = draw(st.lists(st.integers(0, world - 1), unique=True, min_size=1, max_size=n_holders))
+                for j, r in enumerate(holders):
+                    per_rank[r].append(_piece(prepend, layer, tp_axis, t, tp, (lo, hi), j))
     return per_rank
 
 
@@ -649,6 +654,68 @@ def test_flat_request_against_other_global_shape(saved_ckpts):
                       W, LIN, str(shape))
 
 
+def test_flat_load_from_checkpoint_with_a_gap(tmp_path):
+    """A flat checkpoint saved without validation and missing elements [10, 12) of every TP
+    chunk: requests touching the gap fail on every rank (flat on the same grid, flat on another
+    grid, non-flat), requests around it load."""
+    pool = get_pool(W)
+    ckpt = str(tmp_path / "gap")
+    pool.run(_save_rank, ckpt, _lin_flat_specs({0: (0, 10), 1: (12, 24)}, W, 2), 1, False, timeout=_TIMEOUT)
+    shape, dtype, *_ = KEYS[LIN]
+    base = {"name": LIN, "shape": shape, "dtype": dtype, "salt": 0}
+    bad = [
+        tp_dp_layout(shape, 0, 0, 2, W, True, lambda layer, t: [0, 11, 24]),    # same grid
+        tp_dp_layout(shape, 0, 0, 4, W, True, lambda layer, t: [0, 12]),        # TP4 flat
+        tp_dp_layout(shape, 0, 0, 2, W, False),                                 # non-flat
+    ]
+    for pieces in bad:
+        excs = pool.run_expect_error(_expect_load_error, ckpt, [dict(base, pieces=pieces)], timeout=_TIMEOUT)
+        _assert_all_raise(excs, W, LIN)
+    good_same_grid = [[_piece(0, None, 0, r % 2, 2, (0, 10) if r < 2 else (12, 24), 0)] for r in range(W)]
+    # TP4 chunks 0 and 2 hold the gap in their second row: their first row loads
+    good_tp4 = [[_piece(0, None, 0, r, 4, (0, 6) if r % 2 == 0 else (0, 12), 0)] for r in range(W)]
+    for good in (good_same_grid, good_tp4):
+        checked = pool.run(_load_rank, ckpt, [dict(base, pieces=good)], 1, timeout=_TIMEOUT)
+        assert sum(checked) == W
+
+
+def _mixed_layout_pieces(rank: int) -> List[Dict[str, Any]]:
+    """LIN on one rank both as a flat TP2 slice and as a non-flat TP4 chunk (non-main)."""
+    return [_piece(0, None, 0, rank % 2, 2, (0, 24), 0), _piece(0, None, 0, rank, 4, None, 1)]
+
+
+def test_validation_of_one_key_in_two_layouts_on_one_rank():
+    """Known bug: when one rank holds a key in two geometries (here flat and non-flat),
+    validate_sharding_integrity crashes with TypeError ('can't multiply sequence by non-int of
+    type str': _verdict takes the 'inconsistent on this rank' marker for a shape). On a
+    multi-rank group only the rank judging the key raises, so the others hang (see
+    test_load_one_key_in_two_layouts_on_one_rank). It must raise CheckpointingException or pass."""
+    from dist_checkpointing.validation import validate_sharding_integrity
+
+    shape, dtype, *_ = KEYS[LIN]
+    glob = global_values(shape, dtype, 0)
+    items = [_make_sharded(LIN, shape, dtype, p, _expected(glob, p)) for p in _mixed_layout_pieces(0)]
+    try:
+        validate_sharding_integrity(items, allow_gaps=True)
+    except CheckpointingException:
+        pass
+
+
+def test_load_one_key_in_two_layouts_on_one_rank(saved_ckpts):
+    """Each of 2 ranks requests LIN as a flat slice and as a non-flat chunk. Loading either
+    works (values checked) or fails with CheckpointingException on every rank; it must not hang.
+    Known bug: it hangs (the judging rank raises TypeError, the other waits in a collective)."""
+    world = 2
+    shape, dtype, *_ = KEYS[LIN]
+    spec = {"name": LIN, "shape": shape, "dtype": dtype, "salt": 0,
+            "pieces": [_mixed_layout_pieces(r) for r in range(world)]}
+    replies = get_pool(world)._dispatch(_load_rank, (saved_ckpts["save_flat"], [spec], 7), timeout=10.0)
+    if all(ok for ok, _ in replies):
+        assert sum(v for _, v in replies) == 2 * world
+    else:
+        _assert_all_raise([v[0] if not ok else None for ok, v in replies], world, LIN)
+
+
 # ----------------------------------------------------------------------------- empty slices
 
 
@@ -678,8 +745,7 @@ def test_save_with_empty_flat_slices(tmp_path, bounds):
     for d, (a, b) in enumerate(zip(bounds, bounds[1:])):
         per_rank[d % 2].append(_piece(0, None, 0, 0, 1, (a, b), 0))
     save_specs = [{"name": LIN, "shape": shape, "dtype": dtype, "salt": 0, "pieces": per_rank}]
-    load_specs = _specs("tp4_dp1_flat")[:1]
-    load_specs[0]["pieces"] = tp_dp_layout(shape, 0, 0, 2, world, True, lambda layer, t: [0, 24])
+    load_specs = [dict(save_specs[0], pieces=tp_dp_layout(shape, 0, 0, 2, world, True, lambda layer, t: [0, 24]))]
     _save_and_load(world, save_specs, load_specs, tmp_path)
 
 

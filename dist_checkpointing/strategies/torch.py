@@ -112,6 +112,8 @@ def _collect_save_items(sharded_state_dict: ShardedStateDict) -> List[_SaveItem]
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
             sh.validate_metadata_integrity()
+            if sh.flattened_range is not None and sh.flattened_range.stop == sh.flattened_range.start:
+                continue  # an empty slice of a chunk: nothing to store
             if sh.flattened_range is not None:
                 # Megatron-Core 0.15 layout: the slice is a range of the last axis of the
                 # N-D reformulated tensor; written by its holder, no communication.
