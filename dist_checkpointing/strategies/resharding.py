@@ -69,3 +69,14 @@ def flat_slice_bounding_region(chunk_offsets: Sequence[int], chunk_sizes: Sequen
     offsets[prepend] += first_row
     sizes[prepend] = last_row - first_row + 1
     return (tuple(offsets), tuple(sizes)), first_row * row
+
+
+def contiguous_start(box_sizes: Sequence[int], rel_offsets: Sequence[int], sizes: Sequence[int]) -> Optional[int]:
+    """If the sub-box (``rel_offsets``, ``sizes``) of a box is one contiguous run of the
+    box's row-major layout, the flat index where it starts; else ``None``. That is the case
+    when, past the first axis longer than 1, the sub-box spans whole axes of the box."""
+    n = len(box_sizes)
+    first_long = next((j for j in range(n) if sizes[j] > 1), n)
+    if any(sizes[j] != box_sizes[j] for j in range(first_long + 1, n)):
+        return None
+    return linear_index(rel_offsets, contiguous_strides(box_sizes))

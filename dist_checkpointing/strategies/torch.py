@@ -66,6 +66,7 @@ from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, regi
 from .filesystem_async import write_file, zip_crc_disabled
 from .resharding import (
     Region,
+    contiguous_start,
     contiguous_strides,
     flat_slice_bounding_region,
     grid_chunks_overlapping,
@@ -494,6 +495,19 @@ def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
     return checkpoint_dir / relative_path
 
 
+def _stored_chunk_shape(key: str, md: TensorStorageMetadata, orig: Tuple[int, ...],
+                        checkpoint_dir: Path) -> Tuple[int, ...]:
+    """The chunk shape of a key stored flattened as ``axis_fragmentations + (chunk numel,)``."""
+    fragm, row_len = tuple(md.size[:-1]), md.size[-1]
+    if len(fragm) != len(orig) or any(f <= 0 or o % f for o, f in zip(orig, fragm)) or \
+            region_volume([o // f for o, f in zip(orig, fragm)]) != row_len:
+        raise CheckpointingException(
+            f"Key {key!r} in checkpoint {checkpoint_dir} is stored flattened as {tuple(md.size)}, which is "
+            f"not a regular grid of its original shape {orig}"
+        )
+    return tuple(o // f for o, f in zip(orig, fragm))
+
+
 def original_global_shape(metadata: Metadata, key: str) -> Optional[Tuple[int, ...]]:
     """The original global shape of a key stored N-D reformulated (flattened), else ``None``."""
     extras = (getattr(metadata, "mcore_data", None) or {}).get(key) or {}
@@ -618,6 +632,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             # Same grid as saved: the slice is a range of one row of the stored tensor.
             _, offsets, sizes = sh.reformulated_region()
             return self._region_reads(sh, md, metadata, (offsets, sizes), data.view(sizes), checkpoint_dir), []
+        if orig is not None:
+            direct = self._direct_flat_reads(sh, md, metadata, orig, data, checkpoint_dir)
+            if direct is not None:
+                return direct, []
         finish: List[Callable[[], Any]] = []
         if rng is None:
             region = sh.global_region()
@@ -656,20 +674,43 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         return reads
 
+    def _direct_flat_reads(self, sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata,
+                           orig: Tuple[int, ...], data: torch.Tensor, checkpoint_dir: Path) -> Optional[List[_TensorRead]]:
+        """Reads straight into the request's tensor from a flattened key, when each overlap of
+        the request's chunk with a stored chunk is one contiguous run in both row-major layouts
+        (e.g. grids split along the leading axis): no buffers, no copies. ``None`` otherwise."""
+        chunk_shape = _stored_chunk_shape(sh.key, md, orig, checkpoint_dir)
+        if not data.is_contiguous():
+            return None
+        flat_data = data.reshape(-1)
+        request = sh.global_region()
+        rng = sh.flattened_range
+        lo_req, hi_req = (rng.start, rng.stop) if rng is not None else (0, flat_data.numel())
+        reads: List[_TensorRead] = []
+        for index in grid_chunks_overlapping(request, chunk_shape):
+            chunk_origin = tuple(i * c for i, c in zip(index, chunk_shape))
+            overlap = intersect(request, (chunk_origin, chunk_shape))
+            if overlap is None:
+                continue
+            r0 = contiguous_start(request[1], [o - r for o, r in zip(overlap[0], request[0])], overlap[1])
+            s0 = contiguous_start(chunk_shape, [o - c for o, c in zip(overlap[0], chunk_origin)], overlap[1])
+            if r0 is None or s0 is None:
+                return None
+            lo, hi = max(r0, lo_req), min(r0 + region_volume(overlap[1]), hi_req)
+            if lo >= hi:
+                continue
+            run = (tuple(index) + (s0 + lo - r0,), (1,) * len(index) + (hi - lo,))
+            dest = flat_data[lo - lo_req: hi - lo_req].view(run[1])
+            reads += self._region_reads(sh, md, metadata, run, dest, checkpoint_dir)
+        return reads
+
     def _assemble_from_flat(self, sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata,
                             orig: Tuple[int, ...], region: Region, dest: torch.Tensor,
                             checkpoint_dir: Path) -> Tuple[List[_TensorRead], List[Callable[[], Any]]]:
         """Fill ``dest`` (the original-space ``region``) from a flattened key: for each stored
         chunk that ``region`` touches, read the span of its row between the first and the last
         needed element (from the DP slices that hold it) and copy the needed elements out."""
-        fragm, row_len = tuple(md.size[:-1]), md.size[-1]
-        if len(fragm) != len(orig) or any(f <= 0 or o % f for o, f in zip(orig, fragm)) or \
-                region_volume([o // f for o, f in zip(orig, fragm)]) != row_len:
-            raise CheckpointingException(
-                f"Key {sh.key!r} in checkpoint {checkpoint_dir} is stored flattened as {tuple(md.size)}, which is "
-                f"not a regular grid of its original shape {orig}"
-            )
-        chunk_shape = tuple(o // f for o, f in zip(orig, fragm))
+        chunk_shape = _stored_chunk_shape(sh.key, md, orig, checkpoint_dir)
         strides = contiguous_strides(chunk_shape)
         reads: List[_TensorRead] = []
         copies: List[Callable[[], Any]] = []
