@@ -360,6 +360,45 @@ def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
     return metadata
 
 
+class _ScratchArena:
+    """Temporary buffers of one load (assembly spans of flattened keys), carved from memory
+    that is kept for the next load: touching fresh memory costs more than the copies.
+    At most ``max_cached_bytes`` stay cached between loads."""
+
+    _ALIGN = 64
+
+    def __init__(self, max_cached_bytes: int = 256 << 20):
+        self.max_cached_bytes = max_cached_bytes
+        self._cached: Optional[torch.Tensor] = None
+        self._arena: Optional[torch.Tensor] = None
+        self._used = 0
+
+    def begin(self) -> None:
+        """Start carving for a new load from the cached arena."""
+        self._arena, self._used = self._cached, 0
+
+    def empty(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor valid until the next :meth:`begin`."""
+        nbytes = region_volume(shape) * torch.empty((), dtype=dtype).element_size()
+        aligned = -(-max(nbytes, 1) // self._ALIGN) * self._ALIGN
+        if self._arena is None or self._used + aligned > self._arena.numel():
+            size = max(aligned, 2 * (self._arena.numel() if self._arena is not None else 0), 16 << 20)
+            self._arena, self._used = torch.empty(size, dtype=torch.uint8), 0
+        view = self._arena[self._used:self._used + nbytes]
+        self._used += aligned
+        return view.view(dtype).view(shape)
+
+    def end(self) -> None:
+        """Keep the last (largest) arena for the next load, if it is not too big."""
+        if self._arena is not None and self._arena.numel() <= self.max_cached_bytes:
+            self._cached = self._arena
+        self._arena = None
+
+    def release(self) -> None:
+        """Free the cached memory."""
+        self._cached = self._arena = None
+
+
 @dataclass
 class _TensorRead:
     key: str
@@ -548,12 +587,20 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             from the checkpoint: only for checkpoints you trust).
         verify_checksums: verify every item read against its recorded checksum
             (checkpoints without checksums, e.g. Megatron-Core's, load unverified).
+
+    Resharding loads of flattened keys assemble through temporary buffers that the
+    strategy keeps for its next load (at most 256 MiB; :meth:`release_scratch` frees them).
     """
 
     def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True):
         self.thread_count = max(1, int(thread_count))
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
+        self._scratch = _ScratchArena()
+
+    def release_scratch(self) -> None:
+        """Free the temporary memory kept from the last resharding load of flattened keys."""
+        self._scratch.release()
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -583,6 +630,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         metadata = read_metadata(checkpoint_dir)
+        self._scratch.begin()
         tensor_reads: List[_TensorRead] = []
         post_copies: List[Callable[[], Any]] = []
         object_reads: Dict[int, _ObjectRead] = {}
@@ -643,7 +691,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         else:
             # Another grid: read the rows of the request's chunk that hold its slice, then cut it.
             region, first = flat_slice_bounding_region(*sh.global_region(), sh.prepend_axis_num, rng)
-            dest = torch.empty(region[1], dtype=sh.dtype)
+            dest = self._scratch.empty(region[1], sh.dtype)
             finish.append(lambda: data.copy_(dest.reshape(-1)[rng.start - first: rng.stop - first]))
         if orig is None:
             return self._region_reads(sh, md, metadata, region, dest, checkpoint_dir), finish
@@ -722,7 +770,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             rel = [o - c for o, c in zip(overlap[0], chunk_origin)]
             first = linear_index(rel, strides)
             last = linear_index([r + s - 1 for r, s in zip(rel, overlap[1])], strides)
-            span = torch.empty(last - first + 1, dtype=sh.dtype)
+            span = self._scratch.empty((last - first + 1,), sh.dtype)
             span_region = (tuple(index) + (first,), (1,) * len(index) + (last - first + 1,))
             reads += self._region_reads(sh, md, metadata, span_region, span.view(span_region[1]), checkpoint_dir)
             src = torch.as_strided(span, overlap[1], strides)
@@ -753,6 +801,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             reader.close()
         for copy in post_copies:  # assembled flattened data into its destination
             copy()
+        self._scratch.end()
 
     @staticmethod
     def _result(sharded_state_dict: ShardedStateDict, plan) -> StateDict:
