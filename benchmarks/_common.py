@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -34,3 +38,16 @@ def closing_lines(summary: Dict[str, object]) -> List[str]:
         before, after = summary["loadavg_before_after"]
         lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
     return lines
+
+
+def spawn_ranks(worker: Callable, world: int, args: argparse.Namespace) -> Dict[str, object]:
+    """Run ``worker(rank, world, port, args, out_path)`` on ``world`` spawned processes and
+    return the JSON that rank 0 writes to ``out_path``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        out_path = tmp.name
+    try:
+        mp.spawn(worker, args=(world, free_port(), args, out_path), nprocs=world, join=True)
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out_path)

@@ -33,17 +33,14 @@ import os
 import platform
 import shutil
 import statistics
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _common import clean_dir, closing_lines, free_port
+from _common import clean_dir, closing_lines, spawn_ranks
 from bench_save_load import gather_floats, read_all_files, timed_collective
 
 import dist_checkpointing
@@ -298,14 +295,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
     """Spawn the 4 ranks and return their raw results."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out_path = tmp.name
-    try:
-        mp.spawn(worker, args=(WORLD, free_port(), args, out_path), nprocs=WORLD, join=True)
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(out_path)
+    return spawn_ranks(worker, WORLD, args)
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -27,7 +27,6 @@ import os
 import platform
 import shutil
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,9 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
-from _common import clean_dir, closing_lines, free_port
+from _common import clean_dir, closing_lines, spawn_ranks
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -382,14 +380,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
 
 def run_world(world: int, args: argparse.Namespace) -> Dict[str, object]:
     """Spawn ``world`` ranks and return their raw results."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out_path = tmp.name
-    try:
-        mp.spawn(worker, args=(world, free_port(), args, out_path), nprocs=world, join=True)
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(out_path)
+    return spawn_ranks(worker, world, args)
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -23,16 +23,14 @@ import os
 import platform
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _common import clean_dir, closing_lines, free_port
+from _common import clean_dir, closing_lines, spawn_ranks
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -169,16 +167,11 @@ def main() -> None:
     scratch = Path(args.dir) / f"bench_validation_{os.getpid()}"
     args.dir = str(scratch)
     started = datetime.datetime.now().astimezone()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out_path = tmp.name
     try:
         load_before = os.getloadavg()
-        mp.spawn(worker, args=(WORLD, free_port(), args, out_path), nprocs=WORLD, join=True)
+        raw = spawn_ranks(worker, WORLD, args)
         load_after = os.getloadavg()
-        with open(out_path) as f:
-            raw = json.load(f)
     finally:
-        os.unlink(out_path)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(raw, args)
     summary["loadavg_before_after"] = [load_before, load_after]

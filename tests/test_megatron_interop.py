@@ -28,8 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 
 def _save(rank, world, ckpt):
-    from dist_checkpointing import ShardedTensor
-
     rows = 2 * world
     full_w = torch.arange(rows * 8.0).reshape(rows, 8)
     full_q = torch.arange(3 * 4 * 2, dtype=torch.bfloat16).reshape(3, 4, 2)
