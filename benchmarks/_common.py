@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import shutil
 import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -51,3 +54,24 @@ def spawn_ranks(worker: Callable, world: int, args: argparse.Namespace) -> Dict[
             return json.load(f)
     finally:
         os.unlink(out_path)
+
+
+def add_scratch_and_output_flags(ap: argparse.ArgumentParser, default_dir: Path, default_output: Path) -> None:
+    """The ``--dir`` (scratch directory) and ``--output`` (JSON path) flags of every benchmark."""
+    ap.add_argument("--dir", default=str(default_dir), help="scratch directory on the disk under test (not tmpfs)")
+    ap.add_argument("--output", default=str(default_output), help="JSON results path")
+
+
+def write_report(output: str, started: datetime.datetime, run_args: Dict[str, object],
+                 results_key: str, results: object) -> Path:
+    """Write the JSON report (date, machine, arguments, results) and return its path."""
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "args": run_args,
+        results_key: results,
+    }
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    return out

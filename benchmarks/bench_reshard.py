@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 from dataclasses import dataclass
@@ -40,7 +39,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from _common import clean_dir, closing_lines, spawn_ranks
+from _common import (
+    add_scratch_and_output_flags,
+    clean_dir,
+    closing_lines,
+    spawn_ranks,
+    write_report,
+)
 from bench_save_load import gather_floats, read_all_files, timed_collective
 
 import dist_checkpointing
@@ -362,9 +367,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     ap.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                     help="load with TorchDistLoadShardedStrategy(verify_checksums=False)")
-    ap.add_argument("--dir", default=str(REPO_ROOT.parent / "bench_tmp"),
-                    help="scratch directory on the disk under test (not tmpfs)")
-    ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
+    add_scratch_and_output_flags(ap, REPO_ROOT.parent / "bench_tmp", RESULTS_PATH)
     return ap.parse_args()
 
 
@@ -381,16 +384,14 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary["loadavg_before_after"] = [load_before, os.getloadavg()]
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "args": {"size_mib": args.size_mib, "layers": args.layers, "rounds": args.rounds,
-                 "verify_checksums": args.verify_checksums, "dir": str(scratch)},
-        "result": summary,
+    run_args = {
+        "size_mib": args.size_mib,
+        "layers": args.layers,
+        "rounds": args.rounds,
+        "verify_checksums": args.verify_checksums,
+        "dir": str(scratch),
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_report(args.output, started, run_args, "result", summary)
     print(format_table(summary))
     print(f"JSON results: {out}")
 

@@ -24,7 +24,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import threading
@@ -37,7 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from _common import clean_dir, closing_lines, spawn_ranks
+from _common import (
+    add_scratch_and_output_flags,
+    clean_dir,
+    closing_lines,
+    spawn_ranks,
+    write_report,
+)
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -472,9 +477,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (all ranks), GiB")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     ap.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
-    ap.add_argument("--dir", default=str(REPO_ROOT.parent / "bench_tmp"),
-                    help="scratch directory on the disk under test (not tmpfs)")
-    ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
+    add_scratch_and_output_flags(ap, REPO_ROOT.parent / "bench_tmp", RESULTS_PATH)
     return ap.parse_args()
 
 
@@ -496,15 +499,13 @@ def main() -> None:
             print(format_table(summaries[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "args": {"size_gib": args.size_gib, "rounds": args.rounds, "world_sizes": worlds, "dir": str(scratch)},
-        "results": summaries,
+    run_args = {
+        "size_gib": args.size_gib,
+        "rounds": args.rounds,
+        "world_sizes": worlds,
+        "dir": str(scratch),
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_report(args.output, started, run_args, "results", summaries)
     print("\n\n".join(format_table(s) for s in summaries))
     print(f"JSON results: {out}")
 

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import time
@@ -30,7 +29,13 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from _common import clean_dir, closing_lines, spawn_ranks
+from _common import (
+    add_scratch_and_output_flags,
+    clean_dir,
+    closing_lines,
+    spawn_ranks,
+    write_report,
+)
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -153,8 +158,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--keys", type=int, default=1000, help="keys per rank (split + replicated)")
     ap.add_argument("--replicated", type=int, default=8, help="of which replicated (replica_id = rank)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs (medians over them)")
-    ap.add_argument("--dir", default=str(REPO_ROOT.parent / "bench_tmp"), help="scratch directory for the saves")
-    ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
+    add_scratch_and_output_flags(ap, REPO_ROOT.parent / "bench_tmp", RESULTS_PATH)
     args = ap.parse_args()
     if not 0 <= args.replicated < args.keys:
         ap.error("--replicated must be in [0, --keys)")
@@ -175,15 +179,13 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(raw, args)
     summary["loadavg_before_after"] = [load_before, load_after]
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
-        "args": {"keys": args.keys, "replicated": args.replicated, "runs": args.runs, "dir": str(scratch)},
-        "result": summary,
+    run_args = {
+        "keys": args.keys,
+        "replicated": args.replicated,
+        "runs": args.runs,
+        "dir": str(scratch),
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_report(args.output, started, run_args, "result", summary)
     print(format_table(summary))
     print(f"JSON results: {out}")
 

@@ -9,6 +9,7 @@ out of the checkpoint. Everything else in a state dict is *common state*.
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
@@ -22,13 +23,6 @@ from .dict_utils import dict_list_map_inplace
 ReplicaId = Union[int, Tuple[int, ...]]
 ShardedStateDict = Dict[str, Any]
 StateDict = Dict[str, Any]
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
@@ -163,7 +157,7 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(f"ShardedTensor {key!r}: flattened_range must be a slice of ints, got {rng!r}")
         if rng.step not in (None, 1):
             raise CheckpointingException(f"ShardedTensor {key!r}: flattened_range {rng} must not have a step")
-        numel = _numel(self.local_shape)
+        numel = math.prod(self.local_shape)
         if not 0 <= rng.start <= rng.stop <= numel:
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: flattened_range {rng} lies outside the chunk of {numel} elements "
@@ -313,7 +307,7 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(f"ShardedTensor {self.key!r} is not flattened")
         chunk = self.local_chunk_offset_in_global()
         rng = self.flattened_range
-        shape = tuple(self.axis_fragmentations) + (_numel(self.local_shape),)
+        shape = tuple(self.axis_fragmentations) + (math.prod(self.local_shape),)
         return shape, chunk + (rng.start,), (1,) * len(chunk) + (rng.stop - rng.start,)
 
     def without_data(self) -> "ShardedTensor":
@@ -368,7 +362,7 @@ class ShardedTensor(ShardedBase):
         if self.flattened_range is not None:
             if dim != 0:
                 raise CheckpointingException(f"ShardedTensor {self.key!r}: a flat tensor can only be narrowed on dim 0")
-            row = _numel(self.local_shape[1:])
+            row = math.prod(self.local_shape[1:])
             lo = max(self.flattened_range.start, start * row)
             hi = min(self.flattened_range.stop, (start + length) * row)
             if lo >= hi:

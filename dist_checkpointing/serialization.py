@@ -265,12 +265,12 @@ def load(
     missing: set = set()
     unexpected: set = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        def local_keys():
+        def checkpoint_and_requested_keys():
             ckpt_keys = {sh.key for sh in sharded_strategy_.load_sharded_metadata(checkpoint_dir).values()}
             ckpt_keys.discard(COMMON_STATE_OBJECT_BASE_KEY)
             return ckpt_keys, {sh.key for sh in nested_values(sharded)}
 
-        ckpt_keys, requested = run_agreed(local_keys, "Reading the checkpoint's keys")
+        ckpt_keys, requested = run_agreed(checkpoint_and_requested_keys, "Reading the checkpoint's keys")
         missing, unexpected = determine_missing_and_unexpected_keys(
             ckpt_keys, requested, StrictHandling.requires_global_app_metadata(strict))
         handle_mismatched_keys(strict, missing, unexpected, checkpoint_dir)

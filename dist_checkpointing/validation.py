@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import pickle
 from dataclasses import dataclass
 from enum import Enum
@@ -123,16 +124,9 @@ def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
             summary.other_meta = meta
         if is_main_replica(sh.replica_id):
             summary.n_main += 1
-            summary.volume += _volume(sizes)
+            summary.volume += math.prod(sizes)
             summary.fingerprint = (summary.fingerprint + region_fingerprint(offsets, sizes)) % _P
     return out
-
-
-def _volume(sizes: Sequence[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: bool) -> Optional[str]:
@@ -149,7 +143,7 @@ def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: boo
         return f"{label} {key!r}: ranks disagree on the {what} ({detail})"
     meta = per_rank[0][1].meta
     grid = meta[0]
-    total = _volume(grid)
+    total = math.prod(grid)
     volume = sum(s.volume for _, s in per_rank)
     fingerprint = sum(s.fingerprint for _, s in per_rank) % _P
     holders = [r for r, s in per_rank if s.n_main]

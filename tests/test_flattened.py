@@ -29,6 +29,7 @@ from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
 
 from .conftest import FIXTURES, get_pool
+from .test_resharding_random import global_values
 
 _TIMEOUT = 120.0
 # Empty save slices (slice(a, a)) are drawn too (FLAT_EMPTY_SAVE_SLICES=0 turns them off).
@@ -37,23 +38,6 @@ EXAMPLES = int(os.environ.get("FLAT_EXAMPLES", "10"))  # raise for a longer bug 
 
 
 # ----------------------------------------------------------------------------- values and pieces
-
-
-def global_values(shape: Tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
-    """A deterministic global tensor whose neighbouring elements differ (where the dtype allows)."""
-    n = math.prod(shape)
-    idx = torch.arange(n, dtype=torch.int64) + 13 * salt
-    if dtype == torch.bool:
-        vals = (idx * 7919) % 3 == 1
-    elif dtype == torch.uint8:
-        vals = idx % 251
-    elif dtype in (torch.int32, torch.int64):
-        vals = idx * 37 - 1000
-    elif dtype in (torch.float16, torch.bfloat16):
-        vals = (idx % 256).to(torch.float32) * 0.5 - 64.0  # exact in 8 mantissa bits
-    else:
-        vals = idx.to(torch.float64) * 0.25 + 0.125
-    return vals.to(dtype).reshape(shape)
 
 
 def _piece(prepend: int, layer: Optional[int], tp_axis: int, tp_idx: int, tp: int,

@@ -4,17 +4,10 @@ how flattened (N-D reformulated) chunks map back to the original tensor."""
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator, Optional, Sequence, Tuple
 
 Region = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
-
-
-def region_volume(sizes: Sequence[int]) -> int:
-    """Number of elements in a region of the given sizes."""
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def intersect(a: Region, b: Region) -> Optional[Region]:
@@ -62,7 +55,7 @@ def flat_slice_bounding_region(chunk_offsets: Sequence[int], chunk_sizes: Sequen
     local = tuple(chunk_sizes[prepend:])
     if not local:
         return (tuple(chunk_offsets), tuple(chunk_sizes)), 0
-    row = region_volume(local[1:])
+    row = math.prod(local[1:])
     first_row, last_row = flat_range.start // row, (flat_range.stop - 1) // row
     offsets = list(chunk_offsets)
     sizes = list(chunk_sizes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import math
 import os
 import pickle
 import threading
@@ -63,7 +64,7 @@ from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_f
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .filesystem_async import write_file, zip_crc_disabled
+from .filesystem_async import tensor_bytes, write_file, zip_crc_disabled
 from .resharding import (
     Region,
     contiguous_start,
@@ -72,7 +73,6 @@ from .resharding import (
     grid_chunks_overlapping,
     intersect,
     linear_index,
-    region_volume,
     relative_slices,
 )
 from .safe_pickle import load_dcp_metadata, safe_torch_load
@@ -379,7 +379,7 @@ class _ScratchArena:
 
     def empty(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor valid until the next :meth:`begin`."""
-        nbytes = region_volume(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         aligned = -(-max(nbytes, 1) // self._ALIGN) * self._ALIGN
         if self._arena is None or self._used + aligned > self._arena.numel():
             size = max(aligned, 2 * (self._arena.numel() if self._arena is not None else 0), 16 << 20)
@@ -452,7 +452,7 @@ class _Reader:
                 return self._headers[cache_key]
         header = read_tensor_header(fd, read.storage.offset, read.storage.length)
         if (header is not None and header.dtype == read.dtype and header.size != tuple(read.chunk[1])
-                and header.is_contiguous() and region_volume(header.size) == region_volume(read.chunk[1])):
+                and header.is_contiguous() and math.prod(header.size) == math.prod(read.chunk[1])):
             header = TensorHeader(header.dtype, tuple(read.chunk[1]), contiguous_strides(read.chunk[1]),
                                   header.data_offset)
         if header is not None and (header.dtype != read.dtype or header.size != tuple(read.chunk[1])):
@@ -485,12 +485,12 @@ class _Reader:
         itemsize = dest.element_size()
         whole = tuple(read.overlap[1]) == tuple(read.chunk[1])
         if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
-            _pread_into(fd, _byte_view(dest), header.data_offset, where, expected, what)
+            _pread_into(fd, tensor_bytes(dest), header.data_offset, where, expected, what)
             return
         read_from, read_to = first, last
         verify = expected is not None and header.is_contiguous()
         if verify:  # the checksum covers the whole chunk: read and verify all of it
-            read_from, read_to = 0, region_volume(read.chunk[1]) - 1
+            read_from, read_to = 0, math.prod(read.chunk[1]) - 1
         span = torch.empty((read_to - read_from + 1) * itemsize, dtype=torch.uint8)
         _pread_into(fd, span.numpy(), header.data_offset + read_from * itemsize, where,
                     expected if verify else None, what)
@@ -503,7 +503,7 @@ class _Reader:
         loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
         if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != tuple(read.chunk[1]):
             raise CheckpointingException(f"Item {read.key!r} at {where} does not hold the expected tensor")
-        if expected is not None and checksum(_byte_view(loaded.contiguous())) != expected:
+        if expected is not None and checksum(tensor_bytes(loaded.contiguous())) != expected:
             raise mismatch_error(what, where)
         rel = tuple(slice(o - c, o - c + s) for o, c, s in zip(read.overlap[0], read.chunk[0], read.overlap[1]))
         dest.copy_(loaded[rel])
@@ -539,7 +539,7 @@ def _stored_chunk_shape(key: str, md: TensorStorageMetadata, orig: Tuple[int, ..
     """The chunk shape of a key stored flattened as ``axis_fragmentations + (chunk numel,)``."""
     fragm, row_len = tuple(md.size[:-1]), md.size[-1]
     if len(fragm) != len(orig) or any(f <= 0 or o % f for o, f in zip(orig, fragm)) or \
-            region_volume([o // f for o, f in zip(orig, fragm)]) != row_len:
+            math.prod([o // f for o, f in zip(orig, fragm)]) != row_len:
         raise CheckpointingException(
             f"Key {key!r} in checkpoint {checkpoint_dir} is stored flattened as {tuple(md.size)}, which is "
             f"not a regular grid of its original shape {orig}"
@@ -552,10 +552,6 @@ def original_global_shape(metadata: Metadata, key: str) -> Optional[Tuple[int, .
     extras = (getattr(metadata, "mcore_data", None) or {}).get(key) or {}
     shape = extras.get("nd_reformulated_orig_global_shape")
     return tuple(shape) if shape is not None else None
-
-
-def _byte_view(t: torch.Tensor):
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
@@ -712,12 +708,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"Checkpoint {checkpoint_dir} has no storage entry for chunk {chunk[0]} of {sh.key!r}"
                 )
-            covered += region_volume(overlap[1])
+            covered += math.prod(overlap[1])
             reads.append(_TensorRead(sh.key, storage, chunk, sh.dtype, dest, request[0], overlap))
-        if covered != region_volume(request[1]) and not sh.allow_shape_mismatch:
+        if covered != math.prod(request[1]) and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"Checkpoint {checkpoint_dir} does not cover the requested chunk of {sh.key!r} "
-                f"(offset {request[0]}, shape {request[1]}): {covered} of {region_volume(request[1])} "
+                f"(offset {request[0]}, shape {request[1]}): {covered} of {math.prod(request[1])} "
                 "elements are stored"
             )
         return reads
@@ -744,7 +740,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             s0 = contiguous_start(chunk_shape, [o - c for o, c in zip(overlap[0], chunk_origin)], overlap[1])
             if r0 is None or s0 is None:
                 return None
-            lo, hi = max(r0, lo_req), min(r0 + region_volume(overlap[1]), hi_req)
+            lo, hi = max(r0, lo_req), min(r0 + math.prod(overlap[1]), hi_req)
             if lo >= hi:
                 continue
             run = (tuple(index) + (s0 + lo - r0,), (1,) * len(index) + (hi - lo,))

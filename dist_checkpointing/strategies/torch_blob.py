@@ -11,6 +11,7 @@ nothing in the file is executed.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
+
+from .resharding import contiguous_strides
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_SIG = 0x04034B50
@@ -62,11 +65,9 @@ class TensorHeader:
     data_offset: int  # absolute file offset of the tensor's first element
 
     def is_contiguous(self) -> bool:
-        expected, acc = [], 1
-        for s in reversed(self.size):
-            expected.append(acc)
-            acc *= s
-        return all(sz <= 1 or st == ex for sz, st, ex in zip(self.size, self.stride, reversed(expected)))
+        """Whether the tensor's elements are laid out row-major without gaps."""
+        expected = contiguous_strides(self.size)
+        return all(sz <= 1 or st == ex for sz, st, ex in zip(self.size, self.stride, expected))
 
 
 @dataclass
@@ -160,9 +161,7 @@ def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHead
         return None
     data_start = _record_data_offset(fd, offset, data_info)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for s in size:
-        numel *= s
+    numel = math.prod(size)
     span = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(size, stride))
     if (storage_offset + span) * itemsize > data_info.file_size:
         raise ValueError("tensor extends past its storage record")
