@@ -286,3 +286,17 @@ def test_load_request_disagreeing_across_ranks(pool2, pool4, tmp_path):
         p.run(_save_into, ckpt)
         excs = p.run_expect_error(_request_dtype_disagreeing_across_ranks, ckpt)
         _assert_all_checkpointing_errors(excs, "'t'", "disagree", "rank 0", "float64")
+
+
+def _load_with_bad_data_on_last_rank(rank, world, ckpt):
+    st = ShardedTensor.from_rank_offsets("t", torch.zeros(2), (0, rank, world))
+    if rank == world - 1:
+        st.data = torch.zeros(2, dtype=torch.float64)  # disagrees with the declared dtype
+    dc.load({"t": st}, ckpt)
+
+
+def test_load_request_data_disagreeing_with_metadata(pool, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pool.run(_save_into, ckpt)
+    excs = pool.run_expect_error(_load_with_bad_data_on_last_rank, ckpt)
+    _assert_all_checkpointing_errors(excs, "'t'", "dtype", f"rank {pool.world_size - 1}")
