@@ -1,0 +1,323 @@
+"""Fully parallel save and load: spread the writing and reading of replicated shards over
+the ranks of a parallelization group (typically the data-parallel group).
+
+* :class:`FullyParallelSaveStrategyWrapper` re-assigns the main replica of every shard
+  held in the group so that each rank writes about the same number of bytes, then lets
+  the wrapped strategy write as usual.
+* :class:`FullyParallelLoadStrategyWrapper` has each shard the group needs read by one
+  rank of the group (the rank that wrote it, when the layout and group are the same as at
+  save time) and sends it to the other ranks that need it with one of three exchange
+  algorithms (see :mod:`dist_checkpointing.exchange_utils`).
+
+Both plan with one ``all_gather_object`` of shard summaries inside the group. Each call
+also agrees over the whole world, with a 2-byte ``all_reduce``, whether any rank has a
+problem or needs a new plan, so an error is raised on every rank and never leaves ranks
+in different collectives. With ``do_cache_distribution=True`` a call whose state dict
+has the same structure as the previous call's on every rank reuses the plan: that
+``all_reduce`` is then its only extra collective.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import (
+    all_gather_object,
+    all_reduce_max_uint8,
+    error_message,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    raise_if_any,
+    run_agreed,
+)
+from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..exchange_utils import (
+    ShardDistribution,
+    ShardId,
+    check_exchange_algo,
+    determine_main_replica_uniform_distribution,
+    distribution_from_summaries,
+    exchange_by_distribution,
+    exchange_loaded_objects_gather_object,
+    local_object_keys,
+    local_tensor_summary,
+    object_loaders,
+    shard_id,
+)
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
+
+
+def _structure(sharded_state_dict: ShardedStateDict) -> List[tuple]:
+    """What a plan depends on: every item's identity, shape, dtype and main-replica flag."""
+    out: List[tuple] = []
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            out.append((shard_id(sh), sh.local_shape, sh.dtype, is_main_replica(sh.replica_id)))
+        elif isinstance(sh, ShardedObject):
+            out.append((sh.unique_key, is_main_replica(sh.replica_id)))
+    return out
+
+
+def _check_group(group: Optional[Any]) -> None:
+    """Collectively (over the world) check that every rank is a member of the group it
+    passed and that the members of each group passed the same group."""
+    if group is None:
+        return
+    try:
+        ranks: Optional[Tuple[int, ...]] = tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - not a group this rank belongs to
+        ranks = None
+    everyone = all_gather_object(ranks)
+    problems = []
+    for rank, members in enumerate(everyone):
+        if members is None or rank not in members:
+            problems.append(f"rank {rank} is not a member of the parallelization group it passed")
+            continue
+        for other in members:
+            if everyone[other] != members:
+                problems.append(f"rank {rank} passed group {list(members)} but its member rank {other} passed "
+                                f"{list(everyone[other]) if everyone[other] is not None else 'a group without it'}")
+                break
+    if problems:
+        raise CheckpointingException("Invalid parallelization group: " + "; ".join(problems))
+
+
+class _Planner:
+    """Plan agreement and caching shared by the save and load wrappers."""
+
+    def __init__(self, parallelization_group: Optional[Any], do_cache_distribution: bool):
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self._cached: Optional[Tuple[List[tuple], Any]] = None
+        self._group_checked = False
+
+    def plan(self, sharded_state_dict: ShardedStateDict, compute: Callable[[], Any], what: str) -> Any:
+        """``compute()`` run collectively, or the cached plan when no rank's structure changed."""
+        error: Optional[str] = None
+        structure = None
+        try:
+            for sh in nested_values(sharded_state_dict):
+                if isinstance(sh, (ShardedTensor, ShardedObject)):
+                    sh.validate_metadata_integrity()
+            if self.do_cache_distribution:
+                structure = _structure(sharded_state_dict)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = error_message(e)
+        reuse = self.do_cache_distribution and self._cached is not None and self._cached[0] == structure
+        failed, replan = all_reduce_max_uint8([int(error is not None), int(not reuse)])
+        if failed:
+            raise_if_any(all_gather_object(error), what)
+        if not replan:
+            return self._cached[1]
+        if not self._group_checked:
+            _check_group(self.parallelization_group)
+            self._group_checked = True
+        result = run_agreed(compute, what)
+        self._cached = (structure, result) if self.do_cache_distribution else None
+        return result
+
+
+def distribute_main_replicas_with_precomputed_distribution(
+    sharded_state_dict: ShardedStateDict, parallelization_group: Optional[Any],
+    precomputed_distribution: Optional[ShardDistribution],
+) -> ShardedStateDict:
+    """A copy of the state dict whose ShardedTensors have their main replica where the
+    distribution puts it (``replica_id`` 0 on the chosen rank, 1 on the other holders in
+    the group; shards whose main replica is outside the group are left alone). The
+    caller's ShardedTensors are not modified."""
+    if precomputed_distribution is None:
+        return sharded_state_dict
+    me = get_rank(parallelization_group)
+    seen = set()
+
+    def apply(sh: Any) -> Any:
+        if not isinstance(sh, ShardedTensor):
+            return sh
+        sid = shard_id(sh)
+        if sid not in precomputed_distribution.shards_in_this_group:
+            return sh
+        main = precomputed_distribution.main_rank_for_shard[sid] == me and sid not in seen
+        seen.add(sid)
+        if main == (sh.replica_id == 0):
+            return sh
+        out = copy.copy(sh)
+        out.replica_id = 0 if main else 1
+        return out
+
+    return dict_list_map_outplace(apply, sharded_state_dict)
+
+
+class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+    """Wraps a sharded save strategy so that the ranks of ``parallelization_group`` (the
+    whole world by default) share the writing of the shards they hold.
+
+    Args:
+        strategy: the sharded save strategy that writes (sync or async).
+        parallelization_group: the group to balance over, e.g. the data-parallel group.
+        do_cache_distribution: reuse the distribution while the state dict's structure is
+            unchanged on every rank (checked with one 2-byte ``all_reduce`` per save).
+    """
+
+    def __init__(self, strategy: SaveShardedStrategy, parallelization_group: Optional[Any] = None,
+                 do_cache_distribution: bool = False):
+        if not isinstance(strategy, SaveShardedStrategy):
+            raise CheckpointingException(f"Not a sharded save strategy: {strategy!r}")
+        super().__init__(strategy.backend, strategy.version)
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self._planner = _Planner(parallelization_group, do_cache_distribution)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
+        """The state dict with main replicas re-assigned for balanced writing (collective)."""
+        if not is_distributed():
+            return sharded_state_dict
+        group = self.parallelization_group
+        distribution = self._planner.plan(
+            sharded_state_dict, lambda: determine_main_replica_uniform_distribution(sharded_state_dict, group),
+            "Planning the fully parallel save")
+        return distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
+        self.base_strategy.save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
+        if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously")
+        return self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+
+
+_LoadPlan = Tuple[Optional[ShardDistribution], Dict[str, int], Dict[str, List[int]]]
+
+
+class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+    """Wraps a sharded load strategy so that each shard needed in ``parallelization_group``
+    (the whole world by default) is read from storage by one rank of the group and sent
+    to the others that need it.
+
+    Args:
+        strategy: the sharded load strategy that reads.
+        parallelization_group: the group to share reading in, e.g. the data-parallel group.
+        do_cache_distribution: reuse the plan while the request's structure is unchanged on
+            every rank (checked with one 2-byte ``all_reduce`` per load).
+        exchange_algo: ``'broadcast'`` (default; one shard or bucket in flight),
+            ``'gather_rounds'`` (equal-sized all_gather rounds) or ``'gather_object'``
+            (pickled, for debugging).
+
+    ShardedObjects are read by one needing rank of the group each and shared with one
+    ``all_gather_object`` inside the group (only when another rank needs them).
+    """
+
+    def __init__(self, strategy: LoadShardedStrategy, parallelization_group: Optional[Any] = None,
+                 do_cache_distribution: bool = False, exchange_algo: str = "broadcast"):
+        check_exchange_algo(exchange_algo)
+        if not isinstance(strategy, LoadShardedStrategy):
+            raise CheckpointingException(f"Not a sharded load strategy: {strategy!r}")
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self.exchange_algo = exchange_algo
+        self._planner = _Planner(parallelization_group, do_cache_distribution)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+        self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """The common state of checkpoints that keep it in the sharded backend."""
+        if not hasattr(self.base_strategy, "load_common"):
+            raise CheckpointingException(f"{type(self.base_strategy).__name__} cannot read a common state")
+        return self.base_strategy.load_common(checkpoint_dir)
+
+    def _compute_plan(self, sharded_state_dict: ShardedStateDict) -> _LoadPlan:
+        group = self.parallelization_group
+        if get_world_size(group) <= 1:
+            return None, {}, {}
+        per_rank = all_gather_object((local_tensor_summary(sharded_state_dict), local_object_keys(sharded_state_dict)),
+                                     group)
+        distribution = distribution_from_summaries([p[0] for p in per_rank], ignore_groups=True)
+        loader, needers = object_loaders([p[1] for p in per_rank])
+        return distribution, loader, needers
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        if not is_distributed():
+            return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        distribution, obj_loader, obj_needers = self._planner.plan(
+            sharded_state_dict, lambda: self._compute_plan(sharded_state_dict), "Planning the fully parallel load")
+        if distribution is None:
+            return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        group = self.parallelization_group
+        me = get_rank(group)
+
+        # This rank reads the shards and objects assigned to it; the rest arrive by exchange.
+        reads: List[Tuple[Any, ShardedTensor]] = []
+        unloaded: Dict[ShardId, ShardedTensor] = {}
+        seen = set()
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor):
+                ident: Any = shard_id(sh)
+                mine = distribution.main_rank_for_shard[ident] == me
+            elif isinstance(sh, ShardedObject):
+                ident = sh.unique_key
+                mine = obj_loader[ident] == me
+            else:
+                continue
+            if ident in seen:
+                continue
+            seen.add(ident)
+            if mine:
+                reads.append((ident, sh))
+            else:
+                unloaded[ident] = sh
+        loaded = self.base_strategy.load({str(i): sh for i, (_, sh) in enumerate(reads)}, checkpoint_dir)
+        loaded_tensors = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedTensor)}
+        loaded_objects = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedObject)}
+
+        tensors = exchange_by_distribution(
+            loaded_tensors, {k: v for k, v in unloaded.items() if isinstance(v, ShardedTensor)}, distribution,
+            group, self.exchange_algo)
+        objects = loaded_objects
+        if any(len(ranks) > 1 for ranks in obj_needers.values()):
+            shared = {k: v for k, v in loaded_objects.items() if len(obj_needers[k]) > 1}
+            objects = {**exchange_loaded_objects_gather_object(shared, group), **loaded_objects}
+
+        def fill(sh: Any) -> Any:
+            if isinstance(sh, ShardedTensor):
+                tensor = tensors[shard_id(sh)]
+                if sh.data is None or tensor is sh.data:
+                    return tensor
+                with torch.no_grad():
+                    sh.data.copy_(tensor)  # the request's own tensor, also for repeated shards
+                return sh.data
+            if isinstance(sh, ShardedObject):
+                return objects[sh.unique_key]
+            return sh
+
+        return dict_list_map_outplace(fill, sharded_state_dict)
