@@ -312,6 +312,23 @@ def _check_inputs(loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: 
             raise CheckpointingException(f"Shard {_describe(sid)} was to be loaded by this rank ({me}) but was not")
 
 
+def _begin(loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
+           shard_distribution: ShardDistribution, group: Optional[Any],
+           device: torch.device) -> Tuple[int, Dict[ShardId, _Landing]]:
+    """This rank's group rank and where each shard it receives lands (inputs checked)."""
+    me = get_rank(group)
+    _check_inputs(loaded_tensors, unloaded_shards, shard_distribution, me)
+    infos = shard_distribution.shard_to_metadata
+    return me, {sid: _Landing(_destination(sh, infos[sid]), device) for sid, sh in unloaded_shards.items()}
+
+
+def _finish(loaded_tensors: Dict[ShardId, torch.Tensor], landings: Dict[ShardId, _Landing]) -> Dict[ShardId, torch.Tensor]:
+    """Every shard this rank needs: the ones it read and the ones it received."""
+    result = dict(loaded_tensors)
+    result.update({sid: landing.finish() for sid, landing in landings.items()})
+    return result
+
+
 def _global_rank(group: Optional[Any], group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
@@ -335,11 +352,8 @@ def exchange_loaded_tensors_broadcast(
     included).
     """
     group = parallelization_group
-    me = get_rank(group)
-    _check_inputs(loaded_tensors, unloaded_shards, shard_distribution, me)
     device = comm_device(group)
-    infos = shard_distribution.shard_to_metadata
-    landings = {sid: _Landing(_destination(sh, infos[sid]), device) for sid, sh in unloaded_shards.items()}
+    me, landings = _begin(loaded_tensors, unloaded_shards, shard_distribution, group, device)
     scratch = _Scratch(device)
 
     def send_bytes(sid: ShardId) -> torch.Tensor:
@@ -386,9 +400,7 @@ def exchange_loaded_tensors_broadcast(
                 if sid in landings:
                     landings[sid].bytes.copy_(buf[pos:pos + nbytes])
                 pos += nbytes
-    result = dict(loaded_tensors)
-    result.update({sid: landing.finish() for sid, landing in landings.items()})
-    return result
+    return _finish(loaded_tensors, landings)
 
 
 def exchange_loaded_tensors_gather_rounds(
@@ -408,12 +420,9 @@ def exchange_loaded_tensors_gather_rounds(
     contiguous on the communication device.
     """
     group = parallelization_group
-    me = get_rank(group)
-    _check_inputs(loaded_tensors, unloaded_shards, shard_distribution, me)
     device = comm_device(group)
+    me, landings = _begin(loaded_tensors, unloaded_shards, shard_distribution, group, device)
     size = get_world_size(group)
-    infos = shard_distribution.shard_to_metadata
-    landings = {sid: _Landing(_destination(sh, infos[sid]), device) for sid, sh in unloaded_shards.items()}
 
     streams: List[List[Tuple[int, ShardId, int]]] = [[] for _ in range(size)]  # (stream offset, sid, nbytes)
     totals = [0] * size
@@ -439,9 +448,7 @@ def exchange_loaded_tensors_gather_rounds(
                 if landing is not None:
                     a, b = max(start, lo), min(start + nbytes, lo + n)
                     landing.bytes[a - start:b - start].copy_(parts[src][a - lo:b - lo])
-    result = dict(loaded_tensors)
-    result.update({sid: landing.finish() for sid, landing in landings.items()})
-    return result
+    return _finish(loaded_tensors, landings)
 
 
 def _overlapping(stream: List[Tuple[int, ShardId, int]], starts: List[int], lo: int,
@@ -469,21 +476,15 @@ def exchange_loaded_tensors_gather_object(
     twice the group's exchanged bytes).
     """
     group = parallelization_group
-    me = get_rank(group)
-    _check_inputs(loaded_tensors, unloaded_shards, shard_distribution, me)
-    infos = shard_distribution.shard_to_metadata
-    cpu = torch.device("cpu")
-    landings = {sid: _Landing(_destination(sh, infos[sid]), cpu) for sid, sh in unloaded_shards.items()}
+    me, landings = _begin(loaded_tensors, unloaded_shards, shard_distribution, group, torch.device("cpu"))
     # As bytes: pickling float8 tensors is not supported, and bytes are bit-exact anyway.
     mine = {sid: _pickle_ready(_source_bytes(loaded_tensors[sid]).cpu())
             for src, sid, _ in _exchanged(shard_distribution) if src == me}
     gathered = all_gather_object(mine, group)
-    result = dict(loaded_tensors)
     for sid, landing in landings.items():
-        if infos[sid].nbytes:
+        if landing.bytes.numel():
             landing.bytes.copy_(gathered[shard_distribution.main_rank_for_shard[sid]][sid])
-        result[sid] = landing.finish()
-    return result
+    return _finish(loaded_tensors, landings)
 
 
 def _pickle_ready(b: torch.Tensor) -> torch.Tensor:
