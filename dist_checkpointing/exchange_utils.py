@@ -153,7 +153,10 @@ def _group_rank_or_raise(group: Optional[Any]) -> int:
 
 
 def local_tensor_summary(sharded_state_dict: ShardedStateDict) -> List[Tuple[ShardId, ShardInfo, bool]]:
-    """``(shard id, info, holds the main replica)`` of each distinct shard of this rank."""
+    """``(shard id, info, holds the main replica)`` of each distinct shard of this rank.
+
+    Raises :class:`CheckpointingException` (on this rank) when a shard id appears twice
+    with different shapes or dtypes."""
     summary: Dict[ShardId, Tuple[ShardInfo, bool]] = {}
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
@@ -161,6 +164,12 @@ def local_tensor_summary(sharded_state_dict: ShardedStateDict) -> List[Tuple[Sha
             info = _shard_info(sh)
             main = is_main_replica(sh.replica_id)
             if sid in summary:
+                if summary[sid][0] != info:
+                    raise CheckpointingException(
+                        f"ShardedTensor {_describe(sid)} appears twice in this rank's state dict with different "
+                        f"shapes or dtypes ({summary[sid][0].local_shape} {summary[sid][0].dtype} and "
+                        f"{info.local_shape} {info.dtype}): fully parallel save/load needs one shard per key and "
+                        "offset on each rank")
                 main = main or summary[sid][1]
             summary[sid] = (info, main)
     return [(sid, info, main) for sid, (info, main) in summary.items()]
@@ -417,7 +426,8 @@ def exchange_loaded_tensors_gather_rounds(
     copies the bytes it needs out of the gathered buffers. Equal sizes keep it independent
     of uneven all_gather support, which gloo lacks. Peak extra memory per rank:
     (group size + 1) x ``ROUND_BYTES``, plus staging for destinations that are not
-    contiguous on the communication device.
+    contiguous on the communication device and a contiguous copy of the one
+    non-contiguous source shard being sent.
     """
     group = parallelization_group
     device = comm_device(group)
@@ -432,13 +442,16 @@ def exchange_loaded_tensors_gather_rounds(
     starts = [[start for start, _, _ in stream] for stream in streams]
     longest = max(totals)
     scratch = _Scratch(device)
+    source: Tuple[Any, Optional[torch.Tensor]] = (None, None)
     for lo in range(0, longest, ROUND_BYTES):
         n = min(ROUND_BYTES, longest - lo)
         buf = scratch.get((size + 1) * n)
         send, parts = buf[size * n:], [buf[r * n:(r + 1) * n] for r in range(size)]
         for start, sid, nbytes in _overlapping(streams[me], starts[me], lo, lo + n):
+            if source[0] != sid:  # a shard spans consecutive rounds: make its bytes once
+                source = (sid, _source_bytes(loaded_tensors[sid]))
             a, b = max(start, lo), min(start + nbytes, lo + n)
-            send[a - lo:b - lo].copy_(_source_bytes(loaded_tensors[sid])[a - start:b - start])
+            send[a - lo:b - lo].copy_(source[1][a - start:b - start])
         dist.all_gather(parts, send, group=group)
         for src in range(size):
             if src == me:

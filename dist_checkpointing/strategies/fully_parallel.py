@@ -42,7 +42,6 @@ from ..exchange_utils import (
     ShardDistribution,
     ShardId,
     check_exchange_algo,
-    determine_main_replica_uniform_distribution,
     distribution_from_summaries,
     exchange_by_distribution,
     exchange_loaded_objects_gather_object,
@@ -69,10 +68,9 @@ def _structure(sharded_state_dict: ShardedStateDict) -> List[tuple]:
 def _check_group(group: Optional[Any]) -> None:
     """Collectively (over the world) check that every rank is a member of the group it
     passed and that the members of each group passed the same group."""
-    if group is None:
-        return
     try:
-        ranks: Optional[Tuple[int, ...]] = tuple(dist.get_process_group_ranks(group))
+        ranks: Optional[Tuple[int, ...]] = tuple(
+            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - not a group this rank belongs to
         ranks = None
     everyone = all_gather_object(ranks)
@@ -99,10 +97,13 @@ class _Planner:
         self._cached: Optional[Tuple[List[tuple], Any]] = None
         self._group_checked = False
 
-    def plan(self, sharded_state_dict: ShardedStateDict, compute: Callable[[], Any], what: str) -> Any:
-        """``compute()`` run collectively, or the cached plan when no rank's structure changed."""
+    def plan(self, sharded_state_dict: ShardedStateDict, local: Callable[[], Any],
+             compute: Callable[[Any], Any], what: str) -> Any:
+        """``compute(local())`` run collectively, or the cached plan when no rank's structure
+        changed. ``local()`` (this rank's summary, no communication) and the item checks
+        run first and their errors are agreed before any group collective."""
         error: Optional[str] = None
-        structure = None
+        structure = summary = None
         try:
             for sh in nested_values(sharded_state_dict):
                 if isinstance(sh, (ShardedTensor, ShardedObject)):
@@ -112,15 +113,22 @@ class _Planner:
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = error_message(e)
         reuse = self.do_cache_distribution and self._cached is not None and self._cached[0] == structure
+        if not reuse and error is None:
+            try:
+                summary = local()
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = error_message(e)
         failed, replan = all_reduce_max_uint8([int(error is not None), int(not reuse)])
         if failed:
             raise_if_any(all_gather_object(error), what)
         if not replan:
             return self._cached[1]
+        if self.do_cache_distribution:  # ranks that could reuse their plan summarize now
+            summary = run_agreed(lambda: local() if summary is None else summary, what)
         if not self._group_checked:
             _check_group(self.parallelization_group)
             self._group_checked = True
-        result = run_agreed(compute, what)
+        result = run_agreed(lambda: compute(summary), what)
         self._cached = (structure, result) if self.do_cache_distribution else None
         return result
 
@@ -146,7 +154,7 @@ def distribute_main_replicas_with_precomputed_distribution(
             return sh
         main = precomputed_distribution.main_rank_for_shard[sid] == me and sid not in seen
         seen.add(sid)
-        if main == (sh.replica_id == 0):
+        if main == is_main_replica(sh.replica_id):
             return sh
         out = copy.copy(sh)
         out.replica_id = 0 if main else 1
@@ -185,8 +193,13 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         if not is_distributed():
             return sharded_state_dict
         group = self.parallelization_group
+        def compute(summary: Any) -> Optional[ShardDistribution]:
+            if get_world_size(group) <= 1:
+                return None
+            return distribution_from_summaries(all_gather_object(summary, group))
+
         distribution = self._planner.plan(
-            sharded_state_dict, lambda: determine_main_replica_uniform_distribution(sharded_state_dict, group),
+            sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict), compute,
             "Planning the fully parallel save")
         return distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
 
@@ -256,12 +269,11 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             raise CheckpointingException(f"{type(self.base_strategy).__name__} cannot read a common state")
         return self.base_strategy.load_common(checkpoint_dir)
 
-    def _compute_plan(self, sharded_state_dict: ShardedStateDict) -> _LoadPlan:
+    def _compute_plan(self, summary: Tuple[list, List[str]]) -> _LoadPlan:
         group = self.parallelization_group
         if get_world_size(group) <= 1:
             return None, {}, {}
-        per_rank = all_gather_object((local_tensor_summary(sharded_state_dict), local_object_keys(sharded_state_dict)),
-                                     group)
+        per_rank = all_gather_object(summary, group)
         distribution = distribution_from_summaries([p[0] for p in per_rank], ignore_groups=True)
         loader, needers = object_loaders([p[1] for p in per_rank])
         return distribution, loader, needers
@@ -270,7 +282,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         distribution, obj_loader, obj_needers = self._planner.plan(
-            sharded_state_dict, lambda: self._compute_plan(sharded_state_dict), "Planning the fully parallel load")
+            sharded_state_dict,
+            lambda: (local_tensor_summary(sharded_state_dict), local_object_keys(sharded_state_dict)),
+            self._compute_plan, "Planning the fully parallel load")
         if distribution is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group
