@@ -425,9 +425,10 @@ def exchange_loaded_tensors_gather_rounds(
     size (the distribution balances the streams, so padding is small), and every rank
     copies the bytes it needs out of the gathered buffers. Equal sizes keep it independent
     of uneven all_gather support, which gloo lacks. Peak extra memory per rank:
-    (group size + 1) x ``ROUND_BYTES``, plus staging for destinations that are not
-    contiguous on the communication device and a contiguous copy of the one
-    non-contiguous source shard being sent.
+    (group size + 1) x ``ROUND_BYTES``, plus what the backend stages (gloo: another group
+    size x ``ROUND_BYTES``), staging for destinations that are not contiguous on the
+    communication device and a contiguous copy of the one non-contiguous source shard
+    being sent.
     """
     group = parallelization_group
     device = comm_device(group)
@@ -485,8 +486,8 @@ def exchange_loaded_tensors_gather_object(
     """Exchange with one ``all_gather_object`` of every rank's shards that others need.
 
     Simple and slow (the tensors are pickled): for debugging and small states. Peak extra
-    memory per rank: every exchanged shard of the group, pickled and unpickled (about
-    twice the group's exchanged bytes).
+    memory per rank: about three times the group's exchanged bytes (the pickles sent and
+    gathered, then the tensors).
     """
     group = parallelization_group
     me, landings = _begin(loaded_tensors, unloaded_shards, shard_distribution, group, torch.device("cpu"))
