@@ -29,7 +29,9 @@ from .mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
+    AsyncSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
@@ -129,7 +131,7 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
-) -> None:
+) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
     The directory must be empty or missing. With ``validate_access_integrity`` the main
@@ -140,9 +142,14 @@ def save(
     ShardedObjects are written by their main replicas, the common state by rank 0, and
     ``metadata.json`` last, so an interrupted save never looks complete. The caller's dict
     is not modified.
+
+    With ``async_sharded_save=True`` (the sharded strategy must be an
+    ``AsyncSaveShardedStrategy``) everything up to the common state happens now, the
+    sharded state is snapshotted and written in the background, and an ``AsyncRequest`` is
+    returned: schedule it on an ``AsyncCallsQueue``; the checkpoint is complete (has
+    ``metadata.json``) only once the queue has finalized it. The caller may modify its
+    tensors as soon as ``save`` returns.
     """
-    if async_sharded_save:
-        raise CheckpointingException("async_sharded_save is not available yet in this version")
     checkpoint_dir = Path(checkpoint_dir)
     start = time.perf_counter()
     rank = get_rank()
@@ -152,6 +159,8 @@ def save(
             sharded_strategy, StrategyAction.SAVE_SHARDED, ("torch_dist", 1), SaveShardedStrategy)
         common_strategy_ = _resolve_save_strategy(
             common_strategy, StrategyAction.SAVE_COMMON, ("torch", 1), SaveCommonStrategy)
+        if async_sharded_save and not isinstance(sharded_strategy_, AsyncSaveShardedStrategy):
+            raise CheckpointingException(f"{sharded_strategy_} cannot save asynchronously (async_sharded_save=True)")
         sharded, common, _ = _split_state_dict(sharded_state_dict)
         if content_metadata is not None:
             common[CONTENT_METADATA_KEY] = content_metadata
@@ -186,7 +195,6 @@ def save(
             common_strategy_.save_common(common, checkpoint_dir)
 
     run_agreed(save_common, "Saving the common state")
-    run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
 
     def commit():
         if rank == 0:
@@ -196,8 +204,16 @@ def save(
                 checkpoint_dir,
             )
 
+    if async_sharded_save:
+        request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
+                             "Starting the async save")
+        request.add_finalize_fn(commit)
+        logger.info("Started async save of %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+        return request
+    run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
     run_agreed(commit, "Committing the checkpoint")
     logger.info("Saved checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+    return None
 
 
 # ----------------------------------------------------------------------------- load

@@ -29,6 +29,7 @@ from dist_checkpointing.exchange_utils import (
     determine_main_replica_uniform_distribution,
     distribute_shards_to_ranks,
 )
+from dist_checkpointing.strategies.base import SaveShardedStrategy
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -886,8 +887,19 @@ def test_structure_differing_between_group_ranks(pool2, pool4, tmp_path):
                 _assert_all_raise(excs, w, "t.differs")
 
 
+class _SyncOnlySave(SaveShardedStrategy):
+    """A sharded save strategy that cannot save asynchronously."""
+
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+        self._inner = TorchDistSaveShardedStrategy()
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        self._inner.save(sharded_state_dict, checkpoint_dir)
+
+
 def _async_rank(rank, world, ckpt):
-    _save_w(None).async_save(_small_state(rank, world), ckpt)
+    FullyParallelSaveStrategyWrapper(_SyncOnlySave()).async_save(_small_state(rank, world), ckpt)
 
 
 def test_async_save_needs_an_async_base_strategy(pool2, tmp_path):

@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -237,6 +237,33 @@ class StagedFileWriter(io.RawIOBase):
             self._stop_io()
             os.close(self._fd)
             super().close()
+
+
+class HostStaging:
+    """Host (CPU) copies of device tensors for async saves, kept for the next save of the
+    same structure: a slot whose tensor keeps its shape and dtype reuses its buffer."""
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Hashable, torch.Tensor] = {}
+
+    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
+        """Copy each ``(slot, tensor)`` into its slot's buffer; buffers of slots not in this
+        call are dropped."""
+        buffers: Dict[Hashable, torch.Tensor] = {}
+        out = []
+        for slot, t in tensors:
+            buf = self._buffers.get(slot)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype)
+            buf.copy_(t.detach())
+            buffers[slot] = buf
+            out.append(buf)
+        self._buffers = buffers
+        return out
+
+    def release(self) -> None:
+        """Free every buffer."""
+        self._buffers = {}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -25,7 +25,7 @@ import pickle
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -63,8 +63,9 @@ from ..core import CheckpointingException
 from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_file_with_checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
-from .filesystem_async import tensor_bytes, write_file, zip_crc_disabled
+from .async_utils import AsyncRequest, ForkedCall
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy
+from .filesystem_async import HostStaging, tensor_bytes, write_file, zip_crc_disabled
 from .resharding import (
     Region,
     contiguous_start,
@@ -249,7 +250,7 @@ def _write_metadata(metadata: Metadata, checkpoint_dir: Path) -> None:
     write_file_with_checksum(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
 
 
-class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in the torch_dist (DCP) format.
 
     Args:
@@ -275,6 +276,7 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
         self._cache: Optional[Tuple[List[str], Metadata]] = None
+        self._staging = HostStaging()
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -282,15 +284,57 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
         checkpoint_dir = Path(checkpoint_dir)
-        rank = get_rank()
         locations: List[_Location] = []
         error: Optional[str] = None
         try:
-            items = _collect_save_items(sharded_state_dict)
-            files = _assign_files(items, rank, self.thread_count, self.separation_hint)
-            locations = self._write_files(files, checkpoint_dir)
+            locations = self._write_files(self._plan_files(sharded_state_dict), checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = error_message(e)
+        self._publish(locations, error, checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
+        """Snapshot this rank's items and write them in the background.
+
+        Returns an :class:`AsyncRequest` whose ``async_fn`` waits for the writer and whose
+        finalize step gathers the item locations and writes ``.metadata`` (collective).
+        The snapshot is a fork of this process: the writer sees the tensors as they are
+        now (copy-on-write), so they may change as soon as this returns. Tensors not on
+        the CPU are first copied into host buffers that are kept for the next save of the
+        same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
+        calls). Collective: one ``all_gather_object`` agrees on the preparation.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict)), "Preparing the async save")
+        writer = ForkedCall(lambda: self._write_files(files, checkpoint_dir),
+                            f"Writing {checkpoint_dir} on rank {get_rank()}")
+        written: Dict[str, List[_Location]] = {}
+
+        def finalize() -> None:
+            self._publish(written["locations"], None, checkpoint_dir)
+
+        return AsyncRequest(_wait_for_writer, (writer, written), [finalize], resources=[self])
+
+    def release(self) -> None:
+        """Free the host buffers kept for staging non-CPU tensors of async saves."""
+        self._staging.release()
+
+    def _stage(self, files: Dict[str, List[_SaveItem]]) -> Dict[str, List[_SaveItem]]:
+        """The same files with every non-CPU tensor replaced by its host copy."""
+        slots = [(fname, i) for fname, items in files.items() for i, it in enumerate(items)
+                 if isinstance(it.payload, torch.Tensor) and it.payload.device.type != "cpu"]
+        copies = self._staging.stage([(slot, files[slot[0]][slot[1]].payload) for slot in slots])
+        staged = {fname: list(items) for fname, items in files.items()}
+        for (fname, i), copy in zip(slots, copies):
+            staged[fname][i] = replace(staged[fname][i], payload=copy)
+        return staged
+
+    def _plan_files(self, sharded_state_dict: ShardedStateDict) -> Dict[str, List[_SaveItem]]:
+        items = _collect_save_items(sharded_state_dict)
+        return _assign_files(items, get_rank(), self.thread_count, self.separation_hint)
+
+    def _publish(self, locations: List[_Location], error: Optional[str], checkpoint_dir: Path) -> None:
+        """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective)."""
+        rank = get_rank()
         layout = sorted((loc[:5] for loc in locations), key=lambda loc: (loc[2], loc[3]))
         digest = hashlib.sha256(pickle.dumps(layout)).hexdigest()
         statuses = all_gather_object((error, digest))
@@ -333,6 +377,11 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
                     results = list(pool.map(write_one, files))
         return [loc for result in results for loc in result]
+
+
+def _wait_for_writer(writer: ForkedCall, written: Dict[str, List[_Location]]) -> None:
+    """The ``async_fn`` of an async save: wait for the forked writer, keep its locations."""
+    written["locations"] = writer.result()
 
 
 # ----------------------------------------------------------------------------- load

@@ -1,0 +1,323 @@
+"""Asynchronous calls: work that runs in the background and is finalized collectively.
+
+* :class:`AsyncRequest` — a function to run in the background (``async_fn``) and the
+  steps that complete it (``finalize_fns``, run on every rank once every rank's
+  ``async_fn`` is done).
+* :class:`AsyncCallsQueue` — schedules requests and finalizes them in order. Whether a
+  call is done is agreed over all ranks (one 2-byte ``all_reduce`` per check), so ranks
+  never finalize different calls; an error in any rank's ``async_fn`` is raised on every
+  rank at finalization, and the queue stays usable.
+* :class:`ForkedCall` — runs a function in a forked child process: the child sees a
+  copy-on-write snapshot of this process's memory as it was at the fork, so the caller
+  may change its tensors right away. Used by async saves to write the data files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..collectives import all_gather_object, all_reduce_max_uint8, error_message, is_distributed, raise_if_any, run_agreed
+from ..core import CheckpointingException
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AsyncRequest:
+    """A background function and the steps that complete it.
+
+    Args:
+        async_fn: run in the background with ``async_fn_args`` / ``async_fn_kwargs``
+            (``None``: nothing to run).
+        async_fn_args: positional arguments of ``async_fn``.
+        finalize_fns: run in order on every rank, in the caller's thread, once every
+            rank's ``async_fn`` has finished without error. They may be collective.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        resources: objects with a ``release()`` method kept alive across calls (e.g. reused
+            staging buffers); :meth:`AsyncCallsQueue.close` releases them.
+    """
+
+    async_fn: Optional[Callable[..., Any]]
+    async_fn_args: Tuple[Any, ...] = ()
+    finalize_fns: List[Callable[[], Any]] = field(default_factory=list)
+    async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
+    resources: List[Any] = field(default_factory=list)
+    is_frozen: bool = False
+
+    def _check_not_frozen(self) -> None:
+        if self.is_frozen:
+            raise CheckpointingException("This AsyncRequest is already scheduled and cannot be changed")
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` after the current finalize steps."""
+        self._check_not_frozen()
+        self.finalize_fns.append(fn)
+
+    def add_pre_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` before the current finalize steps."""
+        self._check_not_frozen()
+        self.finalize_fns.insert(0, fn)
+
+    def execute_sync(self) -> None:
+        """Run everything now, in this thread (``async_fn`` then the finalize steps)."""
+        if self.async_fn is not None:
+            self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+        for fn in self.finalize_fns:
+            fn()
+
+    def freeze(self) -> "AsyncRequest":
+        """A frozen copy (what a queue keeps once the request is scheduled)."""
+        return replace(self, finalize_fns=list(self.finalize_fns), resources=list(self.resources), is_frozen=True)
+
+
+class _Call:
+    def __init__(self, idx: int, request: AsyncRequest):
+        self.idx = idx
+        self.request = request
+        self.done = threading.Event()
+        self.error: Optional[str] = None
+
+    def run(self) -> None:
+        try:
+            if self.request.async_fn is not None:
+                self.request.async_fn(*self.request.async_fn_args, **self.request.async_fn_kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported at finalization
+            self.error = error_message(e)
+        finally:
+            self.done.set()
+
+
+class _Worker:
+    """A background thread that runs calls one after another until stopped."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[Optional[_Call]]" = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="dist_checkpointing-async", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            call = self._jobs.get()
+            if call is None:
+                return
+            call.run()
+
+    def submit(self, call: _Call) -> None:
+        self._jobs.put(call)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self.thread.join()
+
+
+class AsyncCallsQueue:
+    """Runs :class:`AsyncRequest` s in the background and finalizes them in order.
+
+    Args:
+        persistent: run the requests' ``async_fn`` in one background thread started on
+            the first request and reused until :meth:`close` (the default); ``False``
+            starts a thread per request.
+
+    Scheduling and finalizing are collective: every rank schedules the same requests in
+    the same order and calls :meth:`maybe_finalize_async_calls` at the same points.
+    """
+
+    def __init__(self, persistent: bool = True):
+        self.persistent = persistent
+        self._calls: List[_Call] = []
+        self._next_idx = 0
+        self._worker: Optional[_Worker] = None
+        self._resources: Dict[int, Any] = {}
+        self._closed = False
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Start ``async_request`` in the background; returns its call index."""
+        if self._closed:
+            raise CheckpointingException("Cannot schedule an async request: the AsyncCallsQueue is closed")
+        if not isinstance(async_request, AsyncRequest):
+            raise CheckpointingException(f"Not an AsyncRequest: {async_request!r}")
+        request = async_request.freeze()
+        for resource in request.resources:
+            self._resources[id(resource)] = resource
+        call = _Call(self._next_idx, request)
+        self._next_idx += 1
+        self._calls.append(call)
+        if self.persistent:
+            if self._worker is None:
+                self._worker = _Worker()
+            self._worker.submit(call)
+        else:
+            threading.Thread(target=call.run, name=f"dist_checkpointing-async-{call.idx}", daemon=True).start()
+        return call.idx
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
+        """Finalize, in order, the calls that are done on every rank; return their indices.
+
+        With ``blocking`` wait for every scheduled call. Each check costs one 2-byte
+        ``all_reduce`` over the world (none with ``no_dist`` or nothing scheduled). A call
+        whose ``async_fn`` failed on any rank raises :class:`CheckpointingException` on
+        every rank, naming the ranks and causes; it is dropped (never finalized) and the
+        queue stays usable.
+        """
+        finalized: List[int] = []
+        collective = is_distributed() and not no_dist
+        while self._calls:
+            call = self._calls[0]
+            if blocking:
+                call.done.wait()
+            flags = [int(not call.done.is_set()), int(call.error is not None)]
+            if collective:
+                flags = all_reduce_max_uint8(flags)
+            if flags[0]:
+                break
+            self._calls.pop(0)
+            if flags[1]:
+                errors = all_gather_object(call.error) if collective else [call.error]
+                raise_if_any(errors, f"Async call {call.idx}")
+            for fn in call.request.finalize_fns:
+                if collective:
+                    run_agreed(fn, f"Finalizing async call {call.idx}")
+                else:
+                    fn()
+            finalized.append(call.idx)
+        return finalized
+
+    def get_num_unfinalized_calls(self) -> int:
+        """How many scheduled calls are not finalized yet."""
+        return len(self._calls)
+
+    def close(self) -> None:
+        """Finalize every scheduled call (blocking), stop the worker and release the
+        requests' resources. Further scheduling raises. Collective, like finalization."""
+        if self._closed:
+            return
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+            for resource in self._resources.values():
+                resource.release()
+            self._resources.clear()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and self._worker is not None:
+            self._worker._jobs.put(None)  # let the daemon thread end; nothing is finalized
+
+
+# ----------------------------------------------------------------------------- forked calls
+
+_live_children: "weakref.WeakSet[ForkedCall]" = weakref.WeakSet()
+_fork_lock = threading.Lock()  # no other fork of ours can inherit a pipe's write end
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a forked child: get SIGKILL when the parent dies (Linux), so no writer outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class ForkedCall:
+    """``fn()`` run in a forked child process; :meth:`result` returns its (picklable) return
+    value or raises :class:`CheckpointingException` with the child's error.
+
+    The child sees this process's memory as it was at the fork (copy-on-write): nothing is
+    copied up front, and pages this process changes afterwards are copied by the kernel
+    on first write. The child must only read memory and do file I/O (no process-group
+    collectives, no CUDA); it exits with ``os._exit``, running no atexit handlers. It is
+    killed if this process dies, and at interpreter exit if still running.
+    """
+
+    def __init__(self, fn: Callable[[], Any], what: str):
+        self.what = what
+        with _fork_lock:
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid != 0:
+                os.close(write_fd)
+        if pid == 0:  # the child
+            status = 0
+            try:
+                os.close(read_fd)
+                _die_with_parent()
+                try:
+                    payload = pickle.dumps((True, fn()))
+                except BaseException as e:  # noqa: BLE001 - sent to the parent
+                    payload = pickle.dumps((False, error_message(e)))
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(write_fd, view):]
+            except BaseException:  # noqa: BLE001 - nothing else can be reported
+                status = 1
+            finally:
+                os._exit(status)
+        self.pid = pid
+        self._read_fd = read_fd
+        self._outcome: Optional[Tuple[bool, Any]] = None
+        self._lock = threading.Lock()
+        _live_children.add(self)
+
+    def result(self) -> Any:
+        """Wait for the child; its return value, or an exception with its error."""
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._collect()
+        ok, value = self._outcome
+        if not ok:
+            raise CheckpointingException(value)
+        return value
+
+    def _collect(self) -> Tuple[bool, Any]:
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(self._read_fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(self._read_fd)
+        _, status = os.waitpid(self.pid, 0)
+        _live_children.discard(self)
+        data = b"".join(chunks)
+        if data:
+            try:
+                return pickle.loads(data)
+            except Exception as e:  # noqa: BLE001 - a truncated report
+                return False, f"{self.what}: unreadable report from process {self.pid}: {e}"
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            return False, f"{self.what}: process {self.pid} was killed by signal {sig} ({signal.Signals(sig).name})"
+        return False, f"{self.what}: process {self.pid} exited with status {os.waitstatus_to_exitcode(status)} without a result"
+
+    def kill(self) -> None:
+        """Kill the child if it is still running and reap it."""
+        with self._lock:
+            if self._outcome is not None:
+                return
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._outcome = self._collect()
+
+
+@atexit.register
+def _kill_live_children() -> None:
+    for child in list(_live_children):
+        child.kill()
