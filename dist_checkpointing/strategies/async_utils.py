@@ -69,11 +69,12 @@ class AsyncRequest:
         self.finalize_fns.insert(0, fn)
 
     def execute_sync(self) -> None:
-        """Run everything now, in this thread (``async_fn`` then the finalize steps)."""
-        if self.async_fn is not None:
-            self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
-        for fn in self.finalize_fns:
-            fn()
+        """Run everything now, in this thread: ``async_fn``, then (if it succeeded on every
+        rank) the finalize steps. Collective like finalization: errors are raised on every
+        rank."""
+        call = _Call(-1, self)
+        call.run()
+        _finalize(call, is_distributed(), "Async request")
 
     def freeze(self) -> "AsyncRequest":
         """A frozen copy (what a queue keeps once the request is scheduled)."""
@@ -95,6 +96,21 @@ class _Call:
             self.error = error_message(e)
         finally:
             self.done.set()
+
+
+def _finalize(call: _Call, collective: bool, what: str, failed: Optional[bool] = None) -> None:
+    """Raise on every rank if ``call`` failed on any rank; else run its finalize steps, each
+    agreed over all ranks. ``failed``: whether it failed anywhere, if already agreed."""
+    if collective:
+        if failed is None or failed:
+            raise_if_any(all_gather_object(call.error), what)
+        for fn in call.request.finalize_fns:
+            run_agreed(fn, f"Finalizing: {what}")
+        return
+    if call.error is not None:
+        raise CheckpointingException(f"{what} failed: {call.error}")
+    for fn in call.request.finalize_fns:
+        fn()
 
 
 class _Worker:
@@ -146,7 +162,8 @@ class AsyncCallsQueue:
             raise CheckpointingException("Cannot schedule an async request: the AsyncCallsQueue is closed")
         if not isinstance(async_request, AsyncRequest):
             raise CheckpointingException(f"Not an AsyncRequest: {async_request!r}")
-        request = async_request.freeze()
+        async_request.is_frozen = True  # later changes to it would be ignored: refuse them
+        request = async_request
         for resource in request.resources:
             self._resources[id(resource)] = resource
         call = _Call(self._next_idx, request)
@@ -181,14 +198,7 @@ class AsyncCallsQueue:
             if flags[0]:
                 break
             self._calls.pop(0)
-            if flags[1]:
-                errors = all_gather_object(call.error) if collective else [call.error]
-                raise_if_any(errors, f"Async call {call.idx}")
-            for fn in call.request.finalize_fns:
-                if collective:
-                    run_agreed(fn, f"Finalizing async call {call.idx}")
-                else:
-                    fn()
+            _finalize(call, collective, f"Async call {call.idx}", failed=bool(flags[1]))
             finalized.append(call.idx)
         return finalized
 
@@ -220,61 +230,106 @@ class AsyncCallsQueue:
 # ----------------------------------------------------------------------------- forked calls
 
 _live_children: "weakref.WeakSet[ForkedCall]" = weakref.WeakSet()
-_fork_lock = threading.Lock()  # no other fork of ours can inherit a pipe's write end
 _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """In a forked child: get SIGKILL when the parent dies (Linux), so no writer outlives it."""
+    """In a forked child: get SIGKILL when the thread that forked it ends (Linux). Forks
+    are made by the long-lived forker thread, so that is when this process ends."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
 
+class _Forker:
+    """A daemon thread that makes every fork, so that a child's parent-death signal is tied
+    to a thread that lives as long as the process (not to the caller's thread), and no
+    other fork of ours can inherit a pipe's write end."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[Tuple[Callable[[], Any], queue.Queue]]" = queue.Queue()
+        threading.Thread(target=self._loop, name="dist_checkpointing-forker", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, reply = self._jobs.get()
+            try:
+                reply.put((True, _fork_child(fn)))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller
+                reply.put((False, e))
+
+    def fork(self, fn: Callable[[], Any]) -> Tuple[int, int]:
+        """``(pid, read end of the result pipe)`` of a child running ``fn``; the caller
+        waits, so its memory does not change until the fork is done."""
+        reply: "queue.Queue[Tuple[bool, Any]]" = queue.Queue()
+        self._jobs.put((fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+
+_forker: Optional[_Forker] = None
+_forker_lock = threading.Lock()
+
+
+def _get_forker() -> _Forker:
+    global _forker
+    with _forker_lock:
+        if _forker is None:
+            _forker = _Forker()
+        return _forker
+
+
+def _fork_child(fn: Callable[[], Any]) -> Tuple[int, int]:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid != 0:
+        os.close(write_fd)
+        return pid, read_fd
+    status = 0  # the child
+    try:
+        os.close(read_fd)
+        _die_with_parent()
+        try:
+            payload = pickle.dumps((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - sent to the parent
+            payload = pickle.dumps((False, error_message(e)))
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(write_fd, view):]
+    except BaseException:  # noqa: BLE001 - nothing else can be reported
+        status = 1
+    finally:
+        os._exit(status)
+
+
 class ForkedCall:
     """``fn()`` run in a forked child process; :meth:`result` returns its (picklable) return
     value or raises :class:`CheckpointingException` with the child's error.
 
-    The child sees this process's memory as it was at the fork (copy-on-write): nothing is
-    copied up front, and pages this process changes afterwards are copied by the kernel
-    on first write. The child must only read memory and do file I/O (no process-group
-    collectives, no CUDA); it exits with ``os._exit``, running no atexit handlers. It is
-    killed if this process dies, and at interpreter exit if still running.
+    The child sees this process's private memory as it was at the fork (copy-on-write):
+    nothing is copied up front, and pages this process changes afterwards are copied by
+    the kernel on first write. (Shared memory — ``share_memory_()`` tensors — is not
+    copied: stage such tensors before forking.) The child must only read memory and do file
+    I/O (no process-group collectives, no CUDA); it exits with ``os._exit``, running no
+    atexit handlers. It is killed if this process dies, and at interpreter exit if still
+    running.
     """
 
     def __init__(self, fn: Callable[[], Any], what: str):
         self.what = what
-        with _fork_lock:
-            read_fd, write_fd = os.pipe()
-            pid = os.fork()
-            if pid != 0:
-                os.close(write_fd)
-        if pid == 0:  # the child
-            status = 0
-            try:
-                os.close(read_fd)
-                _die_with_parent()
-                try:
-                    payload = pickle.dumps((True, fn()))
-                except BaseException as e:  # noqa: BLE001 - sent to the parent
-                    payload = pickle.dumps((False, error_message(e)))
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(write_fd, view):]
-            except BaseException:  # noqa: BLE001 - nothing else can be reported
-                status = 1
-            finally:
-                os._exit(status)
-        self.pid = pid
-        self._read_fd = read_fd
+        self.pid, self._read_fd = _get_forker().fork(fn)
         self._outcome: Optional[Tuple[bool, Any]] = None
-        self._lock = threading.Lock()
+        self._wait_lock = threading.Lock()
+        self._reaped = False
+        self._reap_lock = threading.Lock()
         _live_children.add(self)
 
     def result(self) -> Any:
         """Wait for the child; its return value, or an exception with its error."""
-        with self._lock:
+        with self._wait_lock:
             if self._outcome is None:
                 self._outcome = self._collect()
         ok, value = self._outcome
@@ -292,7 +347,9 @@ class ForkedCall:
                 chunks.append(chunk)
         finally:
             os.close(self._read_fd)
-        _, status = os.waitpid(self.pid, 0)
+        with self._reap_lock:
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped = True
         _live_children.discard(self)
         data = b"".join(chunks)
         if data:
@@ -306,15 +363,13 @@ class ForkedCall:
         return False, f"{self.what}: process {self.pid} exited with status {os.waitstatus_to_exitcode(status)} without a result"
 
     def kill(self) -> None:
-        """Kill the child if it is still running and reap it."""
-        with self._lock:
-            if self._outcome is not None:
-                return
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._outcome = self._collect()
+        """Kill the child if it is still running (whoever waits for it sees the error)."""
+        with self._reap_lock:
+            if not self._reaped:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 @atexit.register

@@ -299,8 +299,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         finalize step gathers the item locations and writes ``.metadata`` (collective).
         The snapshot is a fork of this process: the writer sees the tensors as they are
         now (copy-on-write), so they may change as soon as this returns. Tensors not on
-        the CPU are first copied into host buffers that are kept for the next save of the
-        same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
+        the CPU, and CPU tensors in shared or pinned memory (which a fork does not
+        snapshot), are first copied into host buffers that are kept for the next save of
+        the same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
         calls). Collective: one ``all_gather_object`` agrees on the preparation.
         """
         checkpoint_dir = Path(checkpoint_dir)
@@ -319,9 +320,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._staging.release()
 
     def _stage(self, files: Dict[str, List[_SaveItem]]) -> Dict[str, List[_SaveItem]]:
-        """The same files with every non-CPU tensor replaced by its host copy."""
+        """The same files with every tensor that a fork does not snapshot replaced by its
+        host copy: tensors on other devices, and CPU tensors in shared or pinned memory."""
         slots = [(fname, i) for fname, items in files.items() for i, it in enumerate(items)
-                 if isinstance(it.payload, torch.Tensor) and it.payload.device.type != "cpu"]
+                 if isinstance(it.payload, torch.Tensor) and _needs_staging(it.payload)]
         copies = self._staging.stage([(slot, files[slot[0]][slot[1]].payload) for slot in slots])
         staged = {fname: list(items) for fname, items in files.items()}
         for (fname, i), copy in zip(slots, copies):
@@ -377,6 +379,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
                     results = list(pool.map(write_one, files))
         return [loc for result in results for loc in result]
+
+
+def _needs_staging(t: torch.Tensor) -> bool:
+    """Whether a forked writer would not see ``t`` as it is now: memory on another device,
+    shared memory (not copied on write), or pinned memory (not inherited reliably)."""
+    if t.device.type != "cpu" or t.is_shared():
+        return True
+    try:
+        return t.is_pinned()
+    except RuntimeError:  # no accelerator to ask
+        return False
 
 
 def _wait_for_writer(writer: ForkedCall, written: Dict[str, List[_Location]]) -> None:

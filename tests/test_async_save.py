@@ -1,0 +1,966 @@
+"""Async saves: ``save(..., async_sharded_save=True)``, AsyncRequest, AsyncCallsQueue,
+the forked writer (ForkedCall) and HostStaging, through real gloo process groups.
+
+An async save snapshots the state when ``save`` returns (fork, copy-on-write), writes
+it in a child process, and is complete (``metadata.json``) only once an
+``AsyncCallsQueue`` has finalized it on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import serialization
+from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
+from dist_checkpointing.core import CONFIG_FNAME
+from dist_checkpointing.strategies import torch as torch_strategy
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
+from dist_checkpointing.strategies.base import SaveShardedStrategy
+from dist_checkpointing.strategies.filesystem_async import HostStaging
+from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
+
+from .conftest import get_pool
+
+ASYNC_THREAD = "dist_checkpointing-async"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ERR_TIMEOUT = 60.0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _values(key: str, shape, dtype, gen: int) -> torch.Tensor:
+    """Deterministic global values of ``key`` for generation ``gen``."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = torch.arange(n, dtype=torch.float64).reshape(shape)
+    if dtype == torch.bool:
+        return (base.long() + gen + len(key)) % 3 == 0
+    return (base * 0.25 + len(key) + 100 * gen).to(dtype)
+
+
+def _state(rank: int, world: int, gen: int = 0, fill: bool = True) -> dict:
+    """A TP x DP sharded state with several dtypes, a prepended axis, a flattened
+    (distributed-optimizer) slice, per-rank and replicated ShardedObjects and common
+    state. ``fill=False`` gives the matching load request (zeros / None)."""
+    tp = 2 if world >= 2 else 1
+    tp_rank, dp_rank, dp = rank % tp, rank // tp, world // tp
+
+    def chunk(key, shape, axis, dtype=torch.float32, layer=None):
+        full = _values(key, shape, dtype, gen)
+        if layer is not None:
+            full = full[layer]
+        n = full.shape[axis] // tp
+        local = full.narrow(axis, tp_rank * n, n).clone()
+        return local if fill else torch.zeros_like(local)
+
+    # distributed-optimizer style: the TP chunk (8, 6) is flattened and split over DP
+    flat_chunk = _values("opt.exp_avg", (8 * tp, 6), torch.float32, gen).narrow(0, tp_rank * 8, 8).flatten()
+    step = 48 // dp
+    start, stop = dp_rank * step, (48 if dp_rank == dp - 1 else (dp_rank + 1) * step)
+    flat = flat_chunk[start:stop].clone() if fill else torch.zeros(stop - start)
+    ids = _values("ids", (3 * world,), torch.int64, gen).narrow(0, 3 * rank, 3).clone()
+    return {
+        "emb": ShardedTensor.from_rank_offsets("emb", chunk("emb", (16, 6), 0), (0, tp_rank, tp), replica_id=dp_rank),
+        "layers": [
+            ShardedTensor.from_rank_offsets("dec.qkv", chunk("dec.qkv", (2, 12, 4), 0, layer=i), (0, i, 2),
+                                            (1, tp_rank, tp), replica_id=dp_rank, prepend_axis_num=1)
+            for i in range(2)
+        ],
+        "fc": ShardedTensor.from_rank_offsets("fc", chunk("fc", (4, 8), 1, torch.bfloat16), (1, tp_rank, tp),
+                                              replica_id=dp_rank),
+        "ids": ShardedTensor.from_rank_offsets("ids", ids if fill else torch.zeros_like(ids), (0, rank, world)),
+        "mask": ShardedTensor.from_rank_offsets(
+            "mask", _values("mask", (5,), torch.bool, gen) if fill else torch.zeros(5, dtype=torch.bool),
+            replica_id=rank),
+        "opt": {"exp_avg": ShardedTensor.from_rank_offsets_flat("opt.exp_avg", flat, (8, 6), (0, tp_rank, tp),
+                                                                 flattened_range=slice(start, stop))},
+        "rng": ShardedObject("rng", {"rank": rank, "gen": gen, "state": list(range(rank, rank + 4))} if fill else None,
+                             (world,), (rank,)),
+        "sched": ShardedObject("sched", {"step": 10 + gen} if fill else None, (1,), (0,), replica_id=rank),
+        "iteration": 17 + gen,
+        "args": {"lr": 0.5, "name": "gpt"},
+        "plain": torch.arange(3) + gen,
+    }
+
+
+def _leaves(d, prefix=""):
+    if isinstance(d, dict):
+        for k in sorted(d):
+            yield from _leaves(d[k], f"{prefix}/{k}")
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _leaves(v, f"{prefix}/{i}")
+    else:
+        yield prefix, d
+
+
+def _unwrap(d):
+    """The values a load returns for the sharded state dict ``d``."""
+    if isinstance(d, dict):
+        return {k: _unwrap(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_unwrap(v) for v in d]
+    return d.data if isinstance(d, (ShardedTensor, ShardedObject)) else d
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_loaded(loaded: dict, rank: int, world: int, gen: int, where: str = "") -> None:
+    """``loaded`` holds exactly generation ``gen`` of this rank's state (tensor bytes,
+    dtypes, shapes, objects, common state)."""
+    expected = dict(_leaves(_unwrap(_state(rank, world, gen))))
+    got = dict(_leaves(loaded))
+    assert sorted(got) == sorted(expected), (where, sorted(got), sorted(expected))
+    for path, exp in expected.items():
+        val = got[path]
+        if isinstance(exp, torch.Tensor):
+            assert isinstance(val, torch.Tensor), f"{where}{path}"
+            assert val.dtype == exp.dtype and val.shape == exp.shape, f"{where}{path}: {val.dtype} {val.shape}"
+            assert _bytes(val) == _bytes(exp), f"{where}{path}: {val} != {exp}"
+        else:
+            assert val == exp, f"{where}{path}: {val!r} != {exp!r}"
+
+
+def _load_check(ckpt, rank, world, gen, where=""):
+    _check_loaded(dc.load(_state(rank, world, gen, fill=False), ckpt), rank, world, gen, where)
+
+
+def _mutate(sd: dict) -> None:
+    """Change, in place, every tensor and ShardedObject payload of ``sd`` (and the
+    mutable common state)."""
+    for _, v in _leaves(sd):
+        if isinstance(v, ShardedTensor):
+            if v.data.dtype == torch.bool:
+                v.data.logical_not_()
+            else:
+                v.data.add_(1000).fill_(-7)
+        elif isinstance(v, ShardedObject):
+            v.data.clear()
+            v.data["mutated"] = True
+        elif isinstance(v, torch.Tensor):
+            v.fill_(-1)
+    sd["args"]["lr"] = 99.0
+
+
+def _async_threads(ignore=()):
+    return [t for t in threading.enumerate()
+            if t.name.startswith(ASYNC_THREAD) and t.is_alive() and t not in ignore]
+
+
+def _child_gone(pid: int) -> bool:
+    """For our own (reaped) writer children: no such process any more."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _proc_gone(pid: int) -> bool:
+    """For processes we cannot reap (orphans): gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _proc_gone(pid):
+            return True
+        time.sleep(0.05)
+    return _proc_gone(pid)
+
+
+def _writer(request: AsyncRequest) -> ForkedCall:
+    writer = request.async_fn_args[0]
+    assert isinstance(writer, ForkedCall)
+    return writer
+
+
+@contextlib.contextmanager
+def _slow_writes(delay: float):
+    """The forked writer sleeps ``delay`` s before each data file (it inherits this patch)."""
+    orig = torch_strategy.write_file
+
+    def slow(*args, **kwargs):
+        time.sleep(delay)
+        return orig(*args, **kwargs)
+
+    torch_strategy.write_file = slow
+    try:
+        yield
+    finally:
+        torch_strategy.write_file = orig
+
+
+def _assert_all_raise(excs, world, *fragments):
+    assert len(excs) == world
+    for rank, e in enumerate(excs):
+        assert isinstance(e, CheckpointingException), f"rank {rank}: {type(e).__name__}: {e}"
+        for frag in fragments:
+            assert frag in str(e), f"rank {rank}: {frag!r} not in {e}"
+
+
+def _error_of(fn, *args, **kwargs) -> str:
+    """The message of the CheckpointingException that ``fn(*args, **kwargs)`` raises. For
+    rank functions: unlike pytest.raises' ``Failed``, the AssertionError raised when it
+    does not raise travels back to the test."""
+    try:
+        fn(*args, **kwargs)
+    except CheckpointingException as e:
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__qualname__', fn)} did not raise CheckpointingException")
+
+
+def _incomplete_error(ckpt) -> str:
+    """``load`` of an unfinalized checkpoint raises CheckpointingException (every rank)."""
+    return _error_of(dc.load, {"emb": ShardedTensor.from_rank_offsets("emb", torch.zeros(16, 6))}, ckpt)
+
+
+# ----------------------------------------------------------------------------- 1. async == sync
+
+
+def _sync_and_async(rank, world, sync_dir, async_dir):
+    dc.save(_state(rank, world), sync_dir)
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(_state(rank, world), async_dir, async_sharded_save=True)
+        assert isinstance(request, AsyncRequest)
+        assert queue.schedule_async_request(request) == 0
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    from_sync = dc.load(_state(rank, world, fill=False), sync_dir)
+    from_async = dc.load(_state(rank, world, fill=False), async_dir)
+    _check_loaded(from_sync, rank, world, 0, "sync ")
+    _check_loaded(from_async, rank, world, 0, "async ")
+    a, b = dict(_leaves(from_sync)), dict(_leaves(from_async))
+    for path in a:  # the two loads agree with each other too (bytes, objects, common state)
+        if isinstance(a[path], torch.Tensor):
+            assert _bytes(a[path]) == _bytes(b[path]) and a[path].dtype == b[path].dtype, path
+        else:
+            assert a[path] == b[path], path
+    common_sync, common_async = dc.load_common_state_dict(sync_dir), dc.load_common_state_dict(async_dir)
+    assert sorted(common_sync) == sorted(common_async)
+    assert torch.equal(common_sync.pop("plain"), common_async.pop("plain"))
+    assert common_sync == common_async
+
+
+def _sharded_md_summary(ckpt):
+    fields = ("key", "global_shape", "dtype", "global_offset", "local_shape", "axis_fragmentations",
+              "prepend_axis_num", "flattened_range", "replica_id")
+    return {k: (type(v).__name__,) + tuple(repr(getattr(v, f, None)) for f in fields)
+            for k, v in dc.load_sharded_metadata(ckpt).items()}
+
+
+def _dcp_summary(ckpt):
+    md = read_metadata(ckpt)
+    items = {}
+    for key, m in md.state_dict_metadata.items():
+        if hasattr(m, "chunks"):
+            items[key] = (str(m.properties.dtype), tuple(m.size),
+                          sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks))
+        else:
+            items[key] = type(m).__name__
+    storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info.relative_path
+               for idx, info in md.storage_data.items()}
+    return items, storage, dict(getattr(md, "mcore_data", {}) or {})
+
+
+def test_async_equals_sync(pool, tmp_path):
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    pool.run(_sync_and_async, str(sync_dir), str(async_dir))
+    assert dc.check_is_distributed_checkpoint(async_dir)
+    assert _sharded_md_summary(async_dir) == _sharded_md_summary(sync_dir)
+    items_a, storage_a, mcore_a = _dcp_summary(async_dir)
+    items_s, storage_s, mcore_s = _dcp_summary(sync_dir)
+    assert items_a == items_s and storage_a == storage_s and mcore_a == mcore_s
+    assert "opt.exp_avg" in items_a and "rng/shard_0_%d" % pool.world_size in items_a
+    assert sorted(os.listdir(async_dir)) == sorted(os.listdir(sync_dir))
+    assert sorted(dc.load_plain_tensors(async_dir)) == sorted(dc.load_plain_tensors(sync_dir))
+    for key, t in dc.load_plain_tensors(async_dir).items():
+        assert _bytes(t) == _bytes(dc.load_plain_tensors(sync_dir)[key]), key
+
+
+# ----------------------------------------------------------------------------- 2. staging at call time
+
+
+def _mutate_after_save(rank, world, dir_a, dir_b):
+    queue = AsyncCallsQueue()
+    try:
+        # (a) mutated before scheduling
+        sd_a = _state(rank, world, gen=0)
+        request_a = dc.save(sd_a, dir_a, async_sharded_save=True)
+        _mutate(sd_a)
+        queue.schedule_async_request(request_a)
+        # (b) mutated between scheduling and finalizing
+        sd_b = _state(rank, world, gen=1)
+        request_b = dc.save(sd_b, dir_b, async_sharded_save=True)
+        queue.schedule_async_request(request_b)
+        _mutate(sd_b)
+        time.sleep(0.05)
+        _mutate(sd_b)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+    finally:
+        queue.close()
+    assert sd_a["rng"].data == {"mutated": True}  # the caller's objects did change
+    _load_check(dir_a, rank, world, 0, "mutated before scheduling: ")
+    _load_check(dir_b, rank, world, 1, "mutated after scheduling: ")
+
+
+def test_state_is_snapshotted_when_save_returns(pool2, tmp_path):
+    pool2.run(_mutate_after_save, str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def _shared_memory_mutation(rank, world, ckpt):
+    expected = torch.arange(1 << 16, dtype=torch.float32)
+    t = expected.clone().share_memory_()
+    queue = AsyncCallsQueue()
+    try:
+        with _slow_writes(0.3):
+            request = dc.save({"t": ShardedTensor.from_rank_offsets("t", t, (0, rank, world))}, ckpt,
+                              async_sharded_save=True)
+        t.fill_(-1)  # allowed as soon as save returns
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    loaded = dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(1 << 16), (0, rank, world))}, ckpt)["t"]
+    assert torch.equal(loaded, expected), f"the checkpoint holds values written after save returned: {loaded[:4]}"
+
+
+def test_shared_memory_tensors_are_snapshotted_too(tmp_path):
+    """A tensor in shared memory (``share_memory_()``, e.g. for a multi-process data or
+    optimizer pipeline) is MAP_SHARED: a fork does not copy it on write, so the writer must
+    not rely on copy-on-write for it."""
+    get_pool(1).run(_shared_memory_mutation, str(tmp_path / "shm"))
+
+
+# ----------------------------------------------------------------------------- 3. complete only after finalize
+
+
+def _completion(rank, world, ckpt):
+    queue = AsyncCallsQueue()
+    try:
+        assert queue.get_num_unfinalized_calls() == 0
+        assert queue.maybe_finalize_async_calls() == [] and queue.maybe_finalize_async_calls(blocking=True) == []
+        request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+        assert not dc.check_is_distributed_checkpoint(ckpt) and CONFIG_FNAME not in os.listdir(ckpt)
+        msg_before = _incomplete_error(ckpt)
+        assert queue.schedule_async_request(request) == 0
+        assert queue.get_num_unfinalized_calls() == 1
+        _writer(request).result()  # this rank's data files are written, nothing finalized
+        msg_written = _incomplete_error(ckpt)
+        assert not dc.check_is_distributed_checkpoint(ckpt) and CONFIG_FNAME not in os.listdir(ckpt)
+        assert queue.get_num_unfinalized_calls() == 1
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        assert queue.get_num_unfinalized_calls() == 0
+        assert dc.check_is_distributed_checkpoint(ckpt)
+        _load_check(ckpt, rank, world, 0)
+        assert queue.maybe_finalize_async_calls(blocking=True) == []
+    finally:
+        queue.close()
+    return msg_before, msg_written
+
+
+def test_checkpoint_complete_only_after_finalize(pool2, tmp_path):
+    ckpt = tmp_path / "c"
+    for msg_before, msg_written in pool2.run(_completion, str(ckpt)):
+        assert "incomplete" in msg_before and str(ckpt) in msg_before, msg_before
+        assert "incomplete" in msg_written, msg_written
+
+
+def _gated(gate, finished, log, idx):
+    assert gate.wait(30), f"gate {idx} never opened"
+    log.append(("run", idx))
+    finished.set()
+
+
+def _poll_finalize(queue, timeout=30.0):
+    """Non-blocking finalization, repeated (in lockstep on every rank) until it finalizes something."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = queue.maybe_finalize_async_calls(blocking=False)
+        if done:
+            return done
+        time.sleep(0.01)
+    raise AssertionError("nothing finalized")
+
+
+def _nonblocking_order(rank, world):
+    for persistent in (False, True):
+        queue = AsyncCallsQueue(persistent=persistent)
+        gates = [threading.Event() for _ in range(3)]
+        finished = [threading.Event() for _ in range(3)]
+        log = []
+        try:
+            for i in range(3):
+                req = AsyncRequest(_gated, (gates[i], finished[i], log, i))
+                req.add_finalize_fn(lambda i=i: log.append(("fin", i)))
+                assert queue.schedule_async_request(req) == i
+            assert queue.get_num_unfinalized_calls() == 3
+            assert queue.maybe_finalize_async_calls(blocking=False) == []
+            if not persistent:  # calls run concurrently: 2 finishes while 1 is still blocked
+                gates[2].set()
+                gates[0].set()
+                assert finished[2].wait(10) and finished[0].wait(10)
+                first = _poll_finalize(queue)
+                assert first == [0], first
+                assert queue.maybe_finalize_async_calls(blocking=False) == []  # 1 is not done, 2 must wait
+                assert queue.get_num_unfinalized_calls() == 2
+                assert ("fin", 2) not in log
+                gates[1].set()
+                rest = _poll_finalize(queue)
+                assert rest == [1, 2], rest
+            else:  # one worker thread: calls run one after another
+                gates[0].set()
+                got = _poll_finalize(queue)
+                assert got == [0], got  # 1 and 2 are still gated
+                gates[1].set()
+                gates[2].set()
+                got += queue.maybe_finalize_async_calls(blocking=True)
+                assert got == [0, 1, 2], got
+            assert queue.get_num_unfinalized_calls() == 0
+            assert [e for e in log if e[0] == "fin"] == [("fin", 0), ("fin", 1), ("fin", 2)]
+            if persistent:
+                assert [e for e in log if e[0] == "run"] == [("run", 0), ("run", 1), ("run", 2)]
+        finally:
+            for g in gates:
+                g.set()
+            queue.close()
+    return True
+
+
+def test_nonblocking_finalize_returns_finished_calls_in_order(pool2):
+    assert pool2.run(_nonblocking_order) == [True, True]
+
+
+# ----------------------------------------------------------------------------- 4. persistent worker reuse
+
+
+def _reuse_worker(rank, world, root):
+    unrelated = set(_async_threads())  # left by queues of other tests that were never closed
+
+    def live():
+        return _async_threads(ignore=unrelated)
+
+    queue = AsyncCallsQueue()
+    pids, idents = [], set()
+    dirs = [os.path.join(root, f"p{i}") for i in range(4)]
+
+    def one_thread():
+        threads = live()
+        assert [t.name for t in threads] == [ASYNC_THREAD], [t.name for t in threads]
+        idents.add(threads[0].ident)
+
+    try:
+        for i in range(3):  # three in flight at once
+            request = dc.save(_state(rank, world, gen=i), dirs[i], async_sharded_save=True)
+            pids.append(_writer(request).pid)
+            assert queue.schedule_async_request(request) == i
+            one_thread()
+        assert queue.get_num_unfinalized_calls() == 3
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1, 2]
+        one_thread()
+        request = dc.save(_state(rank, world, gen=3), dirs[3], async_sharded_save=True)
+        pids.append(_writer(request).pid)
+        assert queue.schedule_async_request(request) == 3
+        one_thread()
+        assert queue.maybe_finalize_async_calls(blocking=True) == [3]
+        one_thread()
+    finally:
+        queue.close()
+    assert len(idents) == 1  # the very same thread served every save
+    assert live() == []
+    for pid in pids:
+        assert _child_gone(pid), f"writer {pid} still alive after close()"
+    for i, d in enumerate(dirs):
+        _load_check(d, rank, world, i, f"save {i}: ")
+
+    # a thread per request
+    queue = AsyncCallsQueue(persistent=False)
+    pids = []
+    try:
+        for i in range(2):
+            request = dc.save(_state(rank, world, gen=10 + i), os.path.join(root, f"np{i}"), async_sharded_save=True)
+            pids.append(_writer(request).pid)
+            queue.schedule_async_request(request)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+    finally:
+        queue.close()
+    deadline = time.monotonic() + 5
+    while live() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert live() == [], [t.name for t in live()]
+    assert all(_child_gone(pid) for pid in pids)
+    for i in range(2):
+        _load_check(os.path.join(root, f"np{i}"), rank, world, 10 + i)
+
+
+def test_persistent_worker_is_reused_and_stopped(pool2, tmp_path):
+    pool2.run(_reuse_worker, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- 5. failures on every rank
+
+
+def _big_state(rank, world, mb):
+    # rank-private keys; the killed rank writes ``mb`` MB, the others a little
+    n = (mb << 18) if rank == 1 else 1024
+    return {"big": ShardedTensor.from_rank_offsets(f"big{rank}", torch.ones(n)),
+            "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}
+
+
+def _killed_writer(rank, world, ckpt, good):
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(_big_state(rank, world, 32), ckpt, async_sharded_save=True)
+        if rank == 1:
+            os.kill(_writer(request).pid, signal.SIGKILL)
+        queue.schedule_async_request(request)
+        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
+        assert queue.get_num_unfinalized_calls() == 0
+        assert not dc.check_is_distributed_checkpoint(ckpt) and CONFIG_FNAME not in os.listdir(ckpt)
+        assert "incomplete" in _incomplete_error(ckpt)
+        # the same queue still works
+        request = dc.save(_state(rank, world, gen=5), good, async_sharded_save=True)
+        assert queue.schedule_async_request(request) == 1
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    finally:
+        queue.close()
+    _load_check(good, rank, world, 5)
+    return msg
+
+
+def test_killed_writer_fails_on_every_rank(pool2, tmp_path):
+    msgs = pool2.run(_killed_writer, str(tmp_path / "killed"), str(tmp_path / "good"), timeout=_ERR_TIMEOUT)
+    for rank, msg in enumerate(msgs):
+        assert "rank 1" in msg and "SIGKILL" in msg, f"rank {rank}: {msg}"
+
+
+def _destination_gone(rank, world, root, how, who):
+    ckpt = os.path.join(root, f"{how}_{who}")
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+        if who == "all" or rank == 0:
+            while os.path.lexists(ckpt):  # a writer may add a file while rmtree runs
+                shutil.rmtree(ckpt, ignore_errors=True)
+            if how == "file":
+                with open(ckpt, "w") as f:
+                    f.write("not a directory")
+        queue.schedule_async_request(request)
+        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
+        assert queue.get_num_unfinalized_calls() == 0
+        assert not dc.check_is_distributed_checkpoint(ckpt)
+        good = os.path.join(root, f"good_{how}_{who}")
+        request = dc.save(_state(rank, world, gen=2), good, async_sharded_save=True)
+        assert queue.schedule_async_request(request) == 1
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    finally:
+        queue.close()
+    _load_check(good, rank, world, 2)
+    return msg
+
+
+@pytest.mark.parametrize("how,who", [("rmtree", "rank0"), ("rmtree", "all"), ("file", "rank0")])
+def test_destination_removed_during_write(pool2, tmp_path, how, who):
+    msgs = pool2.run(_destination_gone, str(tmp_path), how, who, timeout=_ERR_TIMEOUT)
+    cause = "No such file or directory" if how == "rmtree" else ("Not a directory", "No such file or directory")
+    for rank, msg in enumerate(msgs):
+        causes = cause if isinstance(cause, tuple) else (cause,)
+        assert any(c in msg for c in causes), f"rank {rank}: {msg}"
+    assert len(set(msgs)) == 1, msgs  # the same agreed error everywhere
+
+
+# ----------------------------------------------------------------------------- 6. bad input
+
+
+class _SyncOnlyStrategy(SaveShardedStrategy):
+    def save(self, sharded_state_dict, checkpoint_dir):
+        raise AssertionError("must not be called")
+
+
+def _bad_input(rank, world, root):
+    queue = AsyncCallsQueue()
+    assert queue.maybe_finalize_async_calls() == [] and queue.maybe_finalize_async_calls(blocking=True) == []
+    _error_of(queue.schedule_async_request, lambda: None)
+    queue.close()
+    queue.close()  # twice is fine
+    assert queue.maybe_finalize_async_calls(blocking=True) == []
+    assert "closed" in _error_of(queue.schedule_async_request, AsyncRequest(None))
+    assert queue.get_num_unfinalized_calls() == 0
+
+    # a closed queue refuses an async save too; nothing is left running
+    request = dc.save(_state(rank, world), os.path.join(root, "closed"), async_sharded_save=True)
+    assert "closed" in _error_of(queue.schedule_async_request, request)
+    _writer(request).result()  # the writer may be waited for without a queue
+    assert not dc.check_is_distributed_checkpoint(os.path.join(root, "closed"))
+
+    frozen = AsyncRequest(None).freeze()
+    assert frozen.is_frozen
+    _error_of(frozen.add_finalize_fn, lambda: None)
+    _error_of(frozen.add_pre_finalize_fn, lambda: None)
+    assert frozen.finalize_fns == []
+
+
+def test_bad_input(pool2, tmp_path):
+    pool2.run(_bad_input, str(tmp_path))
+
+
+def _sync_only_strategy(rank, world, ckpt):
+    dc.save(_state(rank, world), ckpt, sharded_strategy=_SyncOnlyStrategy("sync_only", 1), async_sharded_save=True)
+
+
+def test_async_save_needs_an_async_strategy(pool2, tmp_path):
+    ckpt = tmp_path / "sync_only"
+    excs = pool2.run_expect_error(_sync_only_strategy, str(ckpt), timeout=_ERR_TIMEOUT)
+    _assert_all_raise(excs, 2, "async")
+    assert not ckpt.exists() or list(ckpt.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- 7. AsyncRequest API
+
+
+def test_async_request_finalize_order_and_execute_sync():
+    log = []
+    req = AsyncRequest(lambda a, b=0: log.append(("async", a, b)), (1,), [lambda: log.append("f1")],
+                       async_fn_kwargs={"b": 2})
+    req.add_finalize_fn(lambda: log.append("f2"))
+    req.add_pre_finalize_fn(lambda: log.append("p1"))
+    req.add_pre_finalize_fn(lambda: log.append("p2"))
+    req.add_finalize_fn(lambda: log.append("f3"))
+    req.execute_sync()
+    assert log == [("async", 1, 2), "p2", "p1", "f1", "f2", "f3"]
+
+    frozen = req.freeze()
+    assert frozen.is_frozen and not req.is_frozen and frozen is not req
+    req.add_finalize_fn(lambda: log.append("late"))  # the frozen copy is not affected
+    assert len(frozen.finalize_fns) == 5 and len(req.finalize_fns) == 6
+
+    log.clear()
+    AsyncRequest(None, finalize_fns=[lambda: log.append("only")]).execute_sync()
+    assert log == ["only"]
+
+
+class _Resource:
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_queue_without_process_group_and_resources():
+    """No process group: the queue works locally and close() releases the resources."""
+    log, res = [], _Resource()
+    queue = AsyncCallsQueue()
+    req = AsyncRequest(lambda: log.append("run"), resources=[res])
+    req.add_finalize_fn(lambda: log.append("fin"))
+    assert queue.schedule_async_request(req) == 0
+    assert queue.schedule_async_request(AsyncRequest(None)) == 1
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+    assert log == ["run", "fin"] and res.released == 0
+    queue.close()
+    assert res.released == 1
+    queue.close()
+    assert res.released == 1
+
+
+def _raise_on(rank, bad_rank, what):
+    if rank == bad_rank:
+        raise ValueError(f"{what} boom on {rank}")
+
+
+def _user_requests(rank, world):
+    queue = AsyncCallsQueue()
+    log = []
+    msgs = []
+    try:
+        # async_fn fails on rank 1 only
+        req = AsyncRequest(_raise_on, (rank, 1, "async_fn"))
+        req.add_finalize_fn(lambda: log.append("must not run"))
+        queue.schedule_async_request(req)
+        msgs.append(_error_of(queue.maybe_finalize_async_calls, blocking=True))
+        assert log == [] and queue.get_num_unfinalized_calls() == 0
+        # a finalize step fails on rank 0 only: every rank raises, later steps are skipped
+        req = AsyncRequest(lambda: None)
+        req.add_finalize_fn(lambda: _raise_on(rank, 0, "finalize"))
+        req.add_finalize_fn(lambda: log.append("after failing finalize"))
+        queue.schedule_async_request(req)
+        msgs.append(_error_of(queue.maybe_finalize_async_calls, blocking=True))
+        assert log == []
+        # the queue keeps working
+        req = AsyncRequest(lambda: log.append("ok"))
+        req.add_finalize_fn(lambda: log.append("fin"))
+        assert queue.schedule_async_request(req) == 2
+        assert queue.maybe_finalize_async_calls(blocking=True) == [2]
+        assert log == ["ok", "fin"]
+    finally:
+        queue.close()
+    return msgs
+
+
+def test_user_async_request_errors_on_every_rank(pool2):
+    for rank, (async_msg, fin_msg) in enumerate(pool2.run(_user_requests, timeout=_ERR_TIMEOUT)):
+        assert "rank 1" in async_msg and "async_fn boom on 1" in async_msg, f"rank {rank}: {async_msg}"
+        assert "rank 0" in fin_msg and "finalize boom on 0" in fin_msg, f"rank {rank}: {fin_msg}"
+
+
+def _execute_sync_save(rank, world, ckpt):
+    request = dc.save(_state(rank, world, gen=4), ckpt, async_sharded_save=True)
+    assert not dc.check_is_distributed_checkpoint(ckpt)
+    request.execute_sync()
+    torch.distributed.barrier()
+    assert dc.check_is_distributed_checkpoint(ckpt)
+    _load_check(ckpt, rank, world, 4)
+
+
+def test_async_save_request_execute_sync(pool2, tmp_path):
+    pool2.run(_execute_sync_save, str(tmp_path / "c"))
+
+
+def _failing_commit(rank, world, root, how):
+    """metadata.json cannot be written (rank 0 only writes it): finalization must fail on
+    every rank, through the queue and through execute_sync alike."""
+    orig = serialization.save_config
+
+    def broken(*args, **kwargs):
+        raise OSError("disk quota exceeded (injected)")
+
+    ckpt = os.path.join(root, how)
+    request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+    if rank == 0:
+        serialization.save_config = broken
+    error = None
+    queue = AsyncCallsQueue()
+    try:
+        if how == "queue":
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+        else:
+            request.execute_sync()
+    except Exception as e:  # noqa: BLE001 - compared across ranks by the test
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        serialization.save_config = orig
+        queue.close()
+    torch.distributed.barrier()
+    assert not dc.check_is_distributed_checkpoint(ckpt)
+    return error
+
+
+@pytest.mark.parametrize("how", ["queue", "execute_sync"])
+def test_failing_commit_raises_on_every_rank(pool2, tmp_path, how):
+    errors = pool2.run(_failing_commit, str(tmp_path), how, timeout=_ERR_TIMEOUT)
+    for error in errors:
+        assert error is not None and "disk quota exceeded" in error, f"errors by rank ({how}): {errors}"
+        assert error.startswith("CheckpointingException"), f"errors by rank ({how}): {errors}"
+
+
+def _save_from_short_lived_thread(rank, world, ckpt):
+    box = {}
+
+    def helper():
+        box["req"] = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+        time.sleep(0.2)  # some other work, then the helper thread ends; the write goes on
+
+    with _slow_writes(0.6):
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(box["req"])
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    _load_check(ckpt, rank, world, 0)
+
+
+def test_async_save_started_from_a_thread_that_exits(tmp_path):
+    """save() may be called from a helper thread that ends before the write does; the
+    writer must not die with that thread (PR_SET_PDEATHSIG fires on the death of the
+    forking *thread*, not of the process)."""
+    get_pool(1).run(_save_from_short_lived_thread, str(tmp_path / "c"), timeout=_ERR_TIMEOUT)
+
+
+# ----------------------------------------------------------------------------- 8. nothing left at exit
+
+_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    import dist_checkpointing as dc
+    from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies import torch as torch_strategy
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    ckpt, mode = sys.argv[1], sys.argv[2]
+    if mode != "exit":  # a writer that is still busy when the parent goes away
+        orig = torch_strategy.write_file
+        def slow(*args, **kwargs):
+            time.sleep(60)
+            return orig(*args, **kwargs)
+        torch_strategy.write_file = slow
+    state = {{"t": ShardedTensor.from_rank_offsets("t", torch.arange(1 << 20, dtype=torch.float32))}}
+    request = dc.save(state, ckpt, async_sharded_save=True)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    print(request.async_fn_args[0].pid, flush=True)
+    if mode == "sigkill":
+        time.sleep(120)
+    elif mode == "slow_exit":
+        time.sleep(0.5)  # the program goes on a little, then ends without finalizing
+""").format(root=_ROOT)
+
+
+@contextlib.contextmanager
+def _script(ckpt, mode):
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(ckpt), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), (line, proc.stderr.read() if proc.poll() is not None else "")
+        pids.append(int(line))
+        yield proc, pids[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pid in pids:  # never leave our writer behind, even when the test fails
+            if not _proc_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_no_writer_left_after_exit_without_finalize(tmp_path):
+    ckpt = tmp_path / "exit"
+    with _script(ckpt, "exit") as (proc, pid):
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert _wait_gone(pid, 5.0), f"writer {pid} outlived its parent"
+    assert not dc.check_is_distributed_checkpoint(ckpt) and not (ckpt / CONFIG_FNAME).exists()
+
+
+def test_writer_dies_with_sigkilled_parent(tmp_path):
+    ckpt = tmp_path / "killed"
+    with _script(ckpt, "sigkill") as (proc, pid):
+        assert not _proc_gone(pid)  # busy writing (for a minute)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _wait_gone(pid, 5.0), f"writer {pid} outlived its SIGKILLed parent"
+    assert not dc.check_is_distributed_checkpoint(ckpt)
+
+
+def test_exit_kills_a_busy_writer(tmp_path):
+    """ForkedCall promises the writer is killed at interpreter exit if still running: an
+    unfinalized save whose write takes long (or hangs) must not hold the exit up."""
+    ckpt = tmp_path / "busy"
+    with _script(ckpt, "slow_exit") as (proc, pid):
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the interpreter did not exit within 5 s: it waits for the busy writer {pid}")
+        assert _wait_gone(pid, 5.0), f"writer {pid} outlived its parent"
+    assert not dc.check_is_distributed_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------- 9. fully parallel + async
+
+
+def _replicated_state(rank, world, fill=True):
+    sizes = [64, 48, 40, 32, 24, 16, 12, 8]
+    sd = {f"w{i}": ShardedTensor.from_rank_offsets(
+        f"w{i}", (torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) + i) if fill else torch.zeros(n, 4),
+        replica_id=rank) for i, n in enumerate(sizes)}
+    sd["sched"] = ShardedObject("sched", {"step": 3} if fill else None, (1,), (0,), replica_id=rank)
+    sd["iteration"] = 9
+    return sd
+
+
+def _fully_parallel_async(rank, world, ckpt):
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
+    queue = AsyncCallsQueue()
+    try:
+        sd = _replicated_state(rank, world)
+        request = dc.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True)
+        for v in sd.values():
+            if isinstance(v, ShardedTensor):
+                v.data.fill_(-5)
+        queue.schedule_async_request(request)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    loaded = dc.load(_replicated_state(rank, world, fill=False), ckpt)
+    expected = _replicated_state(rank, world)
+    for key, v in expected.items():
+        if isinstance(v, ShardedTensor):
+            assert torch.equal(loaded[key], v.data), key
+    assert loaded["sched"] == {"step": 3} and loaded["iteration"] == 9
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_parallel_async_save(world, tmp_path):
+    ckpt = tmp_path / "fp"
+    get_pool(world).run(_fully_parallel_async, str(ckpt))
+    files = os.listdir(ckpt)
+    for rank in range(world):
+        assert any(f.startswith(f"__{rank}_") and f.endswith(".distcp") for f in files), (rank, sorted(files))
+    writers = {info.relative_path.split("_")[2] for info in read_metadata(ckpt).storage_data.values()}
+    assert writers == {str(r) for r in range(world)}, writers
+
+
+# ----------------------------------------------------------------------------- 10. HostStaging
+
+
+def test_host_staging_reuses_buffers():
+    staging = HostStaging()
+    a = torch.arange(6.0).reshape(2, 3)
+    b = torch.ones(4, dtype=torch.int32)
+    first = staging.stage([("a", a), ("b", b)])
+    assert [tuple(t.shape) for t in first] == [(2, 3), (4,)]
+    assert first[0].data_ptr() != a.data_ptr() and torch.equal(first[0], a) and torch.equal(first[1], b)
+    a.fill_(-1)
+    assert torch.equal(first[0], torch.arange(6.0).reshape(2, 3))  # a copy, not a view
+
+    second = staging.stage([("a", a * 2), ("b", b * 3)])
+    assert second[0] is first[0] and second[1] is first[1]  # same slots, shapes, dtypes: reused
+    assert torch.equal(second[0], torch.full((2, 3), -2.0)) and torch.equal(second[1], b * 3)
+
+    grad = torch.ones(2, 3, requires_grad=True)
+    third = staging.stage([("a", grad.t()), ("b", b)])  # shape change: a new buffer
+    assert third[0] is not first[0] and third[1] is first[1]
+    assert tuple(third[0].shape) == (3, 2) and third[0].is_contiguous() and not third[0].requires_grad and torch.equal(third[0], grad.t())
+
+    fourth = staging.stage([("a", torch.zeros(3, 2, dtype=torch.float64))])  # dtype change; b unused
+    assert fourth[0] is not third[0] and fourth[0].dtype == torch.float64
+    fifth = staging.stage([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
+    assert fifth[0] is fourth[0] and fifth[1] is not first[1]  # b's buffer was dropped
+    assert torch.equal(fifth[1], b)
+
+    staging.release()
+    sixth = staging.stage([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
+    assert sixth[0] is not fifth[0] and sixth[1] is not fifth[1]
+    assert staging.stage([]) == []
+    seventh = staging.stage([("b", b)])
+    assert seventh[0] is not sixth[1]
