@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .collectives import all_gather_object, get_rank, get_world_size
 from .core import CheckpointingException
 from .dict_utils import nested_values
+from .fp8 import dequantize, fill_float8_, is_float8tensor
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 
 T = TypeVar("T", bound=Hashable)
@@ -249,8 +250,9 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _source_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in row-major order (a view when ``t`` is contiguous)."""
-    t = t.detach()
+    """The bytes of ``t`` in row-major order (a view when ``t`` is contiguous); an FP8
+    (Transformer Engine) tensor travels as its values in its nominal dtype."""
+    t = dequantize(t) if is_float8tensor(t) else t.detach()
     return _byte_view(t if t.is_contiguous() else t.contiguous())
 
 
@@ -272,13 +274,16 @@ class _Landing:
 
     def __init__(self, dest: torch.Tensor, device: torch.device):
         self.dest = dest
-        writable = dest.detach()  # parameters are filled in place, outside autograd
-        self.direct = writable.is_contiguous() and writable.device == device
-        self.stage = writable if self.direct else torch.empty(dest.shape, dtype=dest.dtype, device=device)
+        self.fp8 = is_float8tensor(dest)  # receives its values, quantized at the end
+        writable = dest if self.fp8 else dest.detach()  # parameters are filled outside autograd
+        self.direct = not self.fp8 and writable.is_contiguous() and writable.device == device
+        self.stage = writable if self.direct else torch.empty(tuple(dest.shape), dtype=dest.dtype, device=device)
         self.bytes = _byte_view(self.stage)
 
     def finish(self) -> torch.Tensor:
-        if not self.direct:
+        if self.fp8:
+            fill_float8_(self.dest, self.stage)
+        elif not self.direct:
             self.dest.detach().copy_(self.stage)
         return self.dest
 

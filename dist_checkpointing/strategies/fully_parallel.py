@@ -50,6 +50,7 @@ from ..exchange_utils import (
     object_loaders,
     shard_id,
 )
+from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 
@@ -327,6 +328,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 tensor = tensors[shard_id(sh)]
                 if sh.data is None or tensor is sh.data:
                     return tensor
+                if is_float8tensor(sh.data):
+                    fill_float8_(sh.data, dequantize(tensor) if is_float8tensor(tensor) else tensor)
+                    return sh.data
                 with torch.no_grad():
                     sh.data.copy_(tensor)  # the request's own tensor, also for repeated shards
                 return sh.data

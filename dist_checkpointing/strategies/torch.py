@@ -62,6 +62,7 @@ from ..collectives import (
 from ..core import CheckpointingException
 from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_file_with_checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
+from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .async_utils import AsyncRequest, ForkedCall
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy
@@ -116,15 +117,17 @@ def _collect_save_items(sharded_state_dict: ShardedStateDict) -> List[_SaveItem]
             sh.validate_metadata_integrity()
             if sh.flattened_range is not None and sh.flattened_range.stop == sh.flattened_range.start:
                 continue  # an empty slice of a chunk: nothing to store
+            # FP8 tensors (Transformer Engine) are stored as their high-precision values.
+            local = dequantize(sh.data) if is_float8tensor(sh.data) else sh.data
             if sh.flattened_range is not None:
                 # Megatron-Core 0.15 layout: the slice is a range of the last axis of the
                 # N-D reformulated tensor; written by its holder, no communication.
                 shape, offsets, sizes = sh.reformulated_region()
-                data = sh.data.reshape(sizes)
+                data = local.reshape(sizes)
                 meta = (shape, sh.dtype, offsets, sizes, tuple(sh.global_shape))
             else:
                 offsets, sizes = sh.global_region()
-                data = sh.data[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else sh.data
+                data = local[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else local
                 meta = (sh.global_shape, sh.dtype, offsets, sizes, None)
             items.append(_SaveItem(sh.key, data, data.numel() * data.element_size(), meta))
         elif isinstance(sh, ShardedObject):
@@ -563,6 +566,8 @@ class _Reader:
                                     expected: Optional[int], what: str) -> None:
         raw = os.pread(fd, read.storage.length, read.storage.offset)
         loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
+        if is_float8tensor(loaded):  # a pickled Transformer Engine FP8 tensor (Megatron-Core's FP8 saves)
+            loaded = dequantize(loaded)
         if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != tuple(read.chunk[1]):
             raise CheckpointingException(f"Item {read.key!r} at {where} does not hold the expected tensor")
         if expected is not None and checksum(tensor_bytes(loaded.contiguous())) != expected:
@@ -730,6 +735,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         sh.init_data("cpu")
         sh.validate_metadata_integrity()
+        if is_float8tensor(sh.data):
+            # Read the high-precision values, then quantize them into the FP8 tensor.
+            fp8 = sh.data
+            values = replace(sh, data=torch.empty(tuple(fp8.shape), dtype=sh.dtype))
+            reads, copies = self._plan_tensor(values, metadata, checkpoint_dir)
+            return reads, copies + [lambda: fill_float8_(fp8, values.data)]
         data = sh.data.detach()  # fill in place, also parameters that require grad
         rng = sh.flattened_range
         if rng is not None and rng.stop == rng.start:
