@@ -64,7 +64,7 @@ def dequantize(t: torch.Tensor) -> torch.Tensor:
 
 def _float8_dtype(t: Any) -> torch.dtype:
     """The torch float8 dtype of an FP8 tensor's ``_data`` bytes."""
-    fp8 = getattr(t, "_fp8_dtype", None)
+    fp8 = getattr(_unwrap(t), "_fp8_dtype", None)
     if isinstance(fp8, torch.dtype):
         return fp8
     name = str(fp8).upper()
@@ -76,6 +76,7 @@ def _float8_dtype(t: Any) -> torch.dtype:
 
 
 def _per_tensor_layout(t: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    t = _unwrap(t)
     data, scale_inv = getattr(t, "_data", None), getattr(t, "_scale_inv", None)
     if not isinstance(data, torch.Tensor) or not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1:
         raise TypeError(f"{type(t).__name__} is not a per-tensor-scaled FP8 tensor")
