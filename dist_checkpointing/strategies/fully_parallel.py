@@ -164,6 +164,15 @@ def distribute_main_replicas_with_precomputed_distribution(
     return dict_list_map_outplace(apply, sharded_state_dict)
 
 
+def _nominal_stand_in(sh: Any) -> Any:
+    """For an FP8 request, a copy whose data is a plain tensor of the nominal dtype."""
+    if isinstance(sh, ShardedTensor) and is_float8tensor(sh.data):
+        stand_in = copy.copy(sh)
+        stand_in.data = torch.empty(tuple(sh.data.shape), dtype=sh.dtype)
+        return stand_in
+    return sh
+
+
 class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     """Wraps a sharded save strategy so that the ranks of ``parallelization_group`` (the
     whole world by default) share the writing of the shards they hold.
@@ -290,12 +299,15 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group
         me = get_rank(group)
+        # FP8 requests are read and exchanged as their nominal-dtype values; each rank
+        # quantizes them with its own scale at the end (below), never twice.
+        work = dict_list_map_outplace(_nominal_stand_in, sharded_state_dict)
 
         # This rank reads the shards and objects assigned to it; the rest arrive by exchange.
         reads: List[Tuple[Any, ShardedTensor]] = []
         unloaded: Dict[ShardId, ShardedTensor] = {}
         seen = set()
-        for sh in nested_values(sharded_state_dict):
+        for sh in nested_values(work):
             if isinstance(sh, ShardedTensor):
                 ident: Any = shard_id(sh)
                 mine = distribution.main_rank_for_shard[ident] == me
