@@ -23,6 +23,7 @@ from typing import Any, Dict, Hashable, Iterable, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
+from .bytes_view import as_bytes
 from .collectives import all_gather_object, get_rank, get_world_size
 from .core import CheckpointingException
 from .dict_utils import nested_values
@@ -246,7 +247,7 @@ def comm_device(group: Optional[Any] = None) -> torch.device:
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
+    return as_bytes(t)
 
 
 def _source_bytes(t: torch.Tensor) -> torch.Tensor:

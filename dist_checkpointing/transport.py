@@ -32,6 +32,7 @@ import copy
 import logging
 import pickle
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -40,8 +41,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten, treespec_dumps, treespec_loads
 
+from .bytes_view import as_bytes
 from .core import CheckpointingException
-from .fp8 import _float8_dtype, _per_tensor_layout, is_float8tensor
+from .fp8 import _float8_dtype, _per_tensor_layout, fill_float8_, is_float8tensor
 from .mapping import ShardedTensor
 
 try:  # DTensor is optional (older or stripped-down torch builds)
@@ -77,7 +79,7 @@ class _Leaf:
 
 @dataclass
 class _Meta:
-    treespec: str  # treespec_dumps of the state's structure
+    treespec: Any  # the state's structure, see _dump_spec
     paths: List[str]
     leaves: List[_Leaf]
     messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
@@ -108,10 +110,7 @@ def _wire_bytes(t: torch.Tensor) -> torch.Tensor:
     tensor's ``_data``), as a 1-D uint8 tensor (a view when ``t`` is contiguous)."""
     if is_float8tensor(t):
         t = _per_tensor_layout(t)[0]
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return as_bytes(t.detach())
 
 
 def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
@@ -123,6 +122,24 @@ def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
     else:
         nbytes = t.numel() * t.element_size()
     return _TensorMeta(tuple(t.shape), t.dtype, nbytes, bool(t.requires_grad), fp8)
+
+
+def _dump_spec(treespec: Any) -> Any:
+    """The structure in a form that unpickles without warnings: pytree's JSON where it
+    can express it, else the TreeSpec itself (e.g. with namedtuples)."""
+    try:
+        return ("json", treespec_dumps(treespec))
+    except Exception:  # noqa: BLE001 - a node type without JSON support
+        return ("pickle", pickle.dumps(treespec))
+
+
+def _load_spec(dumped: Any) -> Any:
+    form, data = dumped
+    if form == "json":
+        return treespec_loads(data)
+    with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(data)
 
 
 _ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
@@ -182,11 +199,20 @@ class PGTransport:
             except Exception as e:  # noqa: BLE001 - a dead peer, a timeout, a broken connection
                 raise CheckpointingException(f"Peer transfer: {what} with rank {peer} failed: {e}") from e
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        return self._pg.send([tensor], dst, tag)
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, what: str = "sending") -> Any:
+        try:
+            return self._pg.send([tensor], dst, tag)
+        except Exception as e:  # noqa: BLE001 - e.g. the connection to a dead peer is closed
+            raise CheckpointingException(f"Peer transfer: {what} to rank {dst} failed: {e}") from e
+
+    def _post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Any:
+        try:
+            return self._pg.recv([tensor], src, tag)
+        except Exception as e:  # noqa: BLE001 - e.g. the connection to a dead peer is closed
+            raise CheckpointingException(f"Peer transfer: {what} from rank {src} failed: {e}") from e
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
-        self._wait([self._pg.recv([tensor], src, tag)], what, src)
+        self._wait([self._post_recv(tensor, src, tag, what)], what, src)
 
     def _send_text(self, dsts: Sequence[int], status: int, text: str, tags: Tuple[int, int], what: str) -> None:
         body = text.encode()
@@ -233,7 +259,7 @@ class PGTransport:
                 leaves.append(_Leaf(kind, _tensor_meta(local)))
             tensors.append(local)
         messages = _plan_messages(leaves)
-        meta = _Meta(treespec_dumps(treespec), [keystr(p) for p, _ in flat], leaves, messages)
+        meta = _Meta(_dump_spec(treespec), [keystr(p) for p, _ in flat], leaves, messages)
         try:
             payload = pickle.dumps(meta)  # once, for every receiver
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
@@ -244,14 +270,17 @@ class PGTransport:
         works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
         for work, d in works:
             self._wait([work], "sending the metadata", d)
-        refusals = []
+        refusals, accepted = [], []
         for d in dsts:
             status, text = self._recv_text(d, (_TAG_ACK, _TAG_ACK_TEXT), "receiving the metadata check")
             if status:
                 refusals.append(f"rank {d}: {text}")
+            else:
+                accepted.append(d)
         if refusals:
             reason = "receiver refused the state: " + "; ".join(refusals)
-            self._send_text(dsts, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
+            # The refusing receivers have raised already; the others wait for a word.
+            self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
 
@@ -332,7 +361,7 @@ class PGTransport:
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
-        return tree_unflatten(values, treespec_loads(meta.treespec))
+        return tree_unflatten(values, _load_spec(meta.treespec))
 
     def _destinations(self, meta: _Meta) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
@@ -382,7 +411,7 @@ class PGTransport:
             results[i] = dest
             target = _wire_view(tm, dest)
             if target is not None and target.is_contiguous() and target.device == self._device:
-                wire[i] = target.reshape(-1).view(torch.uint8)
+                wire[i] = as_bytes(target)
 
         buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
 
@@ -395,7 +424,7 @@ class PGTransport:
                 if buffers[slot].numel() < size:
                     buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
                 buf = buffers[slot][:size]
-            return self._pg.recv([buf], src, _TAG_DATA + m), buf
+            return self._post_recv(buf, src, _TAG_DATA + m, "receiving tensor data"), buf
 
         posted = post(0) if meta.messages else None
         for m, (_, members) in enumerate(meta.messages):
@@ -425,9 +454,10 @@ class PGTransport:
 
 def _wire_view(tm: _TensorMeta, dest: torch.Tensor) -> Optional[torch.Tensor]:
     """The tensor whose bytes are exactly a leaf's wire bytes, or ``None`` when the
-    destination needs a conversion (FP8 bytes into a plain high-precision tensor)."""
+    destination needs a conversion (FP8 bytes into a plain high-precision tensor, plain
+    values into an FP8 tensor)."""
     if tm.fp8 is None:
-        return dest.detach()
+        return None if is_float8tensor(dest) else dest.detach()
     if is_float8tensor(dest):
         return _per_tensor_layout(dest)[0].detach()
     return dest.detach() if dest.dtype == tm.fp8[0] else None
@@ -437,7 +467,11 @@ def _unpack(piece: torch.Tensor, tm: _TensorMeta, dest: torch.Tensor) -> None:
     """Copy a leaf's wire bytes into a destination that could not receive them directly
     (not contiguous, on another device, or needing a conversion)."""
     if tm.fp8 is None:
-        dest.detach().copy_(piece.view(tm.dtype).reshape(tm.shape))
+        values = piece.view(tm.dtype).reshape(tm.shape)
+        if is_float8tensor(dest):  # plain values into an FP8 tensor: quantize with its own scale
+            fill_float8_(dest, values)
+        else:
+            dest.detach().copy_(values)
         return
     raw = piece.view(tm.fp8[0]).reshape(tm.shape)
     target = _wire_view(tm, dest)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 
 import torch
 
+from .bytes_view import as_bytes
 from .collectives import all_gather_object, all_reduce_max_uint8, broadcast_object, get_rank, get_world_size
 from .core import CheckpointingException
 from .dict_utils import diff
@@ -261,7 +262,7 @@ def _fingerprint(obj: Any, h: "hashlib._Hash") -> None:
     elif isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"t{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(as_bytes(t).numpy().tobytes())
     else:
         try:
             h.update(pickle.dumps(obj))

@@ -300,3 +300,18 @@ def test_load_request_data_disagreeing_with_metadata(pool, tmp_path):
     pool.run(_save_into, ckpt)
     excs = pool.run_expect_error(_load_with_bad_data_on_last_rank, ckpt)
     _assert_all_checkpointing_errors(excs, "'t'", "dtype", f"rank {pool.world_size - 1}")
+
+
+def test_contiguous_tensors_with_odd_strides_round_trip(tmp_path):
+    # A one-element column of a (1, N) matrix and an empty strided slice are contiguous but
+    # keep a non-unit stride under reshape(-1): their bytes must still be written and read.
+    w = torch.arange(6.0).reshape(1, 6)
+    state = {
+        "col": dc.ShardedTensor.from_rank_offsets("col", w[:, 0]),
+        "empty": dc.ShardedTensor.from_rank_offsets("empty", torch.arange(6.0)[1:1:2]),
+        "common_col": w[:, 3],
+    }
+    dc.save(state, tmp_path / "c")
+    out = dc.load({"col": dc.ShardedTensor.from_rank_offsets("col", torch.full((1,), -1.0)),
+                   "empty": dc.ShardedTensor.from_rank_offsets("empty", torch.zeros(0))}, tmp_path / "c")
+    assert out["col"].tolist() == [0.0] and out["empty"].numel() == 0 and out["common_col"].tolist() == [3.0]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from ..bytes_view import as_bytes
 from ..integrity import checksum, new_hasher
 
 STAGING_BUFFER_BYTES = 16 << 20
@@ -268,7 +269,7 @@ class HostStaging:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(as_bytes(t).numpy()).cast("B")
 
 
 def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -284,8 +285,10 @@ def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
         return t
-    flat_bytes = t.reshape(-1).view(torch.uint8).numpy()
-    return torch.from_numpy(flat_bytes).view(t.dtype).view(t.shape)
+    if nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    # A new storage over the same memory, exactly the elements' bytes (no copy).
+    return torch.from_numpy(as_bytes(t).numpy()).view(t.dtype).view(t.shape)
 
 
 def write_file(path: Union[str, Path], payloads: Sequence[Payload],
