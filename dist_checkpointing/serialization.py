@@ -10,10 +10,11 @@ work in a single process with no process group.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 
 from .collectives import broadcast_object, error_message, get_rank, run_agreed
@@ -28,6 +29,7 @@ from .mapping import (
     StateDict,
     apply_factories,
     apply_factory_merges,
+    is_main_replica,
 )
 from .strategies.async_utils import AsyncRequest
 from .strategies.base import (
@@ -53,6 +55,54 @@ logger = logging.getLogger(__name__)
 CONTENT_METADATA_KEY = "content_metadata"
 COMMON_STATE_OBJECT_BASE_KEY = "common_state"  # Megatron-Core >= 0.19 keeps the common state here
 CkptDir = Union[str, os.PathLike]
+
+
+# ----------------------------------------------------------------------------- timing
+
+ProgressCallback = Callable[[Dict[str, Any]], None]
+
+
+def _local_bytes(sharded: ShardedStateDict, main_only: bool) -> int:
+    """Bytes of this rank's ShardedTensors (only main replicas when ``main_only``)."""
+    total = 0
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and (not main_only or is_main_replica(sh.replica_id)):
+            rng = sh.flattened_range
+            total += (rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)) * sh.dtype.itemsize
+    return total
+
+
+class _Phases:
+    """Per-phase wall time of one save/load, reported to the callback as each phase ends
+    and logged as one line at the end."""
+
+    def __init__(self, callback: Optional[ProgressCallback]):
+        self.callback = callback
+        self.start = self._last = time.perf_counter()
+        self.seconds: Dict[str, float] = {}
+        self.nbytes = 0
+
+    def end(self, phase: str, inner: Optional[Dict[str, float]] = None) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._last
+        self._last = now
+        if inner:  # a strategy's own split of this phase (e.g. read + exchange)
+            for name, seconds in inner.items():
+                self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            rest = elapsed - sum(inner.values())
+            if rest > 0:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + rest
+        else:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+        if self.callback is not None:
+            self.callback({"phase": phase, "seconds": elapsed, "bytes": self.nbytes,
+                           "elapsed": now - self.start})
+
+    def log(self, what: str, checkpoint_dir: Path) -> None:
+        total = time.perf_counter() - self.start
+        split = ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
+        logger.info("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
+                    self.nbytes / 2**20, total, self.nbytes / max(total, 1e-9) / 1e9, split)
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -131,6 +181,7 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
+    progress_callback: Optional[ProgressCallback] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
@@ -149,9 +200,13 @@ def save(
     returned: schedule it on an ``AsyncCallsQueue``; the checkpoint is complete (has
     ``metadata.json``) only once the queue has finalized it. The caller may modify its
     tensors as soon as ``save`` returns.
+
+    Each call logs one line at INFO (bytes this rank writes, seconds, GB/s, and the
+    split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
+    is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    start = time.perf_counter()
+    phases = _Phases(progress_callback)
     rank = get_rank()
 
     def prepare():
@@ -171,6 +226,7 @@ def save(
         return sharded_strategy_, common_strategy_, sharded, common
 
     sharded_strategy_, common_strategy_, sharded, common = run_agreed(prepare, "Preparing the save")
+    phases.nbytes = _local_bytes(sharded, main_only=True)
     if validate_access_integrity:
         validate_sharding_integrity(nested_values(sharded))
     common_view = run_agreed(
@@ -194,6 +250,7 @@ def save(
         if rank == 0:
             common_strategy_.save_common(common, checkpoint_dir)
 
+    phases.end("plan")
     run_agreed(save_common, "Saving the common state")
 
     def commit():
@@ -208,11 +265,14 @@ def save(
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
                              "Starting the async save")
         request.add_finalize_fn(commit)
-        logger.info("Started async save of %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+        phases.end("snapshot")
+        phases.log("Started async save of", checkpoint_dir)
         return request
     run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
+    phases.end("write", getattr(sharded_strategy_, "last_timings", None))
     run_agreed(commit, "Committing the checkpoint")
-    logger.info("Saved checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+    phases.end("finalize")
+    phases.log("Saved", checkpoint_dir)
     return None
 
 
@@ -245,6 +305,7 @@ def load(
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    progress_callback: Optional[ProgressCallback] = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -263,10 +324,14 @@ def load(
     absent is an error); ``LOG_*`` log them, ``RAISE_*`` raise on every rank, ``RETURN_*``
     return ``(state_dict, missing_keys, unexpected_keys)`` and ``IGNORE_ALL`` ignores them.
     Except in the raising modes, unexpected keys are left out of the load and the result.
+
+    Each call logs one line at INFO (bytes this rank requests, seconds, GB/s, phases
+    ``plan``, ``read`` — split into ``plan``/``read``/``exchange`` by the fully parallel
+    wrapper — and ``finalize``); ``progress_callback`` is called as in :func:`save`.
     """
     strict = parse_strict_flag(strict)
     checkpoint_dir = Path(checkpoint_dir)
-    start = time.perf_counter()
+    phases = _Phases(progress_callback)
 
     def prepare():
         config = load_config(checkpoint_dir)
@@ -276,6 +341,7 @@ def load(
         return sharded_strategy_, common, sharded, nonpersistent
 
     sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")
+    phases.nbytes = _local_bytes(sharded, main_only=False)
     if validate_access_integrity:
         validate_sharding_integrity(nested_values(sharded), allow_gaps=True)
     missing: set = set()
@@ -292,7 +358,9 @@ def load(
         handle_mismatched_keys(strict, missing, unexpected, checkpoint_dir)
         if unexpected:
             sharded, _ = extract_matching_values(sharded, lambda sh: sh.key not in unexpected)
+    phases.end("plan")
     loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
+    phases.end("read", getattr(sharded_strategy_, "last_timings", None))
 
     def finish():
         request = sharded_state_dict
@@ -307,7 +375,8 @@ def load(
         return merge(common, result)
 
     result = run_agreed(finish, "Merging the loaded state")
-    logger.info("Loaded checkpoint %s in %.3f s", checkpoint_dir, time.perf_counter() - start)
+    phases.end("finalize")
+    phases.log("Loaded", checkpoint_dir)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result

@@ -20,6 +20,7 @@ has the same structure as the previous call's on every rank reuses the plan: tha
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -214,7 +215,12 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
-        self.base_strategy.save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+        start = time.perf_counter()
+        parallelized = self.apply_saving_parallelization(sharded_state_dict)
+        planned = time.perf_counter()
+        self.base_strategy.save(parallelized, checkpoint_dir)
+        #: seconds of the last save's phases (logged by ``save``)
+        self.last_timings = {"plan": planned - start, "write": time.perf_counter() - planned}
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
@@ -291,6 +297,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        start = time.perf_counter()
         distribution, obj_loader, obj_needers = self._planner.plan(
             sharded_state_dict,
             lambda: (local_tensor_summary(sharded_state_dict), local_object_keys(sharded_state_dict)),
@@ -323,7 +330,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                 reads.append((ident, sh))
             else:
                 unloaded[ident] = sh
+        planned = time.perf_counter()
         loaded = self.base_strategy.load({str(i): sh for i, (_, sh) in enumerate(reads)}, checkpoint_dir)
+        read = time.perf_counter()
         loaded_tensors = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedTensor)}
         loaded_objects = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedObject)}
 
@@ -334,6 +343,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if any(len(ranks) > 1 for ranks in obj_needers.values()):
             shared = {k: v for k, v in loaded_objects.items() if len(obj_needers[k]) > 1}
             objects = {**exchange_loaded_objects_gather_object(shared, group), **loaded_objects}
+
+        #: seconds of the last load's phases (logged by ``load``)
+        self.last_timings = {"plan": planned - start, "read": read - planned, "exchange": time.perf_counter() - read}
 
         def fill(sh: Any) -> Any:
             if isinstance(sh, ShardedTensor):

@@ -1,0 +1,106 @@
+"""The command line: ``python -m dist_checkpointing`` (or ``dist-ckpt``) ``inspect``,
+``validate``, ``export`` and ``import`` a checkpoint, in one process without a process
+group. Long operations show a progress bar on a terminal and log lines otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Callable, List, Optional
+
+from .core import CheckpointingException
+from .tools import export_checkpoint, format_info, import_checkpoint, inspect_checkpoint, validate_checkpoint
+
+logger = logging.getLogger("dist_checkpointing.cli")
+
+
+def _progress(desc: str) -> Callable[[int, int, str], None]:
+    """A progress callback: a tqdm bar when stderr is a terminal, else a log line per 10%."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.total = total
+            bar.set_postfix_str(what[-40:], refresh=False)
+            bar.update(done - bar.n)
+            if done >= total:
+                bar.close()
+
+        return update
+
+    state = {"next": 0.0, "start": time.perf_counter()}
+
+    def log(done: int, total: int, what: str) -> None:
+        fraction = done / total if total else 1.0
+        if fraction >= state["next"] or done >= total:
+            elapsed = time.perf_counter() - state["start"]
+            logger.info("%s: %3.0f%% (%d of %d bytes, %.1f s) %s", desc, 100 * fraction, done, total, elapsed, what)
+            state["next"] = min(1.0, fraction + 0.1)
+
+    return log
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export and import "
+                                     "distributed checkpoints (torch_dist format).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="describe a checkpoint: backend, common state, tensors, objects, size")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("validate", help="check a checkpoint completely (exit 0 if intact, 1 if not)")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("export", help="write consolidated full tensors as safetensors or one torch.save file")
+    p.add_argument("dir")
+    p.add_argument("out", help="a directory (safetensors) or a file (torch)")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--keys", metavar="PREFIX", help="only the tensors whose key starts with PREFIX")
+    p.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB",
+                   help="safetensors: split into files of at most this many GiB (default 5)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p = sub.add_parser("import", help="turn a torch.save or safetensors state dict into a checkpoint")
+    p.add_argument("source", help="a torch.save file, a .safetensors file or a directory of them")
+    p.add_argument("out", help="the checkpoint directory to create")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command line; returns the exit status (0 success, 1 failure, 2 usage)."""
+    args = _parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if args.command == "inspect":
+            info = inspect_checkpoint(args.dir)
+            print(json.dumps(info.as_dict(), indent=2) if args.json else format_info(info))
+            return 0
+        if args.command == "validate":
+            report = validate_checkpoint(args.dir, progress=_progress("validate"))
+            if args.json:
+                print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
+            else:
+                print(f"{report.path}: {'OK' if report.ok else 'DAMAGED'} — {report.checked_tensors} tensors "
+                      f"({report.checked_bytes} bytes) and {report.checked_objects} objects checked")
+                for problem in report.problems:
+                    print(f"  problem: {problem}")
+                for note in report.notes:
+                    print(f"  note: {note}")
+            return 0 if report.ok else 1
+        if args.command == "export":
+            files = export_checkpoint(args.dir, args.out, args.format, args.keys, args.force,
+                                      int(args.max_shard_size * 2**30), progress=_progress("export"))
+            for f in files:
+                print(f)
+            return 0
+        count = import_checkpoint(args.source, args.out, args.force)
+        print(f"{args.out}: {count} tensors imported")
+        return 0
+    except CheckpointingException as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

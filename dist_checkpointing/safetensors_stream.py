@@ -1,0 +1,102 @@
+"""Writing safetensors files one tensor at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header giving every
+tensor's dtype, shape and byte range, then the tensors' bytes. The ``safetensors``
+library's writers take every tensor of a file at once (all in memory); since the header
+only needs shapes and dtypes, this writer emits the header first and then streams the
+tensors in, so a whole model can be exported holding one tensor at a time. Files written
+here are read by ``safetensors.safe_open`` (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .bytes_view import as_bytes
+from .core import CheckpointingException
+
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.complex64: "C64",
+}
+INDEX_FNAME = "model.safetensors.index.json"
+
+
+def dtype_name(key: str, dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype``; raises for a dtype the format cannot hold."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CheckpointingException(f"Tensor {key!r}: safetensors cannot store dtype {dtype}") from None
+
+
+class SafetensorsFileWriter:
+    """One safetensors file: the header is written on creation from the announced
+    ``(key, shape, dtype)`` list; then :meth:`write` takes each tensor, in that order."""
+
+    def __init__(self, path: Union[str, Path], tensors: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+                 metadata: Optional[Dict[str, str]] = None):
+        self.path = Path(path)
+        self._expected: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = []
+        header: Dict[str, object] = {}
+        offset = 0
+        for key, shape, dtype in tensors:
+            nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+            header[key] = {"dtype": dtype_name(key, dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._expected.append((key, tuple(shape), dtype, nbytes))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned
+        self._file = open(self.path, "wb")
+        self._file.write(len(encoded).to_bytes(8, "little") + encoded)
+        self._next = 0
+        self.nbytes = 8 + len(encoded) + offset
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor's bytes (it must be the next announced one)."""
+        if self._next >= len(self._expected):
+            raise CheckpointingException(f"{self.path}: no more tensors were announced (got {key!r})")
+        want_key, shape, dtype, nbytes = self._expected[self._next]
+        if key != want_key or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointingException(
+                f"{self.path}: expected {want_key!r} {shape} {dtype}, got {key!r} {tuple(tensor.shape)} {tensor.dtype}")
+        data = as_bytes(tensor.detach().cpu())
+        if data.numel():
+            self._file.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        """Flush and fsync; every announced tensor must have been written."""
+        if self._next != len(self._expected):
+            self._file.close()
+            raise CheckpointingException(
+                f"{self.path}: {len(self._expected) - self._next} announced tensors were not written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        """Close without checks (after an error)."""
+        self._file.close()
+
+
+def shard_names(count: int) -> List[str]:
+    """File names of a model split into ``count`` files (the Hugging Face convention)."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(directory: Path, weight_map: Dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_FNAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,483 @@
+"""Living with checkpoints: inspect, validate, export and import them, in one process with
+no process group (the command line, ``python -m dist_checkpointing``, is a thin layer over
+these functions).
+
+Every function that reads tensor data holds at most one whole tensor at a time, in one
+buffer sized for the largest tensor, so a checkpoint far larger than memory can be
+validated and exported.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from .core import CheckpointingException, load_config
+from .dict_utils import dict_list_map_outplace, nested_values
+from .mapping import ShardedObject, ShardedTensor
+from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
+from .serialization import load_common_state_dict, load_tensors_metadata, save
+from .strategies.common import TorchCommonLoadStrategy
+from .strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    data_file_path,
+    original_global_shape,
+    read_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+# progress(done_bytes, total_bytes, what)
+Progress = Callable[[int, int, str], None]
+
+
+def _nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+@dataclass
+class TensorInfo:
+    """One global tensor of a checkpoint."""
+
+    key: str
+    shape: Tuple[int, ...]  # the original global shape (also for flattened keys)
+    dtype: str
+    chunks: int
+    nbytes: int  # bytes of the global tensor's values
+    flattened: bool  # stored N-D reformulated (distributed-optimizer slices)
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` finds."""
+
+    path: str
+    sharded_backend: str
+    sharded_backend_version: int
+    common_backend: Optional[str]
+    common_keys: List[str]
+    common_error: Optional[str]
+    tensors: List[TensorInfo] = field(default_factory=list)
+    objects: Dict[str, int] = field(default_factory=dict)  # unique key -> stored bytes
+    files: Dict[str, int] = field(default_factory=dict)  # file name -> size on disk
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def as_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "path": self.path, "sharded_backend": self.sharded_backend,
+            "sharded_backend_version": self.sharded_backend_version, "common_backend": self.common_backend,
+            "common_keys": self.common_keys, "common_error": self.common_error,
+            "tensors": [vars(t) | {"shape": list(t.shape)} for t in self.tensors],
+            "objects": self.objects, "files": self.files,
+            "tensor_bytes": self.tensor_bytes, "disk_bytes": self.disk_bytes,
+        }
+
+
+def inspect_checkpoint(checkpoint_dir: PathLike) -> CheckpointInfo:
+    """Describe a checkpoint: backend, common-state keys, every tensor (key, global shape,
+    dtype, number of stored chunks, bytes, flattened or not), every ShardedObject, and the
+    files with their sizes. Reads metadata only."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    common_keys: List[str] = []
+    common_error = None
+    try:
+        common_keys = sorted(map(str, load_common_state_dict(checkpoint_dir)))
+    except CheckpointingException as e:
+        common_error = str(e)
+    info = CheckpointInfo(str(checkpoint_dir), config.sharded_backend, config.sharded_backend_version,
+                          config.common_backend, common_keys, common_error)
+    info.files = {p.name: p.stat().st_size for p in sorted(checkpoint_dir.iterdir()) if p.is_file()}
+    if config.sharded_backend != "torch_dist":
+        for key, sh in sorted(load_tensors_metadata(checkpoint_dir).items()):
+            info.tensors.append(TensorInfo(key, tuple(sh.global_shape), str(sh.dtype), 0,
+                                           _nbytes(tuple(sh.global_shape), sh.dtype), False))
+        return info
+    metadata = read_metadata(checkpoint_dir)
+    stored: Dict[str, int] = {}
+    for index, storage in metadata.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if hasattr(md, "chunks"):
+            orig = original_global_shape(metadata, key)
+            shape = orig if orig is not None else tuple(md.size)
+            info.tensors.append(TensorInfo(key, tuple(shape), str(md.properties.dtype), len(md.chunks),
+                                           _nbytes(tuple(shape), md.properties.dtype), orig is not None))
+        else:
+            info.objects[key] = stored.get(key, 0)
+    return info
+
+
+def format_info(info: CheckpointInfo) -> str:
+    """A human-readable report of :func:`inspect_checkpoint`'s result."""
+    lines = [
+        f"checkpoint   {info.path}",
+        f"backend      {info.sharded_backend} v{info.sharded_backend_version}"
+        + (f" (common state: {info.common_backend})" if info.common_backend else " (common state inside)"),
+        f"common state {', '.join(info.common_keys) or '-'}" + (f" (unreadable: {info.common_error})" if info.common_error else ""),
+        f"tensors      {len(info.tensors)}, {_human(info.tensor_bytes)}",
+    ]
+    if info.tensors:
+        width = max(len(t.key) for t in info.tensors)
+        lines.append(f"  {'key'.ljust(width)}  {'shape':<22} {'dtype':<16} {'chunks':>6} {'bytes':>10}  flattened")
+        for t in info.tensors:
+            shape = "(" + ", ".join(map(str, t.shape)) + ")"
+            lines.append(f"  {t.key.ljust(width)}  {shape:<22} {t.dtype.replace('torch.', ''):<16} {t.chunks:>6} "
+                         f"{_human(t.nbytes):>10}  {'yes' if t.flattened else 'no'}")
+    lines.append(f"objects      {len(info.objects)}")
+    for key, nbytes in sorted(info.objects.items()):
+        lines.append(f"  {key}  {_human(nbytes)}")
+    lines.append(f"files        {len(info.files)}, {_human(info.disk_bytes)} on disk")
+    return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+# ----------------------------------------------------------------------------- reading whole tensors
+
+
+class _TensorReader:
+    """Reads whole global tensors one at a time into one reused buffer."""
+
+    def __init__(self, checkpoint_dir: Path, keys: List[str]):
+        self.dir = checkpoint_dir
+        self.meta = load_tensors_metadata(checkpoint_dir)
+        self.strategy = TorchDistLoadShardedStrategy(thread_count=4)
+        largest = max((_nbytes(tuple(self.meta[k].global_shape), self.meta[k].dtype) for k in keys), default=0)
+        self._buffer = torch.empty(largest, dtype=torch.uint8)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (a view of the reused buffer: valid until the next read)."""
+        sh = self.meta[key]
+        shape = tuple(sh.global_shape)
+        view = self._buffer[:_nbytes(shape, sh.dtype)].view(sh.dtype).view(shape)
+        self.strategy.load_local({key: replace(sh, data=view)}, self.dir)
+        return view
+
+    def close(self) -> None:
+        self.strategy.release_scratch()
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+@dataclass
+class ValidationReport:
+    """What :func:`validate_checkpoint` found; ``ok`` when there is no problem."""
+
+    path: str
+    checked_tensors: int = 0
+    checked_objects: int = 0
+    checked_bytes: int = 0
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[str]:
+    problems = []
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            problems.append(f"tensor {key!r}: chunk at {offsets} of size {sizes} lies outside the shape {shape}")
+    volume = sum(math.prod(sizes) for _, sizes in chunks)
+    if volume != math.prod(shape):
+        problems.append(f"tensor {key!r}: its chunks hold {volume} elements, the tensor has {math.prod(shape)}")
+    if len(chunks) <= 4096:  # pairwise overlap check (exact cover = right volume and no overlap)
+        ordered = sorted(chunks)
+        for i, (o1, s1) in enumerate(ordered):
+            for o2, s2 in ordered[i + 1:]:
+                if o2[0] >= o1[0] + s1[0]:
+                    break
+                if all(a < b + t and b < a + s for a, s, b, t in zip(o1, s1, o2, s2)):
+                    problems.append(f"tensor {key!r}: chunks at {o1} and {o2} overlap")
+    return problems
+
+
+def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
+    """Check a checkpoint completely: it is committed (``metadata.json``), the common state
+    and ``.metadata`` match their checksums, every tensor's chunks cover it exactly, every
+    data file holds the byte ranges named for it, and every stored item can be read and
+    matches its checksum (tensors are read whole, one at a time; objects are checked
+    without being unpickled unsafely). Never raises for a damaged checkpoint: the
+    problems are in the report."""
+    checkpoint_dir = Path(checkpoint_dir)
+    report = ValidationReport(str(checkpoint_dir))
+    try:
+        config = load_config(checkpoint_dir)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return report
+    if config.sharded_backend != "torch_dist":
+        report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")
+        return report
+    if config.common_backend is not None:
+        try:
+            TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir)
+        except CheckpointingException as e:
+            (report.notes if "allow_pickle" in str(e) else report.problems).append(f"common state: {e}")
+    try:
+        metadata = read_metadata(checkpoint_dir)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return report
+
+    sizes: Dict[str, int] = {}
+    for index, storage in metadata.storage_data.items():
+        try:
+            path = data_file_path(checkpoint_dir, storage.relative_path)
+        except CheckpointingException as e:
+            report.problems.append(str(e))
+            continue
+        if storage.relative_path not in sizes:
+            sizes[storage.relative_path] = path.stat().st_size if path.is_file() else -1
+        size = sizes[storage.relative_path]
+        what = f"item {index.fqn!r}" + (f" (chunk at {tuple(index.offset)})" if index.offset is not None else "")
+        if size < 0:
+            report.problems.append(f"{what}: data file {storage.relative_path} is missing")
+        elif storage.offset + storage.length > size:
+            report.problems.append(f"{what}: {storage.relative_path} has {size} bytes, the item needs bytes "
+                                   f"{storage.offset}..{storage.offset + storage.length}")
+    tensor_keys = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if hasattr(md, "chunks"):
+            report.problems += _coverage_problems(key, tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+            tensor_keys.append(key)
+    if report.problems:
+        return report
+
+    reader = _TensorReader(checkpoint_dir, tensor_keys)
+    total = sum(_nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in tensor_keys)
+    try:
+        for key in tensor_keys:
+            try:
+                reader.read(key)
+            except CheckpointingException as e:
+                report.problems.append(str(e))
+            report.checked_tensors += 1
+            report.checked_bytes += _nbytes(tuple(reader.meta[key].global_shape), reader.meta[key].dtype)
+            if progress is not None:
+                progress(report.checked_bytes, total, key)
+    finally:
+        reader.close()
+    strategy = TorchDistLoadShardedStrategy(allow_pickle=False)
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if hasattr(md, "chunks"):
+            continue
+        try:
+            strategy.load_local({"o": ShardedObject.empty_from_unique_key(key)}, checkpoint_dir)
+        except CheckpointingException as e:
+            # The checksum is verified before unpickling: a refusal to unpickle is not damage.
+            (report.notes if "allow_pickle" in str(e) else report.problems).append(str(e))
+        report.checked_objects += 1
+    return report
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _select_keys(checkpoint_dir: Path, key_prefix: Optional[str]) -> List[str]:
+    keys = sorted(load_tensors_metadata(checkpoint_dir))
+    if key_prefix:
+        keys = [k for k in keys if k.startswith(key_prefix)]
+        if not keys:
+            raise CheckpointingException(f"No tensor key of {checkpoint_dir} starts with {key_prefix!r}")
+    if not keys:
+        raise CheckpointingException(f"{checkpoint_dir} holds no tensors to export")
+    return keys
+
+
+def _refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise CheckpointingException(f"{out} already exists (pass force=True / --force to replace it)")
+
+
+def export_checkpoint(
+    checkpoint_dir: PathLike,
+    out: PathLike,
+    format: str = "safetensors",
+    key_prefix: Optional[str] = None,
+    force: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+    progress: Optional[Progress] = None,
+) -> List[Path]:
+    """Write the checkpoint's tensors, each whole in its original shape (flattened keys
+    restored), to ``out``; returns the files written.
+
+    * ``format="safetensors"``: ``out`` is a directory holding ``model.safetensors``, or
+      ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each plus
+      ``model.safetensors.index.json`` (the Hugging Face convention). Streamed: one tensor
+      in memory at a time.
+    * ``format="torch"``: ``out`` is one ``torch.save`` file of ``{key: tensor}`` (this
+      needs every exported tensor in memory at once).
+
+    Only keys starting with ``key_prefix`` are exported (an error if none does). An
+    existing ``out`` is replaced only with ``force``; the new output is written next to
+    it and moved into place at the end, so a failed export leaves ``out`` as it was.
+    """
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    if format not in ("safetensors", "torch"):
+        raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
+    load_config(checkpoint_dir)
+    keys = _select_keys(checkpoint_dir, key_prefix)
+    _refuse_existing(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reader = _TensorReader(checkpoint_dir, keys)
+    sizes = {k: _nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
+    total = sum(sizes.values())
+    start = time.perf_counter()
+    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        done = 0
+        if format == "torch":
+            state = {}
+            for key in keys:
+                state[key] = reader.read(key).clone()
+                done += sizes[key]
+                if progress is not None:
+                    progress(done, total, key)
+            torch.save(state, tmp / "export.pt")
+            written = [_move_into_place(tmp / "export.pt", out)]
+        else:
+            for key in keys:
+                dtype_name(key, reader.meta[key].dtype)  # refuse unsupported dtypes before writing
+            shards: List[List[str]] = [[]]
+            shard_bytes = 0
+            for key in keys:
+                if shards[-1] and shard_bytes + sizes[key] > max_shard_bytes:
+                    shards.append([])
+                    shard_bytes = 0
+                shards[-1].append(key)
+                shard_bytes += sizes[key]
+            names = shard_names(len(shards))
+            for name, shard in zip(names, shards):
+                writer = SafetensorsFileWriter(
+                    tmp / name, [(k, tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in shard],
+                    {"format": "pt"})
+                try:
+                    for key in shard:
+                        writer.write(key, reader.read(key))
+                        done += sizes[key]
+                        if progress is not None:
+                            progress(done, total, key)
+                except BaseException:
+                    writer.abort()
+                    raise
+                writer.close()
+            if len(shards) > 1:
+                write_index(tmp, {k: name for name, shard in zip(names, shards) for k in shard}, total)
+            written = [out / p.name for p in sorted(tmp.iterdir())]
+            _move_into_place(tmp, out)
+            tmp = None
+    finally:
+        reader.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    logger.info("Exported %d tensors (%.1f MiB) of %s to %s in %.2f s (%.2f GB/s)", len(keys), total / 2**20,
+                checkpoint_dir, out, seconds, total / max(seconds, 1e-9) / 1e9)
+    return written
+
+
+def _move_into_place(src: Path, out: Path) -> Path:
+    if out.is_dir() and not src.is_dir():
+        shutil.rmtree(out)
+    elif out.exists() and src.is_dir():
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+    os.replace(src, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _read_source(source: Path) -> Any:
+    """The state dict in a ``torch.save`` file, a ``.safetensors`` file, or a directory of
+    safetensors files (with or without an index)."""
+    if source.is_dir() or source.suffix == ".safetensors" or source.name == INDEX_FNAME:
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise CheckpointingException("Importing safetensors files needs the safetensors package "
+                                         "(pip install safetensors)") from e
+        files = sorted(source.glob("*.safetensors")) if source.is_dir() else (
+            sorted(source.parent.glob("*.safetensors")) if source.name == INDEX_FNAME else [source])
+        if not files:
+            raise CheckpointingException(f"{source} holds no .safetensors files")
+        state: Dict[str, torch.Tensor] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        return state
+    try:
+        return torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not a torch.save file, or unsafe content
+        raise CheckpointingException(f"Cannot read {source} as a torch.save state dict: {e}") from e
+
+
+def _keyed_leaves(state: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    if isinstance(state, dict):
+        for k, v in state.items():
+            yield from _keyed_leaves(v, f"{prefix}{k}.")
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            yield from _keyed_leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], state
+
+
+def import_checkpoint(source: PathLike, out: PathLike, force: bool = False) -> int:
+    """Turn a plain state dict (a ``torch.save`` file, or safetensors files) into a
+    checkpoint that :func:`~dist_checkpointing.load` reads under any layout: every tensor
+    becomes one whole global tensor keyed by its dotted path (``"layers.0.weight"``);
+    other values become common state. Returns the number of tensors."""
+    source, out = Path(source), Path(out)
+    if not source.exists():
+        raise CheckpointingException(f"{source} does not exist")
+    occupied = out.is_file() or (out.is_dir() and any(out.iterdir()))
+    if occupied:
+        _refuse_existing(out, force)
+    state = _read_source(source)
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{source} holds a {type(state).__name__}, not a state dict")
+    if occupied:
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    # Both walks visit the leaves in the same order: each tensor gets its own dotted key.
+    keys = iter([k for k, v in _keyed_leaves(state) if isinstance(v, torch.Tensor)])
+    sharded = dict_list_map_outplace(
+        lambda v: ShardedTensor.from_rank_offsets(next(keys), v) if isinstance(v, torch.Tensor) else v, state)
+    save(sharded, out)
+    return sum(1 for v in nested_values(sharded) if isinstance(v, ShardedTensor))
