@@ -265,10 +265,14 @@ def save(
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
                              "Starting the async save")
         request.add_finalize_fn(commit)
+        phases.nbytes = getattr(sharded_strategy_, "last_written_bytes", None) or phases.nbytes
         phases.end("snapshot")
         phases.log("Started async save of", checkpoint_dir)
         return request
     run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
+    # The strategy knows what this rank wrote (a fully parallel save moves main replicas).
+    written = getattr(sharded_strategy_, "last_written_bytes", None)
+    phases.nbytes = written if written is not None else phases.nbytes
     phases.end("write", getattr(sharded_strategy_, "last_timings", None))
     run_agreed(commit, "Committing the checkpoint")
     phases.end("finalize")

@@ -221,11 +221,14 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.base_strategy.save(parallelized, checkpoint_dir)
         #: seconds of the last save's phases (logged by ``save``)
         self.last_timings = {"plan": planned - start, "write": time.perf_counter() - planned}
+        self.last_written_bytes = getattr(self.base_strategy, "last_written_bytes", None)
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously")
-        return self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+        request = self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+        self.last_written_bytes = getattr(self.base_strategy, "last_written_bytes", None)
+        return request
 
 
 _LoadPlan = Tuple[Optional[ShardDistribution], Dict[str, int], Dict[str, List[int]]]

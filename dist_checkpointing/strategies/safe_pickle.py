@@ -52,8 +52,10 @@ def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = 
         try:
             f.seek(0)
             blocked = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
-        except Exception:  # noqa: BLE001 - best effort for the message
-            blocked = "unknown"
+        except Exception:  # noqa: BLE001 - not even a readable torch.save archive
+            blocked = ""
+        if not blocked:  # nothing unsafe to name: the bytes themselves are broken
+            raise CheckpointingException(f"Cannot load {what}: the data is corrupted ({str(e).splitlines()[0]})") from e
         raise CheckpointingException(
             f"Refusing to unpickle {what}: it needs globals outside the safe allow-list "
             f"({blocked}). If you trust this checkpoint, load it with allow_pickle=True on "

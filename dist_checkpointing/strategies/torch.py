@@ -335,6 +335,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _plan_files(self, sharded_state_dict: ShardedStateDict) -> Dict[str, List[_SaveItem]]:
         items = _collect_save_items(sharded_state_dict)
+        #: tensor bytes this rank writes in the current save (logged by ``save``)
+        self.last_written_bytes = sum(it.nbytes for it in items if it.tensor_meta is not None)
         return _assign_files(items, get_rank(), self.thread_count, self.separation_hint)
 
     def _publish(self, locations: List[_Location], error: Optional[str], checkpoint_dir: Path) -> None:
