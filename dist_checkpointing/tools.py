@@ -251,6 +251,9 @@ def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] =
         report.problems.append(str(e))
         return report
 
+    if getattr(metadata, "checksums", None) is None:
+        report.notes.append("no item checksums are recorded (e.g. written by Megatron-Core): damage inside "
+                            "tensor data cannot be detected, only unreadable or truncated items")
     sizes: Dict[str, int] = {}
     for index, storage in metadata.storage_data.items():
         try:
