@@ -28,18 +28,20 @@ side. (After a timeout the process group may be unusable: recreate it.)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import logging
 import pickle
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten, treespec_dumps, treespec_loads
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from .bytes_view import as_bytes
 from .core import CheckpointingException
@@ -79,7 +81,7 @@ class _Leaf:
 
 @dataclass
 class _Meta:
-    treespec: Any  # the state's structure, see _dump_spec
+    treespec: Any  # the state's structure (a pytree TreeSpec)
     paths: List[str]
     leaves: List[_Leaf]
     messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
@@ -124,22 +126,33 @@ def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
     return _TensorMeta(tuple(t.shape), t.dtype, nbytes, bool(t.requires_grad), fp8)
 
 
-def _dump_spec(treespec: Any) -> Any:
-    """The structure in a form that unpickles without warnings: pytree's JSON where it
-    can express it, else the TreeSpec itself (e.g. with namedtuples)."""
-    try:
-        return ("json", treespec_dumps(treespec))
-    except Exception:  # noqa: BLE001 - a node type without JSON support
-        return ("pickle", pickle.dumps(treespec))
+def _encode_meta(meta: _Meta) -> bytes:
+    """The metadata as a pickle of plain tuples (fast for thousands of leaves; dataclasses
+    and pytree's JSON serialization are ten times slower)."""
+    leaves = [(leaf.kind, None if leaf.tensor is None else (
+        leaf.tensor.shape, str(leaf.tensor.dtype), leaf.tensor.nbytes, leaf.tensor.requires_grad,
+        None if leaf.tensor.fp8 is None else (str(leaf.tensor.fp8[0]), leaf.tensor.fp8[1]),
+        leaf.tensor.message, leaf.tensor.offset), leaf.value) for leaf in meta.leaves]
+    return pickle.dumps((meta.treespec, meta.paths, leaves, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _load_spec(dumped: Any) -> Any:
-    form, data = dumped
-    if form == "json":
-        return treespec_loads(data)
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rpartition(".")[2])
+
+
+def _decode_meta(payload: bytes) -> _Meta:
     with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
         warnings.simplefilter("ignore", FutureWarning)
-        return pickle.loads(data)
+        treespec, paths, rows, messages = pickle.loads(payload)
+    leaves = []
+    for kind, tm, value in rows:
+        tensor = None
+        if tm is not None:
+            shape, dtype, nbytes, requires_grad, fp8, message, offset = tm
+            tensor = _TensorMeta(tuple(shape), _dtype(dtype), nbytes, requires_grad,
+                                 None if fp8 is None else (_dtype(fp8[0]), fp8[1]), message, offset)
+        leaves.append(_Leaf(kind, tensor, value))
+    return _Meta(treespec, paths, leaves, messages)
 
 
 _ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
@@ -166,6 +179,19 @@ def _plan_messages(leaves: List[_Leaf]) -> List[Tuple[int, List[int]]]:
         members.append(i)
         messages[open_bucket] = (start + tm.nbytes, members)
     return messages
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """No cyclic garbage collection during a transfer: the thousands of small objects it
+    creates would trigger full collections (100 ms each with a large heap)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PGTransport:
@@ -241,6 +267,10 @@ class PGTransport:
         """Send ``state_dict`` to every rank in ``dst_ranks`` (each must call
         :meth:`recv_checkpoint` with this rank). Raises :class:`CheckpointingException` if a
         receiver refuses the state (its reason included), or on a failure or timeout."""
+        with _no_gc():
+            self._send_checkpoint(dst_ranks, state_dict)
+
+    def _send_checkpoint(self, dst_ranks: Sequence[int], state_dict: Any) -> None:
         dsts = list(dst_ranks)
         start = time.perf_counter()
         flat, treespec = tree_flatten_with_path(state_dict)
@@ -259,9 +289,9 @@ class PGTransport:
                 leaves.append(_Leaf(kind, _tensor_meta(local)))
             tensors.append(local)
         messages = _plan_messages(leaves)
-        meta = _Meta(_dump_spec(treespec), [keystr(p) for p, _ in flat], leaves, messages)
+        meta = _Meta(treespec, [keystr(p) for p, _ in flat], leaves, messages)
         try:
-            payload = pickle.dumps(meta)  # once, for every receiver
+            payload = _encode_meta(meta)  # once, for every receiver
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
             raise CheckpointingException(f"Peer transfer: the state cannot be serialized: {e}") from e
 
@@ -318,6 +348,10 @@ class PGTransport:
         returned tensors are the receiver's own) and a structure, shape or dtype mismatch
         raises :class:`CheckpointingException` on this rank and the sender before any byte
         is written. Without it, new tensors are allocated on the transport's device."""
+        with _no_gc():
+            return self._recv_checkpoint(src_rank)
+
+    def _recv_checkpoint(self, src_rank: int) -> Any:
         start = time.perf_counter()
         header = torch.zeros(3, dtype=torch.int64, device=self._device)
         self._recv(header, src_rank, _TAG_HEADER, "receiving the header")
@@ -328,7 +362,7 @@ class PGTransport:
                 f"expected {_MAGIC:#x}, {PROTOCOL_VERSION})")
         body = torch.empty(length, dtype=torch.uint8, device=self._device)
         self._recv(body, src_rank, _TAG_META, "receiving the metadata")
-        meta: _Meta = pickle.loads(bytes(body.cpu().numpy()))
+        meta = _decode_meta(bytes(body.cpu().numpy()))
 
         error = None
         try:
@@ -361,7 +395,7 @@ class PGTransport:
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
-        return tree_unflatten(values, _load_spec(meta.treespec))
+        return tree_unflatten(values, meta.treespec)
 
     def _destinations(self, meta: _Meta) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
