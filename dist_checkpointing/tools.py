@@ -9,6 +9,7 @@ validated and exported.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from .core import CheckpointingException, load_config
+from .core import CheckpointingException, fsync_dir, load_config
 from .dict_utils import dict_list_map_outplace, nested_values
 from .mapping import ShardedObject, ShardedTensor
 from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
@@ -163,13 +164,25 @@ def _human(nbytes: int) -> str:
 # ----------------------------------------------------------------------------- reading whole tensors
 
 
+def _return_freed_memory() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise, so temporary
+    read buffers would stay resident for the rest of a long export)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class _TensorReader:
-    """Reads whole global tensors one at a time into one reused buffer."""
+    """Reads whole global tensors one at a time into one reused buffer. Chunks that are
+    not contiguous in the whole tensor pass through a temporary buffer of at most one
+    chunk, freed after each tensor."""
 
     def __init__(self, checkpoint_dir: Path, keys: List[str]):
         self.dir = checkpoint_dir
         self.meta = load_tensors_metadata(checkpoint_dir)
-        self.strategy = TorchDistLoadShardedStrategy(thread_count=4)
+        # One reader thread: at most one temporary chunk buffer at a time.
+        self.strategy = TorchDistLoadShardedStrategy(thread_count=1)
         largest = max((_nbytes(tuple(self.meta[k].global_shape), self.meta[k].dtype) for k in keys), default=0)
         self._buffer = torch.empty(largest, dtype=torch.uint8)
 
@@ -179,6 +192,8 @@ class _TensorReader:
         shape = tuple(sh.global_shape)
         view = self._buffer[:_nbytes(shape, sh.dtype)].view(sh.dtype).view(shape)
         self.strategy.load_local({key: replace(sh, data=view)}, self.dir)
+        self.strategy.release_scratch()
+        _return_freed_memory()
         return view
 
     def close(self) -> None:
@@ -368,7 +383,10 @@ def export_checkpoint(
                 done += sizes[key]
                 if progress is not None:
                     progress(done, total, key)
-            torch.save(state, tmp / "export.pt")
+            with open(tmp / "export.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
             written = [_move_into_place(tmp / "export.pt", out)]
         else:
             for key in keys:
@@ -412,14 +430,19 @@ def export_checkpoint(
 
 
 def _move_into_place(src: Path, out: Path) -> Path:
-    if out.is_dir() and not src.is_dir():
+    """Replace ``out`` by the finished ``src`` (a file or directory) and make it durable."""
+    if src.is_dir():
+        for child in src.iterdir():  # the index and the files (already fsynced) and the entries
+            if child.suffix == ".json":
+                with open(child, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(src)
+    if out.is_dir():
         shutil.rmtree(out)
-    elif out.exists() and src.is_dir():
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
+    elif out.exists():
+        out.unlink()
     os.replace(src, out)
+    fsync_dir(out.parent)
     return out
 
 
