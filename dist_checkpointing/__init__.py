@@ -4,6 +4,10 @@ A drop-in for Megatron-Core's ``megatron.core.dist_checkpointing``: change the i
 prefix and model code written for it works unchanged.
 """
 
+# Import torch's distributed checkpointing now rather than on the first save/load: importing
+# it after init_process_group can make the process abort at exit (torch 2.13, gloo).
+import torch.distributed.checkpoint  # noqa: F401
+
 from .core import CheckpointingConfig, CheckpointingException
 from .mapping import (
     LocalNonpersistentObject,

@@ -47,6 +47,14 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
         raise CheckpointingException(f"Invalid checkpoint config file {config_path}: {e}") from e
 
 
+def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+    """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
+    try:
+        return maybe_load_config(checkpoint_dir) is not None
+    except CheckpointingException:
+        return False  # an unreadable metadata.json
+
+
 def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
     """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)

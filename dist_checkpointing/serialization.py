@@ -18,7 +18,13 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 
 from .collectives import broadcast_object, error_message, get_rank, run_agreed
-from .core import CheckpointingConfig, CheckpointingException, load_config, maybe_load_config, save_config
+from .core import (
+    CheckpointingConfig,
+    CheckpointingException,
+    check_is_distributed_checkpoint,
+    load_config,
+    save_config,
+)
 from .dict_utils import copy_structure, dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -51,6 +57,12 @@ from .validation import (
 )
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "save", "load", "check_is_distributed_checkpoint", "load_common_state_dict", "load_tensors_metadata",
+    "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors",
+    "get_default_save_sharded_strategy", "get_default_save_common_strategy", "get_default_load_sharded_strategy",
+]
 
 CONTENT_METADATA_KEY = "content_metadata"
 COMMON_STATE_OBJECT_BASE_KEY = "common_state"  # Megatron-Core >= 0.19 keeps the common state here
@@ -95,8 +107,11 @@ class _Phases:
         else:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
         if self.callback is not None:
-            self.callback({"phase": phase, "seconds": elapsed, "bytes": self.nbytes,
-                           "elapsed": now - self.start})
+            try:
+                self.callback({"phase": phase, "seconds": elapsed, "bytes": self.nbytes,
+                               "elapsed": now - self.start})
+            except Exception:  # noqa: BLE001 - a broken callback must not split the ranks
+                logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
 
     def log(self, what: str, checkpoint_dir: Path) -> None:
         total = time.perf_counter() - self.start
@@ -124,9 +139,12 @@ def get_default_load_sharded_strategy(checkpoint_dir: CkptDir) -> LoadShardedStr
     return _sharded_load_strategy(config, None)
 
 
-def _sharded_load_strategy(config: CheckpointingConfig, strategy: Optional[LoadShardedStrategy]) -> LoadShardedStrategy:
+def _sharded_load_strategy(config: CheckpointingConfig,
+                           strategy: Union[None, LoadShardedStrategy, Tuple[str, int]]) -> LoadShardedStrategy:
     if strategy is None:
         return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
+    if isinstance(strategy, tuple):  # (backend, version), as Megatron-Core accepts
+        strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *strategy)
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy
@@ -305,7 +323,7 @@ def _load_common(config: CheckpointingConfig, checkpoint_dir: Path,
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CkptDir,
-    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    sharded_strategy: Union[None, LoadShardedStrategy, Tuple[str, int]] = None,
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
@@ -388,13 +406,6 @@ def load(
 
 # ----------------------------------------------------------------------------- offline readers
 
-
-def check_is_distributed_checkpoint(checkpoint_dir: CkptDir) -> bool:
-    """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
-    try:
-        return maybe_load_config(checkpoint_dir) is not None
-    except CheckpointingException:
-        return False  # an unreadable metadata.json
 
 
 def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:

@@ -206,12 +206,16 @@ class AsyncCallsQueue:
         """How many scheduled calls are not finalized yet."""
         return len(self._calls)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         """Finalize every scheduled call (blocking), stop the worker and release the
-        requests' resources. Further scheduling raises. Collective, like finalization."""
+        requests' resources. Further scheduling raises. Collective, like finalization.
+        With ``abort`` (not collective) pending calls are dropped unfinalized: their
+        checkpoints stay incomplete."""
         if self._closed:
             return
         try:
+            if abort:
+                self._calls.clear()
             self.maybe_finalize_async_calls(blocking=True)
         finally:
             self._closed = True

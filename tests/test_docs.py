@@ -1,0 +1,171 @@
+"""The documentation's examples run as written.
+
+What is executed:
+
+* ``docs/user_guide.md``: every ```python block that is not a torchrun script, in order,
+  in ONE fresh interpreter (the guide promises that its examples run one after the other
+  in one process and share names such as ``root``, ``TinyGPT``, ``model``);
+* ``docs/user_guide.md``: every torchrun script (a block whose first line is
+  ``# <name>.py — run with: torchrun --nproc-per-node N <name>.py ...``), with
+  ``my_model.py`` = the guide's block that defines ``class TinyGPT``, under
+  ``python -m torch.distributed.run --nproc-per-node N`` (N gloo ranks on CPU);
+* ``docs/coming_from_megatron.md``: every ```python block, in order, in one fresh
+  interpreter;
+* ``README.md``: NOT executed — its only Python block (section "Use") is a schematic
+  sketch whose inputs (``local_embedding``, ``tp_rank``, …) are left undefined. The test
+  checks that it is still the only one, so that a runnable block added later is noticed.
+
+Each interpreter runs a script in which line N is line N of the Markdown file (the text
+around the code blocks is blanked out), so a traceback points at the page's line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "user_guide.md"
+MEGATRON_PAGE = ROOT / "docs" / "coming_from_megatron.md"
+README = ROOT / "README.md"
+
+TORCHRUN_LINE = re.compile(r"# (\w+\.py) — run with: torchrun --nproc-per-node (\d+) ")
+# The README sections whose Python blocks are sketches, not programs.
+SCHEMATIC_README_SECTIONS = {"Use"}
+# The torchrun scripts the guide has today; more may be added, none may silently vanish.
+KNOWN_SCRIPTS = {"ddp_demo.py", "fp_demo.py", "recover_demo.py"}
+
+
+class Block:
+    """One fenced code block: its language, its first and last line (1-based), its code and
+    the ``## `` section it sits in."""
+
+    def __init__(self, lang: str, start: int, lines: List[str], section: str):
+        self.lang, self.start, self.lines, self.section = lang, start, lines, section
+
+    @property
+    def code(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def torchrun(self) -> Tuple[str, int] | None:
+        """``(script name, number of processes)`` for a torchrun script, else ``None``."""
+        m = TORCHRUN_LINE.match(self.lines[0]) if self.lines else None
+        return (m.group(1), int(m.group(2))) if m else None
+
+
+def _blocks(path: Path) -> List[Block]:
+    blocks, section, current = [], "", None
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), start=1):
+        if current is None:
+            if line.startswith("## "):
+                section = line[3:].strip()
+            m = re.match(r"```(\w*)\s*$", line)
+            if m:
+                current = Block(m.group(1), number + 1, [], section)
+        elif line.startswith("```"):
+            blocks.append(current)
+            current = None
+        else:
+            current.lines.append(line)
+    assert current is None, f"{path}: unterminated code block from line {current.start}"
+    return blocks
+
+
+def _script(path: Path, blocks: List[Block]) -> str:
+    """The blocks at their own line numbers, every other line of the page left empty."""
+    lines = [""] * len(path.read_text().splitlines())
+    for block in blocks:
+        for i, line in enumerate(block.lines):
+            lines[block.start - 1 + i] = line.rstrip("\n")
+    return "\n".join(lines) + "\n"
+
+
+def _env() -> dict:
+    # a clean launch: no process-group coordinates inherited from the test runner
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+# A rank that imports torch.distributed.checkpoint (through torch.distributed._shard.sharded_tensor)
+# only after init_process_group may abort at interpreter exit (torch 2.13, gloo); the library
+# imports it lazily, on the first save/load.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: List[str], cwd: Path, timeout: float, what: str) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    hint = ""
+    if EXIT_ABORT in proc.stderr:
+        hint = ("\n(a rank aborted at exit: the known problem of importing torch.distributed.checkpoint "
+                "only after init_process_group — dist_checkpointing imports it lazily on the first save/load)")
+    assert proc.returncode == 0, (
+        f"{what} exited with {proc.returncode}{hint}\n--- stdout ---\n{proc.stdout[-6000:]}"
+        f"\n--- stderr ---\n{proc.stderr[-10000:]}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_page(page: Path, tmp_path: Path) -> None:
+    blocks = [b for b in _blocks(page) if b.lang == "python" and b.torchrun is None]
+    assert blocks, f"no Python examples found in {page}"
+    script = tmp_path / f"{page.stem}_examples.py"
+    script.write_text(_script(page, blocks))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    # line N of the script is line N of the page
+    _run([sys.executable, str(script)], work, 180, f"the Python examples of {page.relative_to(ROOT)} ({script})")
+
+
+def test_user_guide_examples_run_in_one_process(tmp_path):
+    _run_page(GUIDE, tmp_path)
+
+
+def _guide_scripts():
+    return [b for b in _blocks(GUIDE) if b.lang == "python" and b.torchrun is not None]
+
+
+def test_user_guide_torchrun_scripts_are_found():
+    names = {b.torchrun[0] for b in _guide_scripts()}
+    assert KNOWN_SCRIPTS <= names, f"torchrun scripts found in the guide: {sorted(names)}"
+    assert len(names) == len(_guide_scripts()), "two torchrun scripts of the guide share a name"
+
+
+@pytest.mark.parametrize("block", _guide_scripts(), ids=lambda b: b.torchrun[0])
+def test_user_guide_torchrun_script(block, tmp_path):
+    name, nproc = block.torchrun
+    [model] = [b for b in _blocks(GUIDE) if b.lang == "python" and re.search(r"^class TinyGPT\b", b.code, re.M)]
+    (tmp_path / "my_model.py").write_text(model.code)
+    (tmp_path / name).write_text(block.code)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), name, str(shared)]
+    _run(cmd, tmp_path, 240, f"{name} (docs/user_guide.md line {block.start}) under torchrun with {nproc} ranks")
+
+
+def test_coming_from_megatron_examples_run_in_one_process(tmp_path):
+    _run_page(MEGATRON_PAGE, tmp_path)
+
+
+def test_readme_python_blocks_are_schematic():
+    blocks = [b for b in _blocks(README) if b.lang == "python"]
+    runnable = [b for b in blocks if b.section not in SCHEMATIC_README_SECTIONS]
+    assert [b.section for b in blocks if b.section in SCHEMATIC_README_SECTIONS] == ["Use"]
+    assert not runnable, (
+        f"README.md has Python blocks outside the schematic sections {sorted(SCHEMATIC_README_SECTIONS)} "
+        f"(lines {[b.start for b in runnable]}): run them here like the user guide's")
