@@ -964,3 +964,26 @@ def test_host_staging_reuses_buffers():
     assert staging.stage([]) == []
     seventh = staging.stage([("b", b)])
     assert seventh[0] is not sixth[1]
+
+
+def test_overlapping_writes_do_not_share_staging_buffers(tmp_path):
+    # The writer's staging buffers are shared mappings: forked writers must not reuse the
+    # parent's pooled ones, or two saves in flight (or a sync save during an async one)
+    # write into each other's buffers and the checkpoints come out corrupted.
+    import dist_checkpointing as dc_
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue as Queue
+
+    def state(val):
+        return {f"t{i}": dc_.ShardedTensor.from_rank_offsets(f"t{i}", torch.full((2 << 20,), float(val)))
+                for i in range(3)}
+
+    dc_.save(state(0), tmp_path / "sync0")  # fills the buffer pool
+    queue = Queue()
+    for v in (1, 2):
+        queue.schedule_async_request(dc_.save(state(v), tmp_path / f"a{v}", async_sharded_save=True))
+    dc_.save(state(3), tmp_path / "sync3")  # a sync save while the writers run
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    for v, name in ((1, "a1"), (2, "a2"), (3, "sync3")):
+        out = dc_.load(state(-9), tmp_path / name)
+        assert all(torch.all(t == v) for t in out.values()), name

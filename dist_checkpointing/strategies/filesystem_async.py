@@ -63,6 +63,17 @@ class _BufferPool:
 _POOL = _BufferPool()
 
 
+def _forget_buffers_after_fork() -> None:
+    # The buffers are shared (anonymous MAP_SHARED) mappings: a forked child (an async
+    # save's writer) writing into inherited ones would write into the parent's and its
+    # siblings' buffers. Children start with an empty pool of their own.
+    _POOL._free = []
+    _POOL._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_buffers_after_fork)
+
+
 def release_staging_buffers() -> None:
     """Free the staging buffers kept for reuse."""
     _POOL.release()
