@@ -328,9 +328,7 @@ class PGTransport:
                 if buffers[slot].numel() < size:
                     buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
                 data = buffers[slot][:size]
-                for i in members:
-                    tm = leaves[i].tensor
-                    data[tm.offset:tm.offset + tm.nbytes].copy_(_wire_bytes(tensors[i]))
+                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i]) for i in members])
             in_flight[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
         for slot in in_flight:
             for work, d in slot:
@@ -466,15 +464,18 @@ class PGTransport:
             self._wait([work], "receiving tensor data", src)
             if m + 1 < len(meta.messages):
                 posted = post(m + 1)  # into the other buffer, while this one is unpacked
+            direct_dsts, direct_srcs = [], []
             for i in members:
                 if wire[i] is not None and buf.data_ptr() == wire[i].data_ptr():
                     continue
                 tm = meta.leaves[i].tensor
                 piece = buf[tm.offset:tm.offset + tm.nbytes]
                 if wire[i] is not None:
-                    wire[i].copy_(piece)
+                    direct_dsts.append(wire[i])
+                    direct_srcs.append(piece)
                 else:
                     _unpack(piece, tm, results[i])
+            _copy_all(direct_dsts, direct_srcs)
         for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):
             tm = leaf.tensor
             if tm is None:
@@ -484,6 +485,38 @@ class PGTransport:
             if dest is None and tm.requires_grad and results[i].is_floating_point():
                 results[i].requires_grad_(True)
         return results
+
+
+_PAD = torch.zeros(_ALIGN, dtype=torch.uint8)
+
+
+def _pack(bucket: torch.Tensor, metas: List[_TensorMeta], pieces: List[torch.Tensor]) -> None:
+    """Lay ``pieces`` (wire bytes) into ``bucket`` at their offsets: one ``torch.cat`` with
+    the alignment padding in between (a per-piece copy loop costs 5x more in Python)."""
+    parts: List[torch.Tensor] = []
+    pos = 0
+    for tm, piece in zip(metas, pieces):
+        if tm.offset > pos:
+            parts.append(_PAD[:tm.offset - pos].to(bucket.device))
+        parts.append(piece)
+        pos = tm.offset + tm.nbytes
+    if all(p.device == bucket.device for p in parts):
+        torch.cat(parts, out=bucket)
+        return
+    for tm, piece in zip(metas, pieces):  # pieces on another device: copy one by one
+        bucket[tm.offset:tm.offset + tm.nbytes].copy_(piece)
+
+
+def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, in one call where torch offers it."""
+    if not dsts:
+        return
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(dsts, srcs)
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
 
 
 def _wire_view(tm: _TensorMeta, dest: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,526 @@
+"""Peer-to-peer transfer of a training state: ``PGTransport`` vs plain gloo sends.
+
+World size 2 (real processes, ``torch.multiprocessing`` spawn, gloo on ``127.0.0.1``, one
+torch thread each). Rank 0 sends a state of ``--tensors`` fp32/bf16 tensors, ~``--size-mib``
+MiB in all, to rank 1: ``--tensors - 8`` small tensors with log-uniform sizes from 256 B to
+``--small-max-kib`` KiB, plus 8 large ones (2-D) that bring the total to ``--size-mib``.
+Methods:
+
+* ``transport_inplace``: ``PGTransport.send_checkpoint([1], state)`` /
+  ``PGTransport(..., state_dict=lambda: dest).recv_checkpoint(0)`` where ``dest`` holds
+  preallocated, touched tensors of the same shapes (the bytes land in them);
+* ``transport_inplace_nogc``: ``transport_inplace`` with Python's garbage collector disabled
+  during the call on both ranks (how much of the time is collections);
+* ``transport_alloc``: the same, the receiver without ``state_dict`` (allocates new tensors);
+* ``single_send``: the same bytes as one contiguous uint8 tensor, ``dist.send`` /
+  ``dist.recv`` into a preallocated buffer (the anchor: what the wire can do);
+* ``chunked_send``: those contiguous bytes in messages of ``BUCKET_BYTES`` (32 MiB), at most
+  two sends in flight and the next receive posted one ahead (the transport's data pattern
+  without metadata or packing copies);
+* ``per_tensor_send``: one blocking ``dist.send`` / ``dist.recv`` per tensor, into the
+  preallocated tensors (what no bucketing would cost);
+* ``broadcast_object``: ``dist.broadcast_object_list([state], src=0)`` (pickle);
+* ``transport_inplace@N``: ``transport_inplace`` with ``dist_checkpointing.transport.BUCKET_BYTES``
+  set to N MiB on both ranks (the bucket-size sweep; the default size is the
+  ``transport_inplace`` row).
+
+One untimed warm-up round runs every method once and checks that rank 1 received the values
+rank 0 sent (its destination tensors zeroed before). Then ``--rounds`` interleaved rounds,
+each running every method once in an order rotated by one each round; medians over rounds.
+Time: barrier on both ranks, then the receiver's wall time until it has everything (the
+sender's time until its call returns is recorded too). Memory: peak extra RSS per rank
+(``/proc/self/clear_refs`` + ``VmHWM``) during the call, max over rounds; CPU time of each
+process (all its threads) during the call; time in Python's garbage collector and the number
+of calls that ran a full (generation 2) collection.
+
+Run: ``python benchmarks/bench_transport.py [--size-mib 256] [--tensors 4000] [--rounds 7]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from _common import spawn_ranks, write_report
+from bench_save_load import PeakMemory
+
+import dist_checkpointing.transport as transport
+from dist_checkpointing.transport import PGTransport
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_transport.json"
+MiB = 1 << 20
+DEFAULT_BUCKET = transport.BUCKET_BYTES
+BASE_METHODS = ("single_send", "chunked_send", "transport_inplace", "transport_inplace_nogc", "transport_alloc",
+                "per_tensor_send", "broadcast_object")
+TARGET = 1.5  # transport / single_send (the bucketing target)
+NUM_LARGE = 8
+LARGE_FRACTIONS = (0.25, 0.20, 0.15, 0.12, 0.10, 0.08, 0.06, 0.04)  # of the bytes left after the small ones
+TIMEOUT = timedelta(minutes=5)
+
+# ----------------------------------------------------------------------------- the state
+
+
+def tensor_specs(args: argparse.Namespace) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor (the same on both ranks)."""
+    rng = random.Random(0)
+    specs: List[Tuple[Tuple[int, ...], torch.dtype]] = []
+    lo, hi = math.log(256), math.log(args.small_max_kib * 1024)
+    small_bytes = 0
+    for _ in range(args.tensors - NUM_LARGE):
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        elsize = 4 if dtype == torch.float32 else 2
+        numel = max(1, int(math.exp(rng.uniform(lo, hi))) // elsize)
+        specs.append(((numel,), dtype))
+        small_bytes += numel * elsize
+    rest = args.size_mib * MiB - small_bytes
+    if rest <= 0:
+        raise SystemExit(f"--size-mib {args.size_mib} is smaller than the small tensors ({small_bytes / MiB:.1f} MiB)")
+    cols = 1024
+    for k, frac in enumerate(LARGE_FRACTIONS):
+        dtype = torch.float32 if k % 2 == 0 else torch.bfloat16
+        elsize = 4 if dtype == torch.float32 else 2
+        rows = max(1, int(rest * frac) // (elsize * cols))
+        specs.append(((rows, cols), dtype))
+    # Large tensors spread through the state (as in a model), not all at the end.
+    large = specs[-NUM_LARGE:]
+    small = specs[:-NUM_LARGE]
+    step = len(small) // NUM_LARGE
+    out: List[Tuple[Tuple[int, ...], torch.dtype]] = []
+    for k in range(NUM_LARGE):
+        out += small[k * step:(k + 1) * step if k < NUM_LARGE - 1 else len(small)]
+        out.append(large[k])
+    return out
+
+
+def build_state(specs, fill: bool) -> Dict[str, Any]:
+    """The state dict: ``{"model": {name: tensor}, "step": 1234}``, random values (seeded:
+    the same on every rank) when ``fill``, else zeroed (touched) tensors."""
+    gen = torch.Generator().manual_seed(1234)
+    model = {}
+    for i, (shape, dtype) in enumerate(specs):
+        if fill:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        else:
+            t = torch.empty(shape, dtype=dtype)
+            t.zero_()
+        model[f"layer{i // 10:03d}.param{i % 10}"] = t
+    return {"model": model, "step": 1234 if fill else 0}
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- the receiver's phases
+
+
+class TimedTransport(PGTransport):
+    """``PGTransport`` that records when things happen (library code unchanged): on the
+    sender, when the header goes out (after flattening the state and pickling the metadata)
+    and when the first data message goes out; on the receiver, how long its check of the
+    metadata takes and when the data phase starts and ends (everything before it is the
+    header, the metadata and the agreement), and how many data messages the sender planned."""
+
+    phases: Dict[str, float] = {}
+
+    def _send(self, tensor, dst, tag):  # type: ignore[override]
+        now = time.perf_counter()
+        if tag == transport._TAG_HEADER:
+            TimedTransport.phases["header_sent"] = now
+        elif tag >= transport._TAG_DATA and "first_data_sent" not in TimedTransport.phases:
+            TimedTransport.phases["first_data_sent"] = now
+        return super()._send(tensor, dst, tag)
+
+    def _destinations(self, meta):  # type: ignore[override]
+        t0 = time.perf_counter()
+        try:
+            return super()._destinations(meta)
+        finally:
+            TimedTransport.phases["check_s"] = time.perf_counter() - t0
+
+    def _receive_data(self, meta, dests, src):  # type: ignore[override]
+        t0 = time.perf_counter()
+        try:
+            return super()._receive_data(meta, dests, src)
+        finally:
+            TimedTransport.phases.update(data_start=t0, data_end=time.perf_counter(), messages=len(meta.messages))
+
+
+class GCTimer:
+    """Time this process spends in Python's garbage collector (``gc.callbacks``), and the
+    number of full (generation 2) collections, since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: Dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+    def reset(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+class Rank:
+    def __init__(self, rank: int, args: argparse.Namespace):
+        self.rank = rank
+        self.args = args
+        specs = tensor_specs(args)
+        # Rank 0: the state to send. Rank 1: the same values as a reference (for the check).
+        self.state = build_state(specs, fill=True)
+        self.tensors = list(self.state["model"].values())
+        self.total = sum(t.numel() * t.element_size() for t in self.tensors)
+        if rank == 0:
+            self.flat = torch.cat([byte_view(t) for t in self.tensors])  # single_send's contiguous bytes
+        else:
+            self.dest = build_state(specs, fill=False)  # preallocated, touched
+            self.dest_tensors = list(self.dest["model"].values())
+            self.flat_buf = torch.empty(self.total, dtype=torch.uint8)
+            self.flat_buf.zero_()
+        self.received: Any = None  # what the last call produced on rank 1
+        self.gc = GCTimer()
+
+    # --- the methods: (sender, receiver) ---------------------------------------------
+    def transport_send(self) -> None:
+        TimedTransport(None, TIMEOUT, torch.device("cpu")).send_checkpoint([1], self.state)
+
+    def transport_inplace_recv(self) -> None:
+        self.received = TimedTransport(None, TIMEOUT, torch.device("cpu"),
+                                       state_dict=lambda: self.dest).recv_checkpoint(0)
+
+    def transport_alloc_recv(self) -> None:
+        self.received = TimedTransport(None, TIMEOUT, torch.device("cpu")).recv_checkpoint(0)
+
+    def single_send_send(self) -> None:
+        dist.send(self.flat, 1)
+
+    def single_send_recv(self) -> None:
+        dist.recv(self.flat_buf, 0)
+        self.received = self.flat_buf
+
+    def chunked_send_send(self) -> None:
+        pg, c = dist.group.WORLD, DEFAULT_BUCKET
+        in_flight: List[Any] = [None, None]
+        for m, off in enumerate(range(0, self.total, c)):
+            if in_flight[m % 2] is not None:
+                in_flight[m % 2].wait()
+            in_flight[m % 2] = pg.send([self.flat[off:off + c]], 1, 100 + m)
+        for w in in_flight:
+            if w is not None:
+                w.wait()
+
+    def chunked_send_recv(self) -> None:
+        pg, c = dist.group.WORLD, DEFAULT_BUCKET
+        offs = list(range(0, self.total, c))
+        work = pg.recv([self.flat_buf[0:c]], 0, 100)
+        for m in range(len(offs)):
+            work.wait()
+            if m + 1 < len(offs):  # posted one ahead, like the transport's receiver
+                work = pg.recv([self.flat_buf[offs[m + 1]:offs[m + 1] + c]], 0, 101 + m)
+        self.received = self.flat_buf
+
+    def per_tensor_send_send(self) -> None:
+        for t in self.tensors:
+            dist.send(t, 1)
+
+    def per_tensor_send_recv(self) -> None:
+        for t in self.dest_tensors:
+            dist.recv(t, 0)
+        self.received = self.dest
+
+    def broadcast_object_send(self) -> None:
+        dist.broadcast_object_list([self.state], src=0)
+
+    def broadcast_object_recv(self) -> None:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        self.received = box[0]
+
+    def fns(self, method: str) -> Callable[[], None]:
+        base = method.split("@")[0]
+        if self.rank == 0:
+            fn = self.transport_send if base.startswith("transport") else getattr(self, f"{base}_send")
+        else:
+            fn = getattr(self, f"{base.replace('_nogc', '')}_recv")
+        if not base.endswith("_nogc"):
+            return fn
+
+        def without_gc() -> None:  # the garbage collector off during the call, on both ranks
+            gc.disable()
+            try:
+                fn()
+            finally:
+                gc.enable()
+        return without_gc
+
+    # --- the check ---------------------------------------------------------------------
+    def zero_destinations(self) -> None:
+        if self.rank == 1:
+            for t in self.dest_tensors:
+                t.zero_()
+            self.flat_buf.zero_()
+            self.dest["step"] = 0
+
+    def verify(self, method: str) -> bool:
+        """On rank 1: did the last call deliver the sent values?"""
+        base = method.split("@")[0]
+        got = self.received
+        if base in ("single_send", "chunked_send"):
+            off, ok = 0, True
+            for t in self.tensors:
+                n = t.numel() * t.element_size()
+                ok = ok and torch.equal(got[off:off + n], byte_view(t))
+                off += n
+            return ok and off == got.numel()
+        if base == "per_tensor_send":
+            return all(torch.equal(a, b) for a, b in zip(self.tensors, self.dest_tensors))
+        ok = got["step"] == 1234 and list(got["model"]) == list(self.state["model"])
+        ok = ok and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(self.tensors, got["model"].values()))
+        if base.startswith("transport_inplace"):  # in place: the receiver's own tensors
+            ok = ok and all(a is b for a, b in zip(got["model"].values(), self.dest_tensors))
+        return ok
+
+    # --- one timed call ----------------------------------------------------------------
+    def run(self, method: str, check: bool) -> Dict[str, Any]:
+        bucket = int(method.split("@")[1]) * MiB if "@" in method else DEFAULT_BUCKET
+        transport.BUCKET_BYTES = bucket  # on both ranks (only the sender's plan uses it)
+        if check:
+            self.zero_destinations()
+        TimedTransport.phases = {}
+        fn = self.fns(method)
+        with PeakMemory() as mem:
+            dist.barrier()
+            self.gc.reset()
+            cpu0 = time.process_time()
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            cpu_s = time.process_time() - cpu0  # every thread of the process (gloo's included)
+            gc_s, gc_full = self.gc.seconds, self.gc.full
+        ph = TimedTransport.phases
+        dist.barrier()
+        ok = self.verify(method) if (check and self.rank == 1) else None
+        self.received = None
+        transport.BUCKET_BYTES = DEFAULT_BUCKET
+        out = {"s": elapsed, "extra_mib": mem.extra_mib, "verified": ok, "gc_s": gc_s, "gc_full": gc_full,
+               "cpu_s": cpu_s}
+        if "data_start" in ph:  # the transport's receiver
+            out.update(meta_s=ph["data_start"] - start, data_s=ph["data_end"] - ph["data_start"],
+                       after_s=start + elapsed - ph["data_end"], messages=ph["messages"], check_s=ph["check_s"])
+        elif "header_sent" in ph:  # the transport's sender
+            out.update(plan_s=ph["header_sent"] - start, first_data_s=ph["first_data_sent"] - start)
+        return out
+
+    def copy_cost(self) -> float:
+        """Seconds to pack the tensors smaller than BUCKET_BYTES/2 into a reused bucket
+        buffer, as the sender does (median of 3; one process, nothing else running)."""
+        small = [byte_view(t) for t in self.tensors if t.numel() * t.element_size() < DEFAULT_BUCKET // 2]
+        buf = torch.empty(DEFAULT_BUCKET, dtype=torch.uint8)
+        buf.zero_()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            off = 0
+            for b in small:
+                if off + b.numel() > DEFAULT_BUCKET:
+                    off = 0
+                buf[off:off + b.numel()].copy_(b)
+                off += -(-b.numel() // 64) * 64
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def gather(value: Any) -> List[Any]:
+    out: List[Any] = [None, None]
+    dist.all_gather_object(out, value)
+    return out
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    """One rank: build the state, warm up + check, run the rounds; rank 0 writes the raw results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        me = Rank(rank, args)
+        methods = list(BASE_METHODS if args.broadcast_object else BASE_METHODS[:-1])
+        methods += [f"transport_inplace@{b}" for b in args.sweep_mib if b * MiB != DEFAULT_BUCKET]
+        warmup = {}
+        for m in methods:
+            r = me.run(m, check=True)
+            warmup[m] = gather(r)
+        if rank == 1:
+            print("[warm-up] verified: " + ", ".join(f"{m} {warmup[m][1]['verified']}" for m in methods), flush=True)
+        rounds = []
+        for rnd in range(args.rounds):
+            k = rnd % len(methods)
+            order = methods[k:] + methods[:k]
+            res = {m: gather(me.run(m, check=False)) for m in order}
+            rounds.append({"order": order, **res})
+            if rank == 0:
+                print(f"round {rnd + 1}/{args.rounds} recv s: "
+                      + "  ".join(f"{m} {res[m][1]['s']:.3f}" for m in methods), flush=True)
+        copy_s = me.copy_cost() if rank == 0 else None
+        dist.barrier()
+        if rank == 0:
+            specs = tensor_specs(args)
+            sizes = sorted(math.prod(s) * (4 if d == torch.float32 else 2) for s, d in specs)
+            with open(out_path, "w") as f:
+                json.dump({"methods": methods, "total_bytes": me.total, "num_tensors": len(specs),
+                           "tensor_bytes_min_median_max": [sizes[0], sizes[len(sizes) // 2], sizes[-1]],
+                           "large_tensor_mib": [s / MiB for s in sizes[-NUM_LARGE:]],
+                           "small_tensor_bytes_total": sum(sizes[:-NUM_LARGE]),
+                           "num_bf16": sum(d == torch.bfloat16 for _, d in specs),
+                           "default_bucket_mib": DEFAULT_BUCKET / MiB,
+                           "sender_pack_copy_s": copy_s, "warmup": warmup, "rounds": rounds}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
+    rounds, total = raw["rounds"], raw["total_bytes"]
+    per = {}
+    for m in raw["methods"]:
+        recv = [r[m][1]["s"] for r in rounds]
+        send = [r[m][0]["s"] for r in rounds]
+        d = {
+            "recv_s": recv, "send_s": send,
+            "recv_median_s": statistics.median(recv), "recv_min_s": min(recv), "recv_max_s": max(recv),
+            "send_median_s": statistics.median(send),
+            "GBps": total / 1e9 / statistics.median(recv),
+            "peak_extra_mib_per_rank": [max(r[m][k]["extra_mib"] for r in rounds) for k in range(2)],
+            "cpu_median_s_per_rank": [statistics.median(r[m][k]["cpu_s"] for r in rounds) for k in range(2)],
+            "gc_median_s_per_rank": [statistics.median(r[m][k]["gc_s"] for r in rounds) for k in range(2)],
+            "gc_max_s_per_rank": [max(r[m][k]["gc_s"] for r in rounds) for k in range(2)],
+            "calls_with_full_gc_per_rank": [sum(r[m][k]["gc_full"] > 0 for r in rounds) for k in range(2)],
+            "verified": raw["warmup"][m][1]["verified"],
+            "bucket_mib": (int(m.split("@")[1]) if "@" in m else raw["default_bucket_mib"])
+            if m.startswith("transport") or m == "chunked_send" else None,
+        }
+        if "meta_s" in rounds[0][m][1]:
+            for key in ("meta_s", "check_s", "data_s", "after_s"):
+                d[f"recv_{key}_median"] = statistics.median(r[m][1][key] for r in rounds)
+            for key in ("plan_s", "first_data_s"):
+                d[f"send_{key}_median"] = statistics.median(r[m][0][key] for r in rounds)
+            d["messages"] = rounds[0][m][1]["messages"]
+        per[m] = d
+    single = per["single_send"]["recv_median_s"]
+    ratios = {f"{m} / single_send": per[m]["recv_median_s"] / single for m in raw["methods"] if m != "single_send"}
+    paired = {f"{m} / single_send": statistics.median(r[m][1]["s"] / r["single_send"][1]["s"] for r in rounds)
+              for m in raw["methods"] if m != "single_send"}
+    targets = {f"transport_inplace / single_send <= {TARGET}": ratios["transport_inplace / single_send"] <= TARGET,
+               f"transport_alloc / single_send <= {TARGET}": ratios["transport_alloc / single_send"] <= TARGET}
+    return {**{k: v for k, v in raw.items() if k != "rounds"}, "rounds": rounds, "per_method": per,
+            "ratios": ratios, "paired_median_ratios": paired, "targets_met": targets}
+
+
+def format_table(s: Dict[str, Any]) -> str:
+    lo, med, hi = s["tensor_bytes_min_median_max"]
+    large = s["large_tensor_mib"]
+    lines = [
+        f"rank 0 -> rank 1, gloo on 127.0.0.1: {s['num_tensors']} tensors ({s['num_bf16']} bf16, rest fp32; "
+        f"{lo} B - {hi / MiB:.1f} MiB, median {med / 1024:.1f} KiB; {s['num_tensors'] - NUM_LARGE} small = "
+        f"{s['small_tensor_bytes_total'] / MiB:.1f} MiB, {NUM_LARGE} large {min(large):.1f}-{max(large):.1f} MiB), "
+        f"{s['total_bytes'] / MiB:.1f} MiB in all; {len(s['rounds'])} rounds, medians of the receiver's time "
+        f"from a barrier until it has everything; GB = 1e9 bytes",
+        f"{'method':<23}{'bucket':>7}{'msgs':>6}{'recv s':>8}{'min s':>7}{'max s':>7}{'GB/s':>7}"
+        f"{'x single':>9}{'paired':>8}{'send s':>8}{'meta s':>8}{'data s':>8}{'+MiB r0/r1':>12}"
+        f"{'cpu s r0/r1':>13}{'gc ms r0/r1':>13}{'full gc':>9}  verified",
+    ]
+    for m, r in s["per_method"].items():
+        bucket = f"{r['bucket_mib']:.0f}M" if r["bucket_mib"] is not None else "-"
+        ratio = s["ratios"].get(f"{m} / single_send", 1.0)
+        paired = s["paired_median_ratios"].get(f"{m} / single_send", 1.0)
+        meta = f"{r['recv_meta_s_median']:.3f}" if "recv_meta_s_median" in r else "-"
+        data = f"{r['recv_data_s_median']:.3f}" if "recv_data_s_median" in r else "-"
+        msgs = str(r["messages"]) if "messages" in r else {
+            "single_send": "1", "per_tensor_send": str(s["num_tensors"]),
+            "chunked_send": str(-(-s["total_bytes"] // int(s["default_bucket_mib"] * MiB)))}.get(m, "-")
+        mem = "/".join(f"{x:.0f}" for x in r["peak_extra_mib_per_rank"])
+        cpu = "/".join(f"{x:.2f}" for x in r["cpu_median_s_per_rank"])
+        gcms = "/".join(f"{x * 1e3:.0f}" for x in r["gc_median_s_per_rank"])
+        full = "/".join(str(x) for x in r["calls_with_full_gc_per_rank"])
+        lines.append(f"{m:<23}{bucket:>7}{msgs:>6}{r['recv_median_s']:>8.3f}{r['recv_min_s']:>7.3f}"
+                     f"{r['recv_max_s']:>7.3f}{r['GBps']:>7.2f}{ratio:>9.2f}{paired:>8.2f}"
+                     f"{r['send_median_s']:>8.3f}{meta:>8}{data:>8}{mem:>12}{cpu:>13}{gcms:>13}{full:>9}  {r['verified']}")
+    ti = s["per_method"]["transport_inplace"]
+    lines.append(f"transport_inplace, medians: receiver: header+metadata+agreement {ti['recv_meta_s_median']:.3f} s "
+                 f"(its check of the metadata {ti['recv_check_s_median']:.3f} s), data {ti['recv_data_s_median']:.3f} s, "
+                 f"unflatten {ti['recv_after_s_median']:.3f} s; sender: flatten+pickle until the header goes out "
+                 f"{ti['send_plan_s_median']:.3f} s, first data message at {ti['send_first_data_s_median']:.3f} s")
+    lines.append(f"sender's packing copy of the {s['num_tensors'] - sum(x >= s['default_bucket_mib'] / 2 for x in s['large_tensor_mib'])}"
+                 f" tensors < {s['default_bucket_mib'] / 2:.0f} MiB into a bucket buffer, alone in one process: "
+                 f"{s['sender_pack_copy_s']:.3f} s")
+    lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
+    if s.get("malloc_mmap_threshold_kib"):
+        lines.append(f"(children ran with MALLOC_MMAP_THRESHOLD_={s['malloc_mmap_threshold_kib']} KiB)")
+    if "loadavg_before_after" in s:
+        b, a = s["loadavg_before_after"]
+        lines.append(f"load average (1/5/15 min) before: {b[0]:.2f} {b[1]:.2f} {b[2]:.2f}, "
+                     f"after: {a[0]:.2f} {a[1]:.2f} {a[2]:.2f}")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=256, help="total state size, MiB")
+    ap.add_argument("--tensors", type=int, default=4000, help="number of tensors")
+    ap.add_argument("--small-max-kib", type=float, default=256.0, help="largest small tensor, KiB")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (medians over them)")
+    ap.add_argument("--sweep-mib", default="4,8,16,32,64", help="BUCKET_BYTES values to sweep, MiB ('' for none)")
+    ap.add_argument("--no-broadcast-object", dest="broadcast_object", action="store_false",
+                    help="skip the broadcast_object_list method")
+    ap.add_argument("--malloc-mmap-threshold-kib", type=int, default=0,
+                    help="set MALLOC_MMAP_THRESHOLD_ in the ranks (e.g. 1024): every larger allocation is "
+                         "mmap-ed and returned to the OS when freed, so '+MiB' shows every buffer a call "
+                         "allocates (by default glibc's dynamic threshold recycles freed buffers <= 32 MiB "
+                         "from its heap, hiding them after the first call); 0 = glibc default")
+    ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
+    args = ap.parse_args()
+    args.sweep_mib = [int(x) for x in args.sweep_mib.split(",") if x.strip()]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = datetime.datetime.now().astimezone()
+    print(f"== {started.isoformat(timespec='seconds')}: {args.size_mib} MiB in {args.tensors} tensors, "
+          f"{args.rounds} rounds", flush=True)
+    if args.malloc_mmap_threshold_kib:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold_kib * 1024)
+    before = os.getloadavg()
+    summary = summarize(spawn_ranks(worker, 2, args))
+    summary["malloc_mmap_threshold_kib"] = args.malloc_mmap_threshold_kib
+    summary["loadavg_before_after"] = [before, os.getloadavg()]
+    run_args = {k: v for k, v in vars(args).items() if k != "output"}
+    out = write_report(args.output, started, run_args, "results", summary)
+    print(format_table(summary))
+    print(f"JSON results: {out}")
+
+
+if __name__ == "__main__":
+    main()
