@@ -9,12 +9,10 @@ Methods:
 * ``transport_inplace``: ``PGTransport.send_checkpoint([1], state)`` /
   ``PGTransport(..., state_dict=lambda: dest).recv_checkpoint(0)`` where ``dest`` holds
   preallocated, touched tensors of the same shapes (the bytes land in them);
-* ``transport_inplace_nogc``: ``transport_inplace`` with Python's garbage collector disabled
-  during the call on both ranks (how much of the time is collections);
 * ``transport_alloc``: the same, the receiver without ``state_dict`` (allocates new tensors);
 * ``single_send``: the same bytes as one contiguous uint8 tensor, ``dist.send`` /
   ``dist.recv`` into a preallocated buffer (the anchor: what the wire can do);
-* ``chunked_send``: those contiguous bytes in messages of ``BUCKET_BYTES`` (32 MiB), at most
+* ``chunked_send``: those contiguous bytes in messages of the default ``BUCKET_BYTES``, at most
   two sends in flight and the next receive posted one ahead (the transport's data pattern
   without metadata or packing copies);
 * ``per_tensor_send``: one blocking ``dist.send`` / ``dist.recv`` per tensor, into the
@@ -41,15 +39,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import math
 import os
 import random
 import statistics
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,8 +64,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_transport.json"
 MiB = 1 << 20
 DEFAULT_BUCKET = transport.BUCKET_BYTES
-BASE_METHODS = ("single_send", "chunked_send", "transport_inplace", "transport_inplace_nogc", "transport_alloc",
-                "per_tensor_send", "broadcast_object")
+BASE_METHODS = ("single_send", "chunked_send", "transport_inplace", "transport_alloc", "per_tensor_send",
+                "broadcast_object")
 TARGET = 1.5  # transport / single_send (the bucketing target)
 NUM_LARGE = 8
 LARGE_FRACTIONS = (0.25, 0.20, 0.15, 0.12, 0.10, 0.08, 0.06, 0.04)  # of the bytes left after the small ones
@@ -137,25 +137,25 @@ class TimedTransport(PGTransport):
 
     phases: Dict[str, float] = {}
 
-    def _send(self, tensor, dst, tag):  # type: ignore[override]
+    def _send(self, tensor, dst, tag, *args, **kwargs):  # type: ignore[override]
         now = time.perf_counter()
         if tag == transport._TAG_HEADER:
             TimedTransport.phases["header_sent"] = now
         elif tag >= transport._TAG_DATA and "first_data_sent" not in TimedTransport.phases:
             TimedTransport.phases["first_data_sent"] = now
-        return super()._send(tensor, dst, tag)
+        return super()._send(tensor, dst, tag, *args, **kwargs)
 
-    def _destinations(self, meta):  # type: ignore[override]
+    def _destinations(self, meta, *args, **kwargs):  # type: ignore[override]
         t0 = time.perf_counter()
         try:
-            return super()._destinations(meta)
+            return super()._destinations(meta, *args, **kwargs)
         finally:
             TimedTransport.phases["check_s"] = time.perf_counter() - t0
 
-    def _receive_data(self, meta, dests, src):  # type: ignore[override]
+    def _receive_data(self, meta, *args, **kwargs):  # type: ignore[override]
         t0 = time.perf_counter()
         try:
-            return super()._receive_data(meta, dests, src)
+            return super()._receive_data(meta, *args, **kwargs)
         finally:
             TimedTransport.phases.update(data_start=t0, data_end=time.perf_counter(), messages=len(meta.messages))
 
@@ -260,19 +260,8 @@ class Rank:
     def fns(self, method: str) -> Callable[[], None]:
         base = method.split("@")[0]
         if self.rank == 0:
-            fn = self.transport_send if base.startswith("transport") else getattr(self, f"{base}_send")
-        else:
-            fn = getattr(self, f"{base.replace('_nogc', '')}_recv")
-        if not base.endswith("_nogc"):
-            return fn
-
-        def without_gc() -> None:  # the garbage collector off during the call, on both ranks
-            gc.disable()
-            try:
-                fn()
-            finally:
-                gc.enable()
-        return without_gc
+            return self.transport_send if base.startswith("transport") else getattr(self, f"{base}_send")
+        return getattr(self, f"{base}_recv")
 
     # --- the check ---------------------------------------------------------------------
     def zero_destinations(self) -> None:
@@ -297,7 +286,7 @@ class Rank:
             return all(torch.equal(a, b) for a, b in zip(self.tensors, self.dest_tensors))
         ok = got["step"] == 1234 and list(got["model"]) == list(self.state["model"])
         ok = ok and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(self.tensors, got["model"].values()))
-        if base.startswith("transport_inplace"):  # in place: the receiver's own tensors
+        if base == "transport_inplace":  # in place: the receiver's own tensors
             ok = ok and all(a is b for a, b in zip(got["model"].values(), self.dest_tensors))
         return ok
 
@@ -333,20 +322,28 @@ class Rank:
         return out
 
     def copy_cost(self) -> float:
-        """Seconds to pack the tensors smaller than BUCKET_BYTES/2 into a reused bucket
-        buffer, as the sender does (median of 3; one process, nothing else running)."""
-        small = [byte_view(t) for t in self.tensors if t.numel() * t.element_size() < DEFAULT_BUCKET // 2]
-        buf = torch.empty(DEFAULT_BUCKET, dtype=torch.uint8)
+        """Seconds to pack every bucket of the default plan into a reused buffer the way the
+        sender does (``transport._pack`` where the library has it, else a copy per tensor),
+        alone in this process, nothing sent (median of 3)."""
+        leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
+        plan = transport._plan_messages(leaves)
+        buckets = [(size, members) for size, members in plan
+                   if not (len(members) == 1 and leaves[members[0]].tensor.nbytes == size)]
+        buf = torch.empty(max((size for size, _ in buckets), default=0), dtype=torch.uint8)
         buf.zero_()
+        pack = getattr(transport, "_pack", None)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            off = 0
-            for b in small:
-                if off + b.numel() > DEFAULT_BUCKET:
-                    off = 0
-                buf[off:off + b.numel()].copy_(b)
-                off += -(-b.numel() // 64) * 64
+            for size, members in buckets:
+                data = buf[:size]
+                metas = [leaves[i].tensor for i in members]
+                pieces = [byte_view(self.tensors[i]) for i in members]
+                if pack is not None:
+                    pack(data, metas, pieces)
+                else:
+                    for tm, piece in zip(metas, pieces):
+                        data[tm.offset:tm.offset + tm.nbytes].copy_(piece)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
@@ -472,10 +469,14 @@ def format_table(s: Dict[str, Any]) -> str:
                  f"(its check of the metadata {ti['recv_check_s_median']:.3f} s), data {ti['recv_data_s_median']:.3f} s, "
                  f"unflatten {ti['recv_after_s_median']:.3f} s; sender: flatten+pickle until the header goes out "
                  f"{ti['send_plan_s_median']:.3f} s, first data message at {ti['send_first_data_s_median']:.3f} s")
-    lines.append(f"sender's packing copy of the {s['num_tensors'] - sum(x >= s['default_bucket_mib'] / 2 for x in s['large_tensor_mib'])}"
-                 f" tensors < {s['default_bucket_mib'] / 2:.0f} MiB into a bucket buffer, alone in one process: "
+    lines.append(f"sender's packing of the {s['num_tensors'] - sum(x >= s['default_bucket_mib'] / 2 for x in s['large_tensor_mib'])}"
+                 f" tensors < {s['default_bucket_mib'] / 2:.0f} MiB into its buckets, alone in one process: "
                  f"{s['sender_pack_copy_s']:.3f} s")
     lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
+    if "library" in s:
+        lib = s["library"]
+        lines.append(f"library: commit {lib['commit']}{' + local changes to transport.py' if lib['transport_py_modified'] else ''}"
+                     f" (transport.py sha1 {lib['transport_py_sha1']})")
     if s.get("malloc_mmap_threshold_kib"):
         lines.append(f"(children ran with MALLOC_MMAP_THRESHOLD_={s['malloc_mmap_threshold_kib']} KiB)")
     if "loadavg_before_after" in s:
@@ -483,6 +484,20 @@ def format_table(s: Dict[str, Any]) -> str:
         lines.append(f"load average (1/5/15 min) before: {b[0]:.2f} {b[1]:.2f} {b[2]:.2f}, "
                      f"after: {a[0]:.2f} {a[1]:.2f} {a[2]:.2f}")
     return "\n".join(lines)
+
+
+def library_version() -> Dict[str, Any]:
+    """The commit the library is at, whether its working tree differs, and a hash of
+    ``transport.py`` as it was when the run started (the file under test)."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "?"
+    src = Path(transport.__file__).read_bytes()
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "transport_py_modified": git("status", "--porcelain", "--", "dist_checkpointing/transport.py") != "",
+            "transport_py_sha1": hashlib.sha1(src).hexdigest()[:12]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -495,10 +510,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-broadcast-object", dest="broadcast_object", action="store_false",
                     help="skip the broadcast_object_list method")
     ap.add_argument("--malloc-mmap-threshold-kib", type=int, default=0,
-                    help="set MALLOC_MMAP_THRESHOLD_ in the ranks (e.g. 1024): every larger allocation is "
-                         "mmap-ed and returned to the OS when freed, so '+MiB' shows every buffer a call "
-                         "allocates (by default glibc's dynamic threshold recycles freed buffers <= 32 MiB "
-                         "from its heap, hiding them after the first call); 0 = glibc default")
+                    help="set MALLOC_MMAP_THRESHOLD_ in the ranks (e.g. 1024): a larger allocation that no "
+                         "free heap chunk can serve is mmap-ed and returned to the OS when freed, so '+MiB' "
+                         "shows the buffers each call allocates (with glibc's default dynamic threshold, freed "
+                         "buffers <= 32 MiB stay in the heap and are reused unseen); 0 = glibc default")
     ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
     args = ap.parse_args()
     args.sweep_mib = [int(x) for x in args.sweep_mib.split(",") if x.strip()]
@@ -512,11 +527,14 @@ def main() -> None:
           f"{args.rounds} rounds", flush=True)
     if args.malloc_mmap_threshold_kib:  # read by glibc when each spawned rank starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold_kib * 1024)
+    library = library_version()  # before the run: the code under test
     before = os.getloadavg()
     summary = summarize(spawn_ranks(worker, 2, args))
     summary["malloc_mmap_threshold_kib"] = args.malloc_mmap_threshold_kib
+    summary["library"] = library
     summary["loadavg_before_after"] = [before, os.getloadavg()]
     run_args = {k: v for k, v in vars(args).items() if k != "output"}
+    run_args["library"] = library
     out = write_report(args.output, started, run_args, "results", summary)
     print(format_table(summary))
     print(f"JSON results: {out}")

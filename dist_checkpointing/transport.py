@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-BUCKET_BYTES = 32 << 20
+BUCKET_BYTES = 16 << 20
 _MAGIC = 0x44435054
 _TAG_HEADER, _TAG_META, _TAG_ACK, _TAG_ACK_TEXT, _TAG_GO, _TAG_GO_TEXT, _TAG_DATA = range(1, 8)
 
@@ -320,6 +320,8 @@ class PGTransport:
             slot = m % 2
             for work, d in in_flight[slot]:  # the buffer is free once its last sends are done
                 self._wait([work], "sending tensor data", d)
+            in_flight[slot] = []  # drop the finished sends: they keep the old buffer alive
+            work = None
             if len(members) == 1 and leaves[members[0]].tensor.nbytes == size:
                 data = _wire_bytes(tensors[members[0]])  # alone: straight from its memory
                 if data.device != self._device:
