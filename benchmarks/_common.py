@@ -75,3 +75,29 @@ def write_report(output: str, started: datetime.datetime, run_args: Dict[str, ob
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     return out
+
+
+def run_world_sizes(name: str, args: argparse.Namespace, run_world: Callable, summarize: Callable,
+                    format_table: Callable, run_args: Dict[str, object]) -> None:
+    """Run ``run_world(world, args)`` for each of ``args.world_sizes`` in a scratch dir under
+    ``args.dir``, print each summary table, and write the JSON report."""
+    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    scratch = Path(args.dir) / f"{name}_{os.getpid()}"
+    args.dir = str(scratch)
+    started = datetime.datetime.now().astimezone()
+    summaries = []
+    try:
+        for world in worlds:
+            print(f"== world size {world}: {args.rounds} rounds, scratch {scratch}", flush=True)
+            load_before = os.getloadavg()
+            summary = summarize(run_world(world, args))
+            summary["loadavg_before_after"] = [load_before, os.getloadavg()]  # machine noise
+            summaries.append(summary)
+            print(format_table(summaries[-1]), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    run_args = dict(run_args, world_sizes=worlds, dir=str(scratch))
+    out = write_report(args.output, started, run_args, "results", summaries)
+    print("\n\n".join(format_table(s) for s in summaries))
+    print(f"JSON results: {out}")
+

@@ -20,7 +20,6 @@ Run: ``python benchmarks/bench_save_load.py [--size-gib 1.0] [--rounds 5] [--wor
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -40,8 +39,8 @@ from _common import (
     add_scratch_and_output_flags,
     clean_dir,
     closing_lines,
+    run_world_sizes,
     spawn_ranks,
-    write_report,
 )
 
 import dist_checkpointing
@@ -484,30 +483,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Run every world size, print the tables and write the JSON."""
     args = parse_args()
-    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    scratch = Path(args.dir) / f"bench_save_load_{os.getpid()}"
-    args.dir = str(scratch)
-    started = datetime.datetime.now().astimezone()
-    summaries = []
-    try:
-        for world in worlds:
-            print(f"== world size {world}: {args.rounds} rounds, scratch {scratch}", flush=True)
-            load_before = os.getloadavg()
-            summary = summarize(run_world(world, args))
-            summary["loadavg_before_after"] = [load_before, os.getloadavg()]  # machine noise
-            summaries.append(summary)
-            print(format_table(summaries[-1]), flush=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    run_args = {
-        "size_gib": args.size_gib,
-        "rounds": args.rounds,
-        "world_sizes": worlds,
-        "dir": str(scratch),
-    }
-    out = write_report(args.output, started, run_args, "results", summaries)
-    print("\n\n".join(format_table(s) for s in summaries))
-    print(f"JSON results: {out}")
+    run_world_sizes("bench_save_load", args, run_world, summarize, format_table,
+                    {"size_gib": args.size_gib, "rounds": args.rounds})
 
 
 if __name__ == "__main__":

@@ -245,16 +245,11 @@ def comm_device(group: Optional[Any] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D uint8 view (no copy)."""
-    return as_bytes(t)
-
-
 def _source_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` in row-major order (a view when ``t`` is contiguous); an FP8
     (Transformer Engine) tensor travels as its values in its nominal dtype."""
     t = dequantize(t) if is_float8tensor(t) else t.detach()
-    return _byte_view(t if t.is_contiguous() else t.contiguous())
+    return as_bytes(t)
 
 
 def _destination(sh: ShardedTensor, info: ShardInfo) -> torch.Tensor:
@@ -279,7 +274,7 @@ class _Landing:
         writable = dest if self.fp8 else dest.detach()  # parameters are filled outside autograd
         self.direct = not self.fp8 and writable.is_contiguous() and writable.device == device
         self.stage = writable if self.direct else torch.empty(tuple(dest.shape), dtype=dest.dtype, device=device)
-        self.bytes = _byte_view(self.stage)
+        self.bytes = as_bytes(self.stage)
 
     def finish(self) -> torch.Tensor:
         if self.fp8:
