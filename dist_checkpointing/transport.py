@@ -15,10 +15,13 @@ Protocol, between the sender and each receiver (point-to-point messages of the g
    and dtypes) *before any tensor byte arrives* and answers ok or its error; the sender
    then tells every receiver to go on or to abort (so one receiver's mismatch stops the
    transfer on every rank, with the reason);
-3. the tensor bytes: tensors of ``BUCKET_BYTES / 2`` or more travel alone, straight from
-   and into their own memory when they are contiguous; smaller ones are packed into
-   buckets of up to ``BUCKET_BYTES`` (a few messages instead of one per tensor). Two
-   bucket buffers per side are reused, so memory stays bounded whatever the state size.
+3. the tensor bytes. First every tensor of ``ALONE_BYTES`` (or half a bucket) or more,
+   alone, straight from the sender's memory into the receiver's (when both are contiguous):
+   these messages are all posted at once, so they stream back to back. Then the smaller
+   tensors, packed into buckets of up to ``BUCKET_BYTES`` (a few messages instead of one
+   per tensor): the sender packs them while the large tensors stream, the receiver unpacks
+   them as they arrive. Two bucket buffers per side are reused, so memory stays bounded
+   whatever the state size.
 
 A view travels as its own elements only (never its whole base storage); non-contiguous
 tensors arrive with the right values. Every wait is bounded by the transport's timeout: a
@@ -28,6 +31,7 @@ side. (After a timeout the process group may be unusable: recreate it.)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import gc
@@ -37,11 +41,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .bytes_view import as_bytes
 from .core import CheckpointingException
@@ -57,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 BUCKET_BYTES = 16 << 20
+ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
 _MAGIC = 0x44435054
 _TAG_HEADER, _TAG_META, _TAG_ACK, _TAG_ACK_TEXT, _TAG_GO, _TAG_GO_TEXT, _TAG_DATA = range(1, 8)
 
@@ -82,7 +87,6 @@ class _Leaf:
 @dataclass
 class _Meta:
     treespec: Any  # the state's structure (a pytree TreeSpec)
-    paths: List[str]
     leaves: List[_Leaf]
     messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
 
@@ -98,6 +102,8 @@ def _local_tensor(kind: str, value: Any) -> Optional[torch.Tensor]:
 
 
 def _kind(value: Any) -> str:
+    if type(value) is torch.Tensor:  # the common case first
+        return "tensor"
     if isinstance(value, ShardedTensor) and isinstance(value.data, torch.Tensor):
         return "sharded_tensor"
     if DTensor is not None and isinstance(value, DTensor):
@@ -107,15 +113,20 @@ def _kind(value: Any) -> str:
     return "value"
 
 
-def _wire_bytes(t: torch.Tensor) -> torch.Tensor:
+def _wire_bytes(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
     """The bytes that travel for tensor ``t``: its own elements in row-major order (an FP8
-    tensor's ``_data``), as a 1-D uint8 tensor (a view when ``t`` is contiguous)."""
-    if is_float8tensor(t):
-        t = _per_tensor_layout(t)[0]
-    return as_bytes(t.detach())
+    tensor's ``_data``), as a 1-D uint8 tensor, and whether that is a temporary copy (``t``
+    not contiguous) rather than a view of ``t``."""
+    if type(t) is not torch.Tensor:
+        t = (_per_tensor_layout(t)[0] if is_float8tensor(t) else t).detach()
+    elif t.requires_grad:
+        t = t.detach()
+    return as_bytes(t), not t.is_contiguous()
 
 
 def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
+    if type(t) is torch.Tensor:  # the common case first
+        return _TensorMeta(tuple(t.shape), t.dtype, t.nbytes, t.requires_grad)
     fp8 = None
     if is_float8tensor(t):
         data, scale_inv = _per_tensor_layout(t)
@@ -130,54 +141,57 @@ def _encode_meta(meta: _Meta) -> bytes:
     """The metadata as a pickle of plain tuples (fast for thousands of leaves; dataclasses
     and pytree's JSON serialization are ten times slower)."""
     leaves = [(leaf.kind, None if leaf.tensor is None else (
-        leaf.tensor.shape, str(leaf.tensor.dtype), leaf.tensor.nbytes, leaf.tensor.requires_grad,
-        None if leaf.tensor.fp8 is None else (str(leaf.tensor.fp8[0]), leaf.tensor.fp8[1]),
+        leaf.tensor.shape, leaf.tensor.dtype, leaf.tensor.nbytes, leaf.tensor.requires_grad, leaf.tensor.fp8,
         leaf.tensor.message, leaf.tensor.offset), leaf.value) for leaf in meta.leaves]
-    return pickle.dumps((meta.treespec, meta.paths, leaves, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.rpartition(".")[2])
+    return pickle.dumps((meta.treespec, leaves, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _decode_meta(payload: bytes) -> _Meta:
     with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
         warnings.simplefilter("ignore", FutureWarning)
-        treespec, paths, rows, messages = pickle.loads(payload)
-    leaves = []
-    for kind, tm, value in rows:
-        tensor = None
-        if tm is not None:
-            shape, dtype, nbytes, requires_grad, fp8, message, offset = tm
-            tensor = _TensorMeta(tuple(shape), _dtype(dtype), nbytes, requires_grad,
-                                 None if fp8 is None else (_dtype(fp8[0]), fp8[1]), message, offset)
-        leaves.append(_Leaf(kind, tensor, value))
-    return _Meta(treespec, paths, leaves, messages)
+        treespec, rows, messages = pickle.loads(payload)
+    # each row's tensor tuple is in _TensorMeta's field order
+    leaves = [_Leaf(kind, None if tm is None else _TensorMeta(*tm), value) for kind, tm, value in rows]
+    return _Meta(treespec, leaves, messages)
 
 
 _ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
 
 
 def _plan_messages(leaves: List[_Leaf]) -> List[Tuple[int, List[int]]]:
-    """Group tensor leaves into data messages: large ones alone, small ones in buckets."""
-    messages: List[Tuple[int, List[int]]] = []
-    open_bucket: Optional[int] = None
-    for i, leaf in enumerate(leaves):
-        tm = leaf.tensor
-        if tm is None or tm.nbytes == 0:
+    """Group tensor leaves into data messages: every large tensor alone (in leaf order),
+    the small ones packed into buckets, which are spread evenly through the large ones (so
+    the sender packs and the receiver unpacks a bucket while large tensors stream)."""
+    alone = min(ALONE_BYTES, BUCKET_BYTES // 2)
+    tensors = [(i, leaf.tensor) for i, leaf in enumerate(leaves) if leaf.tensor is not None and leaf.tensor.nbytes]
+    buckets: List[Tuple[int, List[int]]] = []
+    size, members = 0, []
+    for i, tm in tensors:
+        if tm.nbytes >= alone:
             continue
-        if tm.nbytes >= BUCKET_BYTES // 2:
-            tm.message, tm.offset = len(messages), 0
-            messages.append((tm.nbytes, [i]))
-            continue
-        if open_bucket is None or messages[open_bucket][0] + _ALIGN + tm.nbytes > BUCKET_BYTES:
-            open_bucket = len(messages)
-            messages.append((0, []))
-        size, members = messages[open_bucket]
         start = -(-size // _ALIGN) * _ALIGN
-        tm.message, tm.offset = open_bucket, start
+        if members and start + tm.nbytes > BUCKET_BYTES:
+            buckets.append((size, members))
+            size, members, start = 0, [], 0
+        tm.offset = start
         members.append(i)
-        messages[open_bucket] = (start + tm.nbytes, members)
+        size = start + tm.nbytes
+    if members:
+        buckets.append((size, members))
+    large = [(tm.nbytes, [i]) for i, tm in tensors if tm.nbytes >= alone]
+    # bucket k goes after the large message that completes (k + 1) / (len(buckets) + 1) of the large bytes
+    total, done, k = sum(n for n, _ in large), 0, 0
+    messages: List[Tuple[int, List[int]]] = []
+    for message in large:
+        messages.append(message)
+        done += message[0]
+        while k < len(buckets) and done * (len(buckets) + 1) >= total * (k + 1):
+            messages.append(buckets[k])
+            k += 1
+    messages += buckets[k:]
+    for m, (_, members) in enumerate(messages):
+        for i in members:
+            leaves[i].tensor.message = m
     return messages
 
 
@@ -254,12 +268,14 @@ class PGTransport:
         head = torch.zeros(2, dtype=torch.int64, device=self._device)
         self._recv(head, src, tags[0], what)
         status, length = (int(v) for v in head.tolist())
-        text = ""
-        if length:
-            payload = torch.empty(length, dtype=torch.uint8, device=self._device)
-            self._recv(payload, src, tags[1], what)
-            text = bytes(payload.cpu().numpy()).decode(errors="replace")
-        return status, text
+        return status, self._recv_body(src, length, tags[1], what)
+
+    def _recv_body(self, src: int, length: int, tag: int, what: str) -> str:
+        if not length:
+            return ""
+        payload = torch.empty(length, dtype=torch.uint8, device=self._device)
+        self._recv(payload, src, tag, what)
+        return bytes(payload.cpu().numpy()).decode(errors="replace")
 
     # ------------------------------------------------------------------------- send
 
@@ -273,10 +289,10 @@ class PGTransport:
     def _send_checkpoint(self, dst_ranks: Sequence[int], state_dict: Any) -> None:
         dsts = list(dst_ranks)
         start = time.perf_counter()
-        flat, treespec = tree_flatten_with_path(state_dict)
+        values, treespec = tree_flatten(state_dict)
         leaves: List[_Leaf] = []
         tensors: List[Optional[torch.Tensor]] = []
-        for _, value in flat:
+        for value in values:
             kind = _kind(value)
             local = _local_tensor(kind, value)
             if local is None:
@@ -289,7 +305,7 @@ class PGTransport:
                 leaves.append(_Leaf(kind, _tensor_meta(local)))
             tensors.append(local)
         messages = _plan_messages(leaves)
-        meta = _Meta(treespec, [keystr(p) for p, _ in flat], leaves, messages)
+        meta = _Meta(treespec, leaves, messages)
         try:
             payload = _encode_meta(meta)  # once, for every receiver
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
@@ -298,13 +314,16 @@ class PGTransport:
         header = torch.tensor([_MAGIC, PROTOCOL_VERSION, len(payload)], dtype=torch.int64, device=self._device)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
         works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
+        heads = [torch.zeros(2, dtype=torch.int64, device=self._device) for _ in dsts]
+        answers = [(self._post_recv(h, d, _TAG_ACK, "receiving the metadata check"), h, d) for h, d in zip(heads, dsts)]
         for work, d in works:
             self._wait([work], "sending the metadata", d)
         refusals, accepted = [], []
-        for d in dsts:
-            status, text = self._recv_text(d, (_TAG_ACK, _TAG_ACK_TEXT), "receiving the metadata check")
+        for work, head, d in answers:
+            self._wait([work], "receiving the metadata check", d)
+            status, length = (int(v) for v in head.tolist())
             if status:
-                refusals.append(f"rank {d}: {text}")
+                refusals.append(f"rank {d}: {self._recv_body(d, length, _TAG_ACK_TEXT, 'receiving the metadata check')}")
             else:
                 accepted.append(d)
         if refusals:
@@ -313,31 +332,53 @@ class PGTransport:
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-
-        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
-        in_flight: List[List[Tuple[Any, int]]] = [[], []]
-        for m, (size, members) in enumerate(messages):
-            slot = m % 2
-            for work, d in in_flight[slot]:  # the buffer is free once its last sends are done
-                self._wait([work], "sending tensor data", d)
-            in_flight[slot] = []  # drop the finished sends: they keep the old buffer alive
-            work = None
-            if len(members) == 1 and leaves[members[0]].tensor.nbytes == size:
-                data = _wire_bytes(tensors[members[0]])  # alone: straight from its memory
-                if data.device != self._device:
-                    data = data.to(self._device)
-            else:
-                if buffers[slot].numel() < size:
-                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
-                data = buffers[slot][:size]
-                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i]) for i in members])
-            in_flight[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
-        for slot in in_flight:
-            for work, d in slot:
-                self._wait([work], "sending tensor data", d)
+        self._send_data(dsts, messages, leaves, tensors)
         total = sum(size for size, _ in messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(leaves), total / 2**20, len(messages), dsts, time.perf_counter() - start)
+
+    def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], leaves: List[_Leaf],
+                   tensors: List[Optional[torch.Tensor]]) -> None:
+        """Send every data message. Those from a tensor's own memory are posted at once
+        (nothing to allocate, so they stream back to back); buckets are packed into two
+        reused buffers, and copies of non-contiguous tensors are bounded to two buckets'
+        worth in flight."""
+        def wait_all(works: List[Tuple[Any, int]]) -> None:
+            for work, d in works:
+                self._wait([work], "sending tensor data", d)
+
+        own: List[Tuple[Any, int]] = []  # sends from the tensors' own memory
+        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
+        in_buffer: List[List[Tuple[Any, int]]] = [[], []]  # the sends of each bucket buffer
+        copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
+        copied = buckets = 0
+        for m, (size, members) in enumerate(messages):
+            if not _alone(leaves, size, members):
+                slot = buckets % 2
+                buckets += 1
+                wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
+                if buffers[slot].numel() < size:
+                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
+                data = buffers[slot][:size]
+                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i])[0] for i in members])
+                in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
+                continue
+            data, temporary = _wire_bytes(tensors[members[0]])
+            if data.device != self._device:
+                data, temporary = data.to(self._device), True
+            works = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
+            if not temporary:
+                own += works
+                continue
+            copies.append((works, size))
+            copied += size
+            while copied > 2 * BUCKET_BYTES and len(copies) > 1:
+                works, size = copies.popleft()
+                wait_all(works)
+                copied -= size
+        for works, _ in copies:
+            wait_all(works)
+        wait_all(in_buffer[0] + in_buffer[1] + own)
 
     # ------------------------------------------------------------------------- receive
 
@@ -353,6 +394,8 @@ class PGTransport:
 
     def _recv_checkpoint(self, src_rank: int) -> Any:
         start = time.perf_counter()
+        # prepared while the sender flattens its state and encodes the metadata
+        own = None if self._state_dict is None else _OwnState(self._state_dict())
         header = torch.zeros(3, dtype=torch.int64, device=self._device)
         self._recv(header, src_rank, _TAG_HEADER, "receiving the header")
         magic, version, length = (int(v) for v in header.tolist())
@@ -366,7 +409,7 @@ class PGTransport:
 
         error = None
         try:
-            dests = self._destinations(meta)
+            dests = self._destinations(meta, own)
         except CheckpointingException as e:
             error = str(e)
         self._send_text([src_rank], int(error is not None), error or "", (_TAG_ACK, _TAG_ACK_TEXT),
@@ -397,96 +440,135 @@ class PGTransport:
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
         return tree_unflatten(values, meta.treespec)
 
-    def _destinations(self, meta: _Meta) -> List[Optional[torch.Tensor]]:
+    def _destinations(self, meta: _Meta, own: Optional["_OwnState"]) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
         against the sender's metadata."""
-        if self._state_dict is None:
+        if own is None:
             return [None] * len(meta.leaves)
-        flat, _ = tree_flatten_with_path(self._state_dict())
-        paths = [keystr(p) for p, _ in flat]
-        if paths != meta.paths:
-            only_sender = sorted(set(meta.paths) - set(paths))[:5]
-            only_here = sorted(set(paths) - set(meta.paths))[:5]
+        if own.spec != meta.treespec:
+            sent = _paths(tree_unflatten([0] * meta.treespec.num_leaves, meta.treespec))
+            here = _paths(own.state)
+            only_sender = sorted(set(sent) - set(here))[:5]
+            only_here = sorted(set(here) - set(sent))[:5]
             raise CheckpointingException(
                 "the receiver's state has a different structure than the sender's "
-                f"({len(meta.paths)} leaves sent, {len(paths)} here; only sent: {only_sender}; only here: {only_here})")
+                f"({len(sent)} leaves sent, {len(here)} here; only sent: {only_sender}; only here: {only_here})")
         dests: List[Optional[torch.Tensor]] = []
-        for path, leaf, (_, mine) in zip(paths, meta.leaves, flat):
+        for n, (leaf, mine, kind, local) in enumerate(zip(meta.leaves, own.values, own.kinds, own.locals)):
             if leaf.tensor is None:
                 dests.append(None)
                 continue
-            kind = _kind(mine)
-            local = _local_tensor(kind, mine)
+            mismatch = None
             if kind != leaf.kind or local is None:
-                raise CheckpointingException(
-                    f"leaf {path}: the sender has a {leaf.kind}, the receiver a {type(mine).__name__}")
-            tm = leaf.tensor
-            if tuple(local.shape) != tm.shape or local.dtype != tm.dtype:
-                raise CheckpointingException(
-                    f"leaf {path}: the sender's tensor is {tm.shape} {tm.dtype}, the receiver's is "
-                    f"{tuple(local.shape)} {local.dtype}")
-            if tm.fp8 is not None and is_float8tensor(local) and _float8_dtype(local) != tm.fp8[0]:
-                raise CheckpointingException(
-                    f"leaf {path}: the sender's FP8 format is {tm.fp8[0]}, the receiver's {_float8_dtype(local)}")
+                mismatch = f"the sender has a {leaf.kind}, the receiver a {type(mine).__name__}"
+            else:
+                tm = leaf.tensor
+                if tuple(local.shape) != tm.shape or local.dtype != tm.dtype:
+                    mismatch = (f"the sender's tensor is {tm.shape} {tm.dtype}, the receiver's is "
+                                f"{tuple(local.shape)} {local.dtype}")
+                elif tm.fp8 is not None and is_float8tensor(local) and _float8_dtype(local) != tm.fp8[0]:
+                    mismatch = f"the sender's FP8 format is {tm.fp8[0]}, the receiver's {_float8_dtype(local)}"
+            if mismatch is not None:
+                raise CheckpointingException(f"leaf {_paths(own.state)[n]}: {mismatch}")
             dests.append(local)
         return dests
 
     def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int) -> List[Optional[torch.Tensor]]:
-        """Receive every data message; returns the tensor of each leaf (``None`` for values)."""
+        """Receive every data message; returns the tensor of each leaf (``None`` for values).
+
+        Messages that land straight in their tensor are all posted at once; the others
+        (buckets, and tensors that need a conversion) go through two reused buffers, each
+        unpacked before it is posted again."""
         count = len(meta.leaves)
         results: List[Optional[torch.Tensor]] = [None] * count
         wire: List[Optional[torch.Tensor]] = [None] * count  # bytes a leaf's wire bytes can land in directly
-        for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):
-            tm = leaf.tensor
-            if tm is None:
-                continue
+
+        def land(i: int) -> Optional[torch.Tensor]:
+            """Set up leaf ``i``'s tensor (the receiver's own, or a new one); returns its
+            bytes when the wire bytes can land in them directly (done lazily, message by
+            message: the first messages are posted at once, the rest while data streams)."""
+            tm, dest = meta.leaves[i].tensor, dests[i]
             if dest is None:
                 dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
             results[i] = dest
             target = _wire_view(tm, dest)
-            if target is not None and target.is_contiguous() and target.device == self._device:
+            if target is not None and target.is_contiguous() and _is_on(target, self._device):
                 wire[i] = as_bytes(target)
+            return wire[i]
 
-        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
-
-        def post(m: int) -> Tuple[Any, torch.Tensor]:
-            size, members = meta.messages[m]
-            if len(members) == 1 and wire[members[0]] is not None:
-                buf = wire[members[0]]  # alone and contiguous: straight into the tensor
-            else:
-                slot = m % 2
-                if buffers[slot].numel() < size:
-                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
-                buf = buffers[slot][:size]
-            return self._post_recv(buf, src, _TAG_DATA + m, "receiving tensor data"), buf
-
-        posted = post(0) if meta.messages else None
-        for m, (_, members) in enumerate(meta.messages):
-            work, buf = posted
-            self._wait([work], "receiving tensor data", src)
-            if m + 1 < len(meta.messages):
-                posted = post(m + 1)  # into the other buffer, while this one is unpacked
+        def unpack(m: int, buf: torch.Tensor) -> None:
             direct_dsts, direct_srcs = [], []
-            for i in members:
-                if wire[i] is not None and buf.data_ptr() == wire[i].data_ptr():
-                    continue
+            for i in meta.messages[m][1]:
                 tm = meta.leaves[i].tensor
                 piece = buf[tm.offset:tm.offset + tm.nbytes]
+                if results[i] is None:
+                    land(i)
                 if wire[i] is not None:
                     direct_dsts.append(wire[i])
                     direct_srcs.append(piece)
                 else:
                     _unpack(piece, tm, results[i])
             _copy_all(direct_dsts, direct_srcs)
+
+        what = "receiving tensor data"
+        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
+        pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
+        straight: List[Any] = []
+        buffered = 0
+        for m, (size, members) in enumerate(meta.messages):
+            if _alone(meta.leaves, size, members) and land(members[0]) is not None:
+                straight.append(self._post_recv(wire[members[0]], src, _TAG_DATA + m, what))
+                continue
+            slot = buffered % 2
+            buffered += 1
+            if pending[slot] is not None:  # the buffer's last message first
+                work, prev, buf = pending[slot]
+                self._wait([work], what, src)
+                unpack(prev, buf)
+            if buffers[slot].numel() < size:
+                buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
+            buf = buffers[slot][:size]
+            pending[slot] = (self._post_recv(buf, src, _TAG_DATA + m, what), m, buf)
+        for entry in sorted((e for e in pending if e is not None), key=lambda e: e[1]):
+            work, m, buf = entry  # (the last buckets are unpacked while the last large tensors stream)
+            self._wait([work], what, src)
+            unpack(m, buf)
+        self._wait(straight, what, src)
         for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):
             tm = leaf.tensor
             if tm is None:
                 continue
+            if results[i] is None:  # an empty tensor: no message carried it
+                land(i)
             if tm.fp8 is not None:
                 results[i] = _finish_fp8(tm, results[i])
             if dest is None and tm.requires_grad and results[i].is_floating_point():
                 results[i].requires_grad_(True)
         return results
+
+
+class _OwnState:
+    """A receiver's own state, flattened, with the local tensor of every leaf."""
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.values, self.spec = tree_flatten(state)
+        self.kinds = [_kind(v) for v in self.values]
+        self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
+
+
+def _is_on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.is_cpu if device.type == "cpu" else t.device == device
+
+
+def _paths(state: Any) -> List[str]:
+    """The key path of every leaf of ``state`` (for messages)."""
+    return [keystr(p) for p, _ in tree_flatten_with_path(state)[0]]
+
+
+def _alone(leaves: List[_Leaf], size: int, members: List[int]) -> bool:
+    """Whether a data message carries exactly one tensor's bytes (no bucket around them)."""
+    return len(members) == 1 and leaves[members[0]].tensor.nbytes == size
 
 
 _PAD = torch.zeros(_ALIGN, dtype=torch.uint8)

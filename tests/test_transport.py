@@ -762,9 +762,12 @@ _CHILD = textwrap.dedent(r"""
         PGTransport(None, timedelta(seconds=10), "cpu").send_checkpoint([0], state)
         os._exit(0)
     if rank == 3:  # sender to rank 2 that exits once the metadata is out
-        def _die(self, *a, **k):
-            os._exit(1)
-        transport.PGTransport._recv_text = _die
+        orig_wait = transport.PGTransport._wait
+        def _wait(self, works, what, peer):  # dies when it would wait for the receiver's answer
+            if what == "receiving the metadata check":
+                os._exit(1)
+            return orig_wait(self, works, what, peer)
+        transport.PGTransport._wait = _wait
         PGTransport(None, timedelta(seconds=10), "cpu").send_checkpoint([2], state)
         os._exit(0)
     mine = {k: torch.zeros_like(v) for k, v in state.items()}
