@@ -987,3 +987,54 @@ def test_overlapping_writes_do_not_share_staging_buffers(tmp_path):
     for v, name in ((1, "a1"), (2, "a2"), (3, "sync3")):
         out = dc_.load(state(-9), tmp_path / name)
         assert all(torch.all(t == v) for t in out.values()), name
+
+
+def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
+    # A forked writer gets file staging buffers taken out of the pool (already touched,
+    # so the child maps them instead of zero-filling new ones); nobody else uses them while
+    # it writes, and they are back in the pool for the next save once it is done.
+    import dist_checkpointing as dc_
+    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue as Queue
+
+    def state(val):
+        return {f"t{i}": dc_.ShardedTensor.from_rank_offsets(f"t{i}", torch.full((1 << 20,), float(val)))
+                for i in range(4)}
+
+    fa.release_staging_buffers()
+    dc_.save(state(0), tmp_path / "sync0")  # fills the pool
+    pooled = {id(b) for b in fa._POOL._free}
+    assert pooled
+    queue = Queue()
+    try:
+        request = dc_.save(state(1), tmp_path / "a1", async_sharded_save=True)
+        reserved = {id(b) for b in request.async_fn_args[1]["buffers"]}
+        assert reserved and reserved <= pooled, "the writer should reuse the pooled (touched) buffers"
+        assert not reserved & {id(b) for b in fa._POOL._free}, "reserved buffers must leave the pool"
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert reserved <= {id(b) for b in fa._POOL._free}, "the buffers go back to the pool"
+        request = dc_.save(state(2), tmp_path / "a2", async_sharded_save=True)
+        assert {id(b) for b in request.async_fn_args[1]["buffers"]} == reserved  # reused by the next save
+        queue.schedule_async_request(request)
+    finally:
+        queue.close()
+    for v in (1, 2):
+        out = dc_.load(state(-9), tmp_path / f"a{v}")
+        assert all(torch.all(t == v) for t in out.values())
+
+
+def test_forked_call_reports_before_exiting_and_is_reaped():
+    from dist_checkpointing.strategies.async_utils import reap_exited_children
+
+    calls = [ForkedCall(lambda v=v: {"value": v, "pid": os.getpid()}, "test") for v in range(3)]
+    for v, call in enumerate(calls):
+        assert call.result() == {"value": v, "pid": call.pid}
+        assert call.result() == {"value": v, "pid": call.pid}  # the outcome is kept
+    reap_exited_children(block=True)
+    assert all(_child_gone(call.pid) for call in calls)
+    failing = ForkedCall(lambda: 1 / 0, "failing call")
+    with pytest.raises(CheckpointingException, match="ZeroDivisionError"):
+        failing.result()
+    reap_exited_children(block=True)
+    assert _child_gone(failing.pid)

@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import signal
+import struct
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
@@ -225,6 +226,7 @@ class AsyncCallsQueue:
             for resource in self._resources.values():
                 resource.release()
             self._resources.clear()
+            reap_exited_children(block=True)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and self._worker is not None:
@@ -300,13 +302,34 @@ def _fork_child(fn: Callable[[], Any]) -> Tuple[int, int]:
             payload = pickle.dumps((True, fn()))
         except BaseException as e:  # noqa: BLE001 - sent to the parent
             payload = pickle.dumps((False, error_message(e)))
-        view = memoryview(payload)
+        # Length first: the parent has the whole report without waiting for this process to
+        # exit (tearing down a large address space takes tens of milliseconds).
+        view = memoryview(struct.pack("<Q", len(payload)) + payload)
         while view:
             view = view[os.write(write_fd, view):]
     except BaseException:  # noqa: BLE001 - nothing else can be reported
         status = 1
     finally:
         os._exit(status)
+
+
+_exiting: List[int] = []  # children that reported and are exiting, not reaped yet
+_exiting_lock = threading.Lock()
+
+
+def reap_exited_children(block: bool = False) -> None:
+    """Reap the forked children that have reported their result (they exit on their own
+    right after); with ``block``, wait until every one of them has exited."""
+    with _exiting_lock:
+        left = []
+        for pid in _exiting:
+            try:
+                done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if not done:
+                left.append(pid)
+        _exiting[:] = left
 
 
 class ForkedCall:
@@ -342,25 +365,31 @@ class ForkedCall:
         return value
 
     def _collect(self) -> Tuple[bool, Any]:
-        chunks = []
+        data = b""
         try:
-            while True:
+            while len(data) < 8 or len(data) < 8 + struct.unpack("<Q", data[:8])[0]:
                 chunk = os.read(self._read_fd, 1 << 20)
                 if not chunk:
                     break
-                chunks.append(chunk)
+                data += chunk
         finally:
             os.close(self._read_fd)
+        _live_children.discard(self)
+        if len(data) >= 8 and len(data) == 8 + struct.unpack("<Q", data[:8])[0]:
+            with self._reap_lock:
+                self._reaped = True  # from now on the pid is the reaper's: never kill it
+            with _exiting_lock:
+                _exiting.append(self.pid)
+            reap_exited_children()
+            try:
+                return pickle.loads(data[8:])
+            except Exception as e:  # noqa: BLE001 - a corrupt report
+                return False, f"{self.what}: unreadable report from process {self.pid}: {e}"
         with self._reap_lock:
             _, status = os.waitpid(self.pid, 0)
             self._reaped = True
-        _live_children.discard(self)
-        data = b"".join(chunks)
         if data:
-            try:
-                return pickle.loads(data)
-            except Exception as e:  # noqa: BLE001 - a truncated report
-                return False, f"{self.what}: unreadable report from process {self.pid}: {e}"
+            return False, f"{self.what}: process {self.pid} died while reporting its result"
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             return False, f"{self.what}: process {self.pid} was killed by signal {sig} ({signal.Signals(sig).name})"
@@ -380,3 +409,4 @@ class ForkedCall:
 def _kill_live_children() -> None:
     for child in list(_live_children):
         child.kill()
+    reap_exited_children(block=True)

@@ -66,7 +66,16 @@ from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .async_utils import AsyncRequest, ForkedCall
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, StrategyAction, register_default_strategy
-from .filesystem_async import HostStaging, tensor_bytes, write_file, zip_crc_disabled
+from .filesystem_async import (
+    BUFFERS_PER_FILE,
+    HostStaging,
+    adopt_staging_buffers,
+    reserve_staging_buffers,
+    return_staging_buffers,
+    tensor_bytes,
+    write_file,
+    zip_crc_disabled,
+)
 from .resharding import (
     Region,
     contiguous_start,
@@ -309,9 +318,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         checkpoint_dir = Path(checkpoint_dir)
         files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict)), "Preparing the async save")
-        writer = ForkedCall(lambda: self._write_files(files, checkpoint_dir),
-                            f"Writing {checkpoint_dir} on rank {get_rank()}")
-        written: Dict[str, List[_Location]] = {}
+        # The writer's file staging buffers: the pool's (already touched), reserved for it.
+        buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
+
+        def write() -> List[_Location]:
+            adopt_staging_buffers(buffers)
+            return self._write_files(files, checkpoint_dir)
+
+        try:
+            writer = ForkedCall(write, f"Writing {checkpoint_dir} on rank {get_rank()}")
+        except BaseException:
+            return_staging_buffers(buffers)
+            raise
+        written: Dict[str, List[_Location]] = {"buffers": buffers}
 
         def finalize() -> None:
             self._publish(written["locations"], None, checkpoint_dir)
@@ -397,9 +416,13 @@ def _needs_staging(t: torch.Tensor) -> bool:
         return False
 
 
-def _wait_for_writer(writer: ForkedCall, written: Dict[str, List[_Location]]) -> None:
-    """The ``async_fn`` of an async save: wait for the forked writer, keep its locations."""
-    written["locations"] = writer.result()
+def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
+    """The ``async_fn`` of an async save: wait for the forked writer, keep its locations,
+    give its staging buffers back to the pool."""
+    try:
+        written["locations"] = writer.result()
+    finally:
+        return_staging_buffers(written.pop("buffers"))
 
 
 # ----------------------------------------------------------------------------- load
