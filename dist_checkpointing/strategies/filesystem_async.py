@@ -79,9 +79,6 @@ def release_staging_buffers() -> None:
     _POOL.release()
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-
-
 def reserve_staging_buffers(n: int) -> List[mmap.mmap]:
     """Take ``n`` staging buffers out of the pool for a forked writer (see
     :func:`adopt_staging_buffers`); give them back with :func:`return_staging_buffers`
@@ -96,14 +93,9 @@ def return_staging_buffers(buffers: List[mmap.mmap]) -> None:
 
 def adopt_staging_buffers(buffers: List[mmap.mmap]) -> None:
     """In a forked writer: use ``buffers`` (reserved by the parent, so nobody else writes
-    them meanwhile) as this process's pool, and map their pages at once. A fork does not
-    copy the page tables of shared mappings; faulting 16 MiB buffers back in page by page
-    (and zero-filling new ones) would cost the writer tens of milliseconds per save."""
-    for buf in buffers:
-        try:
-            buf.madvise(_MADV_POPULATE_WRITE)
-        except (OSError, ValueError):  # an older kernel: the pages fault in on first use
-            break
+    them meanwhile) as this process's pool. Their pages exist already: the writer only
+    maps them back in (a fork does not copy the page tables of shared mappings), which is
+    cheaper than zero-filling new buffers, and happens while the disk is busy anyway."""
     _POOL._free = list(buffers)
 
 
