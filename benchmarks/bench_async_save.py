@@ -15,11 +15,16 @@ each timing is taken on every rank and the max over ranks is reported:
   from the start of ``save`` until ``queue.maybe_finalize_async_calls(blocking=True)``
   returns (``metadata.json`` written), nothing done in between. Also: when the forked
   writer finished (``write``), and the sharding validation and the fork inside ``save``.
+* ``async_copy``: the same with ``TorchDistSaveShardedStrategy(async_snapshot="copy")``
+  (one strategy per rank, reused): the state is copied into host buffers kept from the
+  previous save (an untimed staging pass first fills them, as a previous save would have;
+  they are freed after the measurement so that the fork of ``async`` sees the usual RSS),
+  then written by the queue's thread.
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same tensors as plain tensors.
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (default thread executor and
   stager; its collectives run on a gloo group of their own): blocking until the Future is
   returned, total until ``future.result()``.
-* ``async_step`` / ``dcp_async_step``: the training-loop impact. An in-place update of the
+* ``async_step`` / ``async_copy_step`` / ``dcp_async_step``: the training-loop impact. An in-place update of the
   whole local state (``t.add_(1.0)`` on every tensor, like an optimizer step) is timed
   with no save in flight, then the async save is started and the same update is timed
   right after it returns (the writer running), then the save is finalized. Pages shared
@@ -73,8 +78,9 @@ from dist_checkpointing.strategies.filesystem_async import tensor_bytes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_async_save.json"
-METHODS = ("memcpy", "memcpy_1t", "sync", "async", "async_step", "dcp", "dcp_async", "dcp_async_step")
-STEP_METHODS = ("async_step", "dcp_async_step")
+METHODS = ("memcpy", "memcpy_1t", "sync", "async", "async_step", "async_copy", "async_copy_step", "dcp", "dcp_async",
+           "dcp_async_step")
+STEP_METHODS = ("async_step", "async_copy_step", "dcp_async_step")
 BLOCKING_VS_MEMCPY = 0.8  # async blocking <= 0.8 x one memcpy of the local state
 BLOCKING_VS_SYNC = 0.1  # async blocking <= 0.1 x sync save
 TOTAL_VS_SYNC = 1.2  # async total (finalized) <= 1.2 x sync save
@@ -202,6 +208,20 @@ class Bench:
         self.tensors = [p.tensor for p in params]
         self.queue = AsyncCallsQueue()  # created once, reused by every async save
         self.default_threads = torch.get_num_threads()
+        self.copy_strategy = torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="copy")
+        write_files = self.copy_strategy._write_files
+
+        def timed_write_files(*args, **kwargs):  # runs on the queue's thread in copy mode
+            result = write_files(*args, **kwargs)
+            _probe["writer_done_t"] = time.perf_counter()
+            return result
+
+        self.copy_strategy._write_files = timed_write_files
+
+    def _warm_copy_staging(self, sd: Dict[str, ShardedTensor]) -> None:
+        """Fill the copy strategy's host buffers untimed, as a previous save of the same
+        structure would have (the benchmark frees them after each copy measurement)."""
+        self.copy_strategy._stage(self.copy_strategy._plan_files(sd), copy_all=True)
 
     def sharded(self, tensors: List[torch.Tensor]) -> Dict[str, ShardedTensor]:
         return {p.key: ShardedTensor.from_rank_offsets(p.key, t, (p.tp_axis, self.rank, self.world))
@@ -259,26 +279,33 @@ class Bench:
         elapsed = timed_barriered(lambda: dcp.save(sd, checkpoint_id=str(d), process_group=self.dcp_group))
         return {"blocking_s": elapsed, "total_s": elapsed}
 
-    def run_async(self, d: Path, check: bool) -> Dict[str, object]:
+    def run_async(self, d: Path, check: bool, copy: bool = False) -> Dict[str, object]:
         """Our async save alone: blocking time, then wait for the finalized checkpoint; then
         the first update after it (the writer has exited)."""
         update_idle = self.idle_update()
         sd = self.sharded(self.tensors)
+        kwargs = {"sharded_strategy": self.copy_strategy} if copy else {}
+        if copy:
+            self._warm_copy_staging(sd)
         _probe.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        request = dist_checkpointing.save(sd, d, async_sharded_save=True)
+        request = dist_checkpointing.save(sd, d, async_sharded_save=True, **kwargs)
         self.queue.schedule_async_request(request)
         t1 = time.perf_counter()
         self.queue.maybe_finalize_async_calls(blocking=True)
         t2 = time.perf_counter()
+        self.copy_strategy.release()
         update_after = timed_barriered(self.update)
         blocking, total, write, validation, fork, rss = max_over_ranks([
             t1 - t0, t2 - t0, _probe["writer_done_t"] - t0, _probe.get("validation_s", float("nan")),
-            _probe["fork_s"], _probe["rss_at_fork_mib"]])
+            _probe.get("fork_s", float("nan")), _probe.get("rss_at_fork_mib", float("nan"))])
         return {"blocking_s": blocking, "total_s": total, "write_done_s": write, "finalize_s": total - write,
                 "validation_s": validation, "fork_s": fork, "rss_at_fork_mib_max": rss,
                 "update_idle_s": update_idle, "update_after_s": update_after}
+
+    def run_async_copy(self, d: Path, check: bool) -> Dict[str, object]:
+        return self.run_async(d, check, copy=True)
 
     def run_dcp_async(self, d: Path, check: bool) -> Dict[str, object]:
         """DCP's async save alone: blocking until the Future, then ``future.result()``; then
@@ -296,22 +323,26 @@ class Bench:
         return {"blocking_s": blocking, "total_s": total, "future_type": type(future).__name__,
                 "update_idle_s": update_idle, "update_after_s": update_after}
 
-    def run_async_step(self, d: Path, check: bool) -> Dict[str, object]:
+    def run_async_step(self, d: Path, check: bool, copy: bool = False) -> Dict[str, object]:
         """An update with no save in flight, then our async save followed at once by the
         same update (the writer running), then finalization."""
         update_idle = self.idle_update()
         expected = checksums(self.tensors) if check else None
         sd = self.sharded(self.tensors)
+        kwargs = {"sharded_strategy": self.copy_strategy} if copy else {}
+        if copy:
+            self._warm_copy_staging(sd)
         _probe.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        request = dist_checkpointing.save(sd, d, async_sharded_save=True)
+        request = dist_checkpointing.save(sd, d, async_sharded_save=True, **kwargs)
         self.queue.schedule_async_request(request)
         t1 = time.perf_counter()
         self.update()  # the next training step's writes, writer still running
         t2 = time.perf_counter()
         self.queue.maybe_finalize_async_calls(blocking=True)
         t3 = time.perf_counter()
+        self.copy_strategy.release()
         done = _probe["writer_done_t"]
         blocking, update_busy, total, write = max_over_ranks([t1 - t0, t2 - t1, t3 - t0, done - t0])
         out = {"blocking_s": blocking, "update_idle_s": update_idle, "update_in_flight_s": update_busy,
@@ -322,6 +353,9 @@ class Bench:
             out["verified"] = self._verify(
                 expected, lambda dest: dist_checkpointing.load(self.sharded(dest), d))
         return out
+
+    def run_async_copy_step(self, d: Path, check: bool) -> Dict[str, object]:
+        return self.run_async_step(d, check, copy=True)
 
     def run_dcp_async_step(self, d: Path, check: bool) -> Dict[str, object]:
         """As ``run_async_step`` with DCP's async save (which copies the state up front)."""
@@ -408,10 +442,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 print(f"[world {world}] round {rnd + 1}/{args.rounds}: memcpy {r['memcpy']['blocking_s']:.3f}"
                       f" (1 thr {r['memcpy_1t']['blocking_s']:.3f})  sync {r['sync']['total_s']:.3f}"
                       f"  async {r['async']['blocking_s']:.3f}/{r['async']['total_s']:.3f}"
+                      f"  copy {r['async_copy']['blocking_s']:.3f}/{r['async_copy']['total_s']:.3f}"
                       f"  dcp {r['dcp']['total_s']:.3f}"
                       f"  dcp_async {r['dcp_async']['blocking_s']:.3f}/{r['dcp_async']['total_s']:.3f}"
                       f"  update idle/in flight: ours {r['async_step']['update_idle_s']:.3f}"
                       f"/{r['async_step']['update_in_flight_s']:.3f}"
+                      f" copy {r['async_copy_step']['update_idle_s']:.3f}"
+                      f"/{r['async_copy_step']['update_in_flight_s']:.3f}"
                       f" dcp {r['dcp_async_step']['update_idle_s']:.3f}"
                       f"/{r['dcp_async_step']['update_in_flight_s']:.3f}", flush=True)
         bench.queue.close()
@@ -456,16 +493,18 @@ def summarize(raw: Dict[str, object]) -> Dict[str, object]:
         for when in ("start", "end"):
             med[m][f"writer_running_at_update_{when}_rounds"] = sum(
                 bool(r[m][f"writer_running_at_update_{when}"]) for r in rounds)
-    for m in ("async", "dcp_async"):
+    for m in ("async", "async_copy", "dcp_async"):
         med[m]["update_after_delta_paired_s"] = statistics.median(
             r[m]["update_after_s"] - r[m]["update_idle_s"] for r in rounds)
     ref_method = min(("memcpy", "memcpy_1t"), key=lambda m: med[m]["blocking_s"])
     memcpy_ref = med[ref_method]["blocking_s"]
-    a, s, da, ds = med["async"], med["sync"], med["dcp_async"], med["dcp"]
+    a, s, da, ds, c = med["async"], med["sync"], med["dcp_async"], med["dcp"], med["async_copy"]
     ratios = {
         "async_blocking / memcpy_ref": a["blocking_s"] / memcpy_ref,
         "async_blocking / sync": a["blocking_s"] / s["total_s"],
         "async_total / sync": a["total_s"] / s["total_s"],
+        "async_copy_blocking / memcpy_ref": c["blocking_s"] / memcpy_ref,
+        "async_copy_total / sync": c["total_s"] / s["total_s"],
         "dcp_async_blocking / memcpy_ref": da["blocking_s"] / memcpy_ref,
         "dcp_async_blocking / async_blocking": da["blocking_s"] / a["blocking_s"],
         "dcp_async_total / async_total": da["total_s"] / a["total_s"],
@@ -475,6 +514,8 @@ def summarize(raw: Dict[str, object]) -> Dict[str, object]:
     paired = {
         "async_blocking / sync": statistics.median(r["async"]["blocking_s"] / r["sync"]["total_s"] for r in rounds),
         "async_total / sync": statistics.median(r["async"]["total_s"] / r["sync"]["total_s"] for r in rounds),
+        "async_copy_total / sync": statistics.median(r["async_copy"]["total_s"] / r["sync"]["total_s"]
+                                                     for r in rounds),
     }
     targets = {
         f"async_blocking <= {BLOCKING_VS_MEMCPY} x memcpy ({ref_method})":
@@ -498,8 +539,9 @@ def format_table(s: Dict[str, object]) -> str:
     n_rounds = len(s["rounds"])
     per_rank_mib = [b / MiB for b in s["local_bytes_per_rank"]]
     names = {"memcpy": f"memcpy ({s['default_threads']} thr)", "memcpy_1t": "memcpy (1 thr)",
-             "sync": "sync (ours)", "async": "async (ours)", "dcp": "dcp save", "dcp_async": "dcp async_save",
-             "async_step": "ours async", "dcp_async_step": "dcp async_save"}
+             "sync": "sync (ours)", "async": "async (ours)", "async_copy": "async copy", "dcp": "dcp save",
+             "dcp_async": "dcp async_save", "async_step": "ours async", "async_copy_step": "ours copy",
+             "dcp_async_step": "dcp async_save"}
     lines = [
         f"world size {s['world_size']}: {', '.join(f'{m:.0f}' for m in per_rank_mib)} MiB per rank "
         f"({s['num_tensors_per_rank']} tensors per rank, nothing replicated), {n_rounds} rounds, "
@@ -507,7 +549,7 @@ def format_table(s: Dict[str, object]) -> str:
         f"{'method':<16}{'blocking':>10}{'total':>10}{'write':>10}{'finalize':>10}{'upd idle':>10}"
         f"{'upd after':>10}{'+pair':>10}",
     ]
-    for m in ("memcpy", "memcpy_1t", "sync", "async", "dcp", "dcp_async"):
+    for m in ("memcpy", "memcpy_1t", "sync", "async", "async_copy", "dcp", "dcp_async"):
         r = med[m]
         lines.append(f"{names[m]:<16}{_fmt(r['blocking_s'])}{_fmt(r.get('total_s'))}{_fmt(r.get('write_done_s'))}"
                      f"{_fmt(r.get('finalize_s'))}{_fmt(r.get('update_idle_s'))}{_fmt(r.get('update_after_s'))}"

@@ -1038,3 +1038,88 @@ def test_forked_call_reports_before_exiting_and_is_reaped():
         failing.result()
     reap_exited_children(block=True)
     assert _child_gone(failing.pid)
+
+
+# ----------------------------------------------------------------------------- 8. copy snapshot
+
+
+def _copy_strategy():
+    return torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="copy")
+
+
+def _copy_snapshot(rank, world, root):
+    """``async_snapshot="copy"``: the same checkpoint as a sync save, staged at call time,
+    written by the queue's one thread (no process), buffers reused across saves and never
+    shared by two writes in flight, and errors on every rank."""
+    strategy = _copy_strategy()
+    queue = AsyncCallsQueue()
+    idents = set()
+    orig_write = strategy._write_files
+
+    def recording_write(*args, **kwargs):
+        idents.add(threading.get_ident())
+        return orig_write(*args, **kwargs)
+
+    strategy._write_files = recording_write
+    dirs = [os.path.join(root, f"copy{i}") for i in range(4)]
+    try:
+        dc.save(_state(rank, world), os.path.join(root, "sync"))
+        with _slow_writes(0.05):
+            sd = _state(rank, world, gen=0)
+            request = dc.save(sd, dirs[0], sharded_strategy=strategy, async_sharded_save=True)
+            assert request.async_fn_args == () and not any(isinstance(a, ForkedCall) for a in request.async_fn_args)
+            _mutate(sd)  # before scheduling
+            queue.schedule_async_request(request)
+            sd = _state(rank, world, gen=1)
+            request = dc.save(sd, dirs[1], sharded_strategy=strategy, async_sharded_save=True)
+            queue.schedule_async_request(request)  # two writes in flight: they must not share buffers
+            _mutate(sd)  # while it is being written
+            assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+        staged = dict(strategy._staging._buffers)
+        for gen in (2, 3):  # one at a time: the staging buffers of the previous save are reused
+            request = dc.save(_state(rank, world, gen=gen), dirs[gen], sharded_strategy=strategy,
+                              async_sharded_save=True)
+            assert all(strategy._staging._buffers[k] is staged[k] for k in staged), "staging buffers not reused"
+            queue.schedule_async_request(request)
+            assert queue.maybe_finalize_async_calls(blocking=True) == [gen]
+        # a failing write: the destination vanishes on rank 0
+        bad = os.path.join(root, "gone")
+        with _slow_writes(0.2):
+            request = dc.save(_state(rank, world), bad, sharded_strategy=strategy, async_sharded_save=True)
+            queue.schedule_async_request(request)
+            if rank == 0:
+                shutil.rmtree(bad)
+            msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
+        assert not dc.check_is_distributed_checkpoint(bad)
+    finally:
+        queue.close()
+    assert strategy._staging._buffers == {}, "close() releases the staging buffers"
+    assert len(idents) == 1 and threading.get_ident() not in idents  # the queue's one thread wrote them all
+    for gen, d in enumerate(dirs):
+        _load_check(d, rank, world, gen, f"copy save {gen}: ")
+    assert _sharded_md_summary(dirs[0]) == _sharded_md_summary(os.path.join(root, "sync"))
+    return msg
+
+
+def test_copy_snapshot(pool, tmp_path):
+    msgs = pool.run(_copy_snapshot, str(tmp_path), timeout=_ERR_TIMEOUT)
+    for rank, msg in enumerate(msgs):
+        assert "rank 0" in msg and "No such file or directory" in msg, f"rank {rank}: {msg}"
+    assert len(set(msgs)) == 1, msgs
+
+
+def test_async_snapshot_must_be_known():
+    with pytest.raises(CheckpointingException, match="async_snapshot"):
+        torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="spawn")
+
+
+def test_host_staging_does_not_reuse_buffers_in_flight():
+    staging = HostStaging()
+    a = torch.arange(6.0)
+    first = staging.stage([("a", a)])
+    done = staging.hold(first)
+    second = staging.stage([("a", a + 1)])
+    assert second[0] is not first[0] and torch.equal(first[0], a), "a buffer in use was overwritten"
+    done()
+    third = staging.stage([("a", a + 2)])
+    assert third[0] is second[0]  # free again: reused

@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -272,30 +272,60 @@ class StagedFileWriter(io.RawIOBase):
 
 
 class HostStaging:
-    """Host (CPU) copies of device tensors for async saves, kept for the next save of the
-    same structure: a slot whose tensor keeps its shape and dtype reuses its buffer."""
+    """Host (CPU) copies of tensors for async saves, kept for the next save of the same
+    structure: a slot whose tensor keeps its shape and dtype reuses its buffer (already
+    touched, so the copy runs at memory speed) unless that buffer is still in use by a
+    write in flight (see :meth:`hold`), which gets a new one."""
 
     def __init__(self) -> None:
         self._buffers: Dict[Hashable, torch.Tensor] = {}
+        self._held: Dict[int, int] = {}  # id(buffer) -> number of writes using it
+        self._lock = threading.Lock()
 
-    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
+    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]], pin: bool = False) -> List[torch.Tensor]:
         """Copy each ``(slot, tensor)`` into its slot's buffer; buffers of slots not in this
-        call are dropped."""
+        call are dropped. ``pin``: new buffers for non-CPU tensors in pinned memory."""
         buffers: Dict[Hashable, torch.Tensor] = {}
         out = []
         for slot, t in tensors:
             buf = self._buffers.get(slot)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype)
+            with self._lock:
+                busy = buf is not None and id(buf) in self._held
+            if buf is None or busy or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type != "cpu" and _can_pin())
             buf.copy_(t.detach())
             buffers[slot] = buf
             out.append(buf)
         self._buffers = buffers
         return out
 
+    def hold(self, buffers: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """Mark ``buffers`` in use by a write in flight; returns the call that ends it."""
+        ids = [id(b) for b in buffers]
+        with self._lock:
+            for i in ids:
+                self._held[i] = self._held.get(i, 0) + 1
+
+        def done() -> None:
+            with self._lock:
+                for i in ids:
+                    self._held[i] -= 1
+                    if not self._held[i]:
+                        del self._held[i]
+        return done
+
     def release(self) -> None:
-        """Free every buffer."""
+        """Free every buffer (those of writes in flight once the writes are done)."""
         self._buffers = {}
+
+
+def _can_pin() -> bool:
+    """Whether pinned host memory can be had (it needs an accelerator runtime)."""
+    try:
+        accelerator = getattr(torch, "accelerator", None)
+        return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken accelerator runtime: pageable memory
+        return False
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -276,12 +276,23 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         separation_hint: keys starting with this prefix go to separate files
             ``{hint}__{rank}_{n}.distcp``.
         checksums: record an xxh3-64 checksum of every stored item (verified on load).
+        async_snapshot: how :meth:`async_save` takes its snapshot. ``"fork"`` (default): a
+            forked child process sees the tensors copy-on-write and writes them; the call
+            returns after the fork (a fraction of one memcpy), but every page the caller
+            writes while the child runs is copied by the kernel on its first write, and
+            written pages stay write-protected until then (see the user guide). ``"copy"``:
+            every tensor is copied into host buffers reused from the previous save of the
+            same structure (one memcpy; device tensors into pinned memory), then written
+            by the async queue's thread; no later cost to the caller.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 checksums: bool = True):
+                 checksums: bool = True, async_snapshot: str = "fork"):
         super().__init__(backend, version)
+        if async_snapshot not in ("fork", "copy"):
+            raise CheckpointingException(f"async_snapshot must be 'fork' or 'copy', not {async_snapshot!r}")
+        self.async_snapshot = async_snapshot
         self.checksums = checksums
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = max(1, int(thread_count))
@@ -307,46 +318,62 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
         """Snapshot this rank's items and write them in the background.
 
-        Returns an :class:`AsyncRequest` whose ``async_fn`` waits for the writer and whose
-        finalize step gathers the item locations and writes ``.metadata`` (collective).
-        The snapshot is a fork of this process: the writer sees the tensors as they are
-        now (copy-on-write), so they may change as soon as this returns. Tensors not on
-        the CPU, and CPU tensors in shared or pinned memory (which a fork does not
-        snapshot), are first copied into host buffers that are kept for the next save of
-        the same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
+        Returns an :class:`AsyncRequest` whose ``async_fn`` writes the data (or waits for
+        the forked writer) and whose finalize step gathers the item locations and writes
+        ``.metadata`` (collective). Once this returns the caller may change its tensors:
+        with ``async_snapshot="fork"`` a forked writer sees them as they are now
+        (copy-on-write; tensors a fork does not snapshot — on other devices, in shared or
+        pinned memory — are first copied into host buffers), with ``"copy"`` every tensor
+        has been copied into host buffers. The buffers are kept for the next save of the
+        same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
         calls). Collective: one ``all_gather_object`` agrees on the preparation.
         """
         checkpoint_dir = Path(checkpoint_dir)
-        files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict)), "Preparing the async save")
-        # The writer's file staging buffers: the pool's (already touched), reserved for it.
-        buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
-
-        def write() -> List[_Location]:
-            adopt_staging_buffers(buffers)
-            return self._write_files(files, checkpoint_dir)
-
-        try:
-            writer = ForkedCall(write, f"Writing {checkpoint_dir} on rank {get_rank()}")
-        except BaseException:
-            return_staging_buffers(buffers)
-            raise
-        written: Dict[str, List[_Location]] = {"buffers": buffers}
+        copy_all = self.async_snapshot == "copy"
+        files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict), copy_all),
+                           "Preparing the async save")
+        written: Dict[str, Any] = {}
 
         def finalize() -> None:
             self._publish(written["locations"], None, checkpoint_dir)
 
+        if copy_all:
+            done = self._staging.hold([it.payload for items in files.values() for it in items
+                                       if isinstance(it.payload, torch.Tensor)])
+
+            def write() -> None:
+                try:
+                    written["locations"] = self._write_files(files, checkpoint_dir)
+                finally:
+                    done()
+
+            return AsyncRequest(write, (), [finalize], resources=[self])
+        # The writer's file staging buffers: the pool's (already touched), reserved for it.
+        buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
+
+        def write_in_child() -> List[_Location]:
+            adopt_staging_buffers(buffers)
+            return self._write_files(files, checkpoint_dir)
+
+        try:
+            writer = ForkedCall(write_in_child, f"Writing {checkpoint_dir} on rank {get_rank()}")
+        except BaseException:
+            return_staging_buffers(buffers)
+            raise
+        written["buffers"] = buffers
         return AsyncRequest(_wait_for_writer, (writer, written), [finalize], resources=[self])
 
     def release(self) -> None:
-        """Free the host buffers kept for staging non-CPU tensors of async saves."""
+        """Free the host buffers kept for staging the tensors of async saves."""
         self._staging.release()
 
-    def _stage(self, files: Dict[str, List[_SaveItem]]) -> Dict[str, List[_SaveItem]]:
-        """The same files with every tensor that a fork does not snapshot replaced by its
-        host copy: tensors on other devices, and CPU tensors in shared or pinned memory."""
+    def _stage(self, files: Dict[str, List[_SaveItem]], copy_all: bool = False) -> Dict[str, List[_SaveItem]]:
+        """The same files with tensors replaced by host copies: every tensor (``copy_all``),
+        else those a fork does not snapshot (tensors on other devices, CPU tensors in shared
+        or pinned memory)."""
         slots = [(fname, i) for fname, items in files.items() for i, it in enumerate(items)
-                 if isinstance(it.payload, torch.Tensor) and _needs_staging(it.payload)]
-        copies = self._staging.stage([(slot, files[slot[0]][slot[1]].payload) for slot in slots])
+                 if isinstance(it.payload, torch.Tensor) and (copy_all or _needs_staging(it.payload))]
+        copies = self._staging.stage([(slot, files[slot[0]][slot[1]].payload) for slot in slots], pin=copy_all)
         staged = {fname: list(items) for fname, items in files.items()}
         for (fname, i), copy in zip(slots, copies):
             staged[fname][i] = replace(staged[fname][i], payload=copy)
