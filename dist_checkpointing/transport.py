@@ -41,7 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,8 @@ def _wire_bytes(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
         t = (_per_tensor_layout(t)[0] if is_float8tensor(t) else t).detach()
     elif t.requires_grad:
         t = t.detach()
+    elif t.dim() == 1 and t.is_contiguous():  # the common case, in one view
+        return t.view(torch.uint8), False
     return as_bytes(t), not t.is_contiguous()
 
 
@@ -491,6 +493,10 @@ class PGTransport:
             if dest is None:
                 dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
             results[i] = dest
+            if (tm.fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
+                    and dest.is_contiguous() and _is_on(dest, self._device)):
+                wire[i] = dest.view(torch.uint8)  # the common case, in one view
+                return wire[i]
             target = _wire_view(tm, dest)
             if target is not None and target.is_contiguous() and _is_on(target, self._device):
                 wire[i] = as_bytes(target)
@@ -498,9 +504,9 @@ class PGTransport:
 
         def unpack(m: int, buf: torch.Tensor) -> None:
             direct_dsts, direct_srcs = [], []
-            for i in meta.messages[m][1]:
+            members = meta.messages[m][1]
+            for i, piece in zip(members, _pieces(buf, [meta.leaves[i].tensor for i in members])):
                 tm = meta.leaves[i].tensor
-                piece = buf[tm.offset:tm.offset + tm.nbytes]
                 if results[i] is None:
                     land(i)
                 if wire[i] is not None:
@@ -572,23 +578,38 @@ def _alone(leaves: List[_Leaf], size: int, members: List[int]) -> bool:
 
 
 _PAD = torch.zeros(_ALIGN, dtype=torch.uint8)
+_pads: Dict[torch.device, List[torch.Tensor]] = {}
 
 
 def _pack(bucket: torch.Tensor, metas: List[_TensorMeta], pieces: List[torch.Tensor]) -> None:
     """Lay ``pieces`` (wire bytes) into ``bucket`` at their offsets: one ``torch.cat`` with
     the alignment padding in between (a per-piece copy loop costs 5x more in Python)."""
+    pads = _pads.get(bucket.device)
+    if pads is None:
+        pad = _PAD.to(bucket.device)
+        pads = _pads[bucket.device] = [pad[:n] for n in range(_ALIGN)]
     parts: List[torch.Tensor] = []
     pos = 0
     for tm, piece in zip(metas, pieces):
         if tm.offset > pos:
-            parts.append(_PAD[:tm.offset - pos].to(bucket.device))
+            parts.append(pads[tm.offset - pos])
         parts.append(piece)
         pos = tm.offset + tm.nbytes
-    if all(p.device == bucket.device for p in parts):
+    try:
         torch.cat(parts, out=bucket)
-        return
-    for tm, piece in zip(metas, pieces):  # pieces on another device: copy one by one
-        bucket[tm.offset:tm.offset + tm.nbytes].copy_(piece)
+    except RuntimeError:  # pieces on another device: copy one by one
+        for tm, piece in zip(metas, pieces):
+            bucket[tm.offset:tm.offset + tm.nbytes].copy_(piece)
+
+
+def _pieces(buf: torch.Tensor, metas: List[_TensorMeta]) -> List[torch.Tensor]:
+    """Each member's bytes in a received bucket (one ``torch.split`` for all of them)."""
+    sizes: List[int] = []
+    pos = 0
+    for tm in metas:
+        sizes += (tm.offset - pos, tm.nbytes)
+        pos = tm.offset + tm.nbytes
+    return list(torch.split(buf[:pos], sizes))[1::2]
 
 
 def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:

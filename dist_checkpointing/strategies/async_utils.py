@@ -128,6 +128,7 @@ class _Worker:
             if call is None:
                 return
             call.run()
+            call = None  # do not keep the last request (and what it holds) alive while idle
 
     def submit(self, call: _Call) -> None:
         self._jobs.put(call)
