@@ -1123,3 +1123,28 @@ def test_host_staging_does_not_reuse_buffers_in_flight():
     done()
     third = staging.stage([("a", a + 2)])
     assert third[0] is second[0]  # free again: reused
+
+
+def test_idle_worker_does_not_keep_the_last_request_alive():
+    # A finalized request (its arguments: e.g. an async save's staging copies) must be
+    # freed, not kept alive by the persistent worker thread while it waits for the next.
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    payload = Payload()
+    ref = weakref.ref(payload)
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(AsyncRequest(lambda p: None, (payload,)))
+        del payload
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        deadline = time.monotonic() + 5
+        while ref() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert ref() is None, "the idle worker still holds the finalized request"
+    finally:
+        queue.close()
