@@ -121,7 +121,7 @@ def _wire_bytes(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
         t = (_per_tensor_layout(t)[0] if is_float8tensor(t) else t).detach()
     elif t.requires_grad:
         t = t.detach()
-    elif t.dim() == 1 and t.is_contiguous():  # the common case, in one view
+    elif t.dim() == 1 and t.stride(0) == 1:  # the common case, in one view
         return t.view(torch.uint8), False
     return as_bytes(t), not t.is_contiguous()
 
@@ -494,7 +494,7 @@ class PGTransport:
                 dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
             results[i] = dest
             if (tm.fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
-                    and dest.is_contiguous() and _is_on(dest, self._device)):
+                    and dest.stride(0) == 1 and _is_on(dest, self._device)):
                 wire[i] = dest.view(torch.uint8)  # the common case, in one view
                 return wire[i]
             target = _wire_view(tm, dest)
