@@ -266,12 +266,6 @@ class PGTransport:
         for work, d in works:
             self._wait([work], what, d)
 
-    def _recv_text(self, src: int, tags: Tuple[int, int], what: str) -> Tuple[int, str]:
-        head = torch.zeros(2, dtype=torch.int64, device=self._device)
-        self._recv(head, src, tags[0], what)
-        status, length = (int(v) for v in head.tolist())
-        return status, self._recv_body(src, length, tags[1], what)
-
     def _recv_body(self, src: int, length: int, tag: int, what: str) -> str:
         if not length:
             return ""
@@ -318,6 +312,11 @@ class PGTransport:
         works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
         heads = [torch.zeros(2, dtype=torch.int64, device=self._device) for _ in dsts]
         answers = [(self._post_recv(h, d, _TAG_ACK, "receiving the metadata check"), h, d) for h, d in zip(heads, dsts)]
+        # While the receivers check the metadata: the byte views the data phase will send.
+        order = [i for _, members in messages for i in members]
+        views = _ByteViews([tensors[i] for i in order], self._device)
+        views.fill_while(lambda: not all(work.is_completed() for work, _, _ in answers))
+        wire = dict(zip(order, range(len(order))))
         for work, d in works:
             self._wait([work], "sending the metadata", d)
         refusals, accepted = [], []
@@ -334,17 +333,21 @@ class PGTransport:
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        self._send_data(dsts, messages, leaves, tensors)
+        self._send_data(dsts, messages, leaves, tensors, lambda i: views.get(wire[i]))
         total = sum(size for size, _ in messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(leaves), total / 2**20, len(messages), dsts, time.perf_counter() - start)
 
     def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], leaves: List[_Leaf],
-                   tensors: List[Optional[torch.Tensor]]) -> None:
+                   tensors: List[Optional[torch.Tensor]], view: Callable[[int], Optional[torch.Tensor]]) -> None:
         """Send every data message. Those from a tensor's own memory are posted at once
         (nothing to allocate, so they stream back to back); buckets are packed into two
         reused buffers, and copies of non-contiguous tensors are bounded to two buckets'
-        worth in flight."""
+        worth in flight. ``view(i)``: leaf ``i``'s bytes as a view, if it has one."""
+        def wire_bytes(i: int) -> Tuple[torch.Tensor, bool]:
+            v = view(i)
+            return (v, False) if v is not None else _wire_bytes(tensors[i])
+
         def wait_all(works: List[Tuple[Any, int]]) -> None:
             for work, d in works:
                 self._wait([work], "sending tensor data", d)
@@ -362,10 +365,10 @@ class PGTransport:
                 if buffers[slot].numel() < size:
                     buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
                 data = buffers[slot][:size]
-                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i])[0] for i in members])
+                _pack(data, [leaves[i].tensor for i in members], [wire_bytes(i)[0] for i in members])
                 in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
                 continue
-            data, temporary = _wire_bytes(tensors[members[0]])
+            data, temporary = wire_bytes(members[0])
             if data.device != self._device:
                 data, temporary = data.to(self._device), True
             works = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
@@ -397,16 +400,24 @@ class PGTransport:
     def _recv_checkpoint(self, src_rank: int) -> Any:
         start = time.perf_counter()
         # prepared while the sender flattens its state and encodes the metadata
-        own = None if self._state_dict is None else _OwnState(self._state_dict())
+        own = None if self._state_dict is None else _OwnState(self._state_dict(), self._device)
+
+        def receive(tensor: torch.Tensor, tag: int, what: str) -> None:
+            """Receive, computing the byte views of this rank's tensors meanwhile."""
+            work = self._post_recv(tensor, src_rank, tag, what)
+            if own is not None:
+                own.views.fill_while(lambda: not work.is_completed())
+            self._wait([work], what, src_rank)
+
         header = torch.zeros(3, dtype=torch.int64, device=self._device)
-        self._recv(header, src_rank, _TAG_HEADER, "receiving the header")
+        receive(header, _TAG_HEADER, "receiving the header")
         magic, version, length = (int(v) for v in header.tolist())
         if magic != _MAGIC or version != PROTOCOL_VERSION:
             raise CheckpointingException(
                 f"Peer transfer: rank {src_rank} speaks another protocol (magic {magic:#x}, version {version}; "
                 f"expected {_MAGIC:#x}, {PROTOCOL_VERSION})")
         body = torch.empty(length, dtype=torch.uint8, device=self._device)
-        self._recv(body, src_rank, _TAG_META, "receiving the metadata")
+        receive(body, _TAG_META, "receiving the metadata")
         meta = _decode_meta(bytes(body.cpu().numpy()))
 
         error = None
@@ -418,11 +429,14 @@ class PGTransport:
                         "answering the metadata check")
         if error is not None:
             raise CheckpointingException(f"Peer transfer from rank {src_rank} refused: {error}")
-        status, reason = self._recv_text(src_rank, (_TAG_GO, _TAG_GO_TEXT), "receiving the go-ahead")
+        go = torch.zeros(2, dtype=torch.int64, device=self._device)
+        receive(go, _TAG_GO, "receiving the go-ahead")
+        status, length = (int(v) for v in go.tolist())
+        reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
         if status:
             raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
 
-        results = self._receive_data(meta, dests, src_rank)
+        results = self._receive_data(meta, dests, src_rank, None if own is None else own.views.get)
         values = []
         for leaf, result in zip(meta.leaves, results):
             if leaf.kind == "value":
@@ -475,8 +489,10 @@ class PGTransport:
             dests.append(local)
         return dests
 
-    def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int) -> List[Optional[torch.Tensor]]:
+    def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int,
+                      own_bytes: Optional[Callable[[int], Optional[torch.Tensor]]] = None) -> List[Optional[torch.Tensor]]:
         """Receive every data message; returns the tensor of each leaf (``None`` for values).
+        ``own_bytes(i)``: the byte view of the receiver's own tensor ``i``, if it has one.
 
         Messages that land straight in their tensor are all posted at once; the others
         (buckets, and tensors that need a conversion) go through two reused buffers, each
@@ -493,9 +509,8 @@ class PGTransport:
             if dest is None:
                 dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
             results[i] = dest
-            if (tm.fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
-                    and dest.stride(0) == 1 and _is_on(dest, self._device)):
-                wire[i] = dest.view(torch.uint8)  # the common case, in one view
+            if tm.fp8 is None and own_bytes is not None and dests[i] is not None:
+                wire[i] = own_bytes(i)
                 return wire[i]
             target = _wire_view(tm, dest)
             if target is not None and target.is_contiguous() and _is_on(target, self._device):
@@ -554,13 +569,47 @@ class PGTransport:
 
 
 class _OwnState:
-    """A receiver's own state, flattened, with the local tensor of every leaf."""
+    """A receiver's own state, flattened, with the local tensor of every leaf and their byte
+    views (computed while the receiver waits for the sender)."""
 
-    def __init__(self, state: Any):
+    def __init__(self, state: Any, device: torch.device):
         self.state = state
         self.values, self.spec = tree_flatten(state)
         self.kinds = [_kind(v) for v in self.values]
         self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
+        self.views = _ByteViews(self.locals, device)
+
+
+class _ByteViews:
+    """The byte views of a list of tensors (``None`` where a view cannot serve: the tensor
+    is missing, not contiguous, on another device or an FP8 tensor), computed in order,
+    as far as idle time allows (:meth:`fill_while`), the rest on demand (:meth:`get`)."""
+
+    def __init__(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device):
+        self._tensors, self._device = tensors, device
+        self._views: List[Optional[torch.Tensor]] = []
+
+    def fill_while(self, waiting: Callable[[], bool], chunk: int = 64) -> None:
+        """Compute views, ``chunk`` at a time, while ``waiting()`` is true."""
+        while len(self._views) < len(self._tensors) and waiting():
+            end = min(len(self._tensors), len(self._views) + chunk)
+            self._views += [_plain_bytes(t, self._device) for t in self._tensors[len(self._views):end]]
+
+    def get(self, i: int) -> Optional[torch.Tensor]:
+        if i < len(self._views):
+            return self._views[i]
+        return _plain_bytes(self._tensors[i], self._device)
+
+
+def _plain_bytes(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """``t``'s bytes as a uint8 view, if ``t`` is a plain tensor, contiguous, on ``device``."""
+    if t is None or not _is_on(t, device) or (type(t) is not torch.Tensor and is_float8tensor(t)):
+        return None
+    if type(t) is not torch.Tensor or t.requires_grad:
+        t = t.detach()
+    if t.dim() == 1 and t.stride(0) == 1:
+        return t.view(torch.uint8)
+    return as_bytes(t) if t.is_contiguous() else None
 
 
 def _is_on(t: torch.Tensor, device: torch.device) -> bool:
