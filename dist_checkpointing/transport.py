@@ -316,7 +316,7 @@ class PGTransport:
         order = [i for _, members in messages for i in members]
         views = _ByteViews([tensors[i] for i in order], self._device)
         views.fill_while(lambda: not all(work.is_completed() for work, _, _ in answers))
-        wire = dict(zip(order, range(len(order))))
+        position = {leaf: n for n, leaf in enumerate(order)}
         for work, d in works:
             self._wait([work], "sending the metadata", d)
         refusals, accepted = [], []
@@ -333,7 +333,7 @@ class PGTransport:
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        self._send_data(dsts, messages, leaves, tensors, lambda i: views.get(wire[i]))
+        self._send_data(dsts, messages, leaves, tensors, lambda i: views.get(position[i]))
         total = sum(size for size, _ in messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(leaves), total / 2**20, len(messages), dsts, time.perf_counter() - start)

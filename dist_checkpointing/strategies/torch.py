@@ -449,7 +449,7 @@ def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
     try:
         written["locations"] = writer.result()
     finally:
-        return_staging_buffers(written.pop("buffers"))
+        return_staging_buffers(written.pop("buffers", []))
 
 
 # ----------------------------------------------------------------------------- load
