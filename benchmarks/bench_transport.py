@@ -12,6 +12,10 @@ Methods:
 * ``transport_alloc``: the same, the receiver without ``state_dict`` (allocates new tensors);
 * ``single_send``: the same bytes as one contiguous uint8 tensor, ``dist.send`` /
   ``dist.recv`` into a preallocated buffer (the anchor: what the wire can do);
+* ``plan_pattern``: the transport's own data messages for this state (its plan: large tensors
+  alone, small ones in buckets), every one posted at once on both sides, the buckets
+  packed before the clock starts, no metadata: what the transport costs without its
+  metadata round, packing and Python bookkeeping;
 * ``chunked_send``: those contiguous bytes in messages of the default ``BUCKET_BYTES``, at most
   two sends in flight and the next receive posted one ahead (the transport's data pattern
   without metadata or packing copies);
@@ -64,8 +68,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_transport.json"
 MiB = 1 << 20
 DEFAULT_BUCKET = transport.BUCKET_BYTES
-BASE_METHODS = ("single_send", "chunked_send", "transport_inplace", "transport_alloc", "per_tensor_send",
-                "broadcast_object")
+BASE_METHODS = ("single_send", "chunked_send", "plan_pattern", "transport_inplace", "transport_alloc",
+                "per_tensor_send", "broadcast_object")
 TARGET = 1.5  # transport / single_send (the bucketing target)
 NUM_LARGE = 8
 LARGE_FRACTIONS = (0.25, 0.20, 0.15, 0.12, 0.10, 0.08, 0.06, 0.04)  # of the bytes left after the small ones
@@ -200,6 +204,19 @@ class Rank:
             self.flat_buf.zero_()
         self.received: Any = None  # what the last call produced on rank 1
         self.gc = GCTimer()
+        # plan_pattern: the transport's data messages, buckets packed up front
+        leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
+        self.plan = transport._plan_messages(leaves)
+        own = self.tensors if rank == 0 else self.dest_tensors
+        self.plan_buffers = []
+        for size, members in self.plan:
+            if transport._alone(leaves, size, members):
+                self.plan_buffers.append(byte_view(own[members[0]]))
+                continue
+            buf = torch.zeros(size, dtype=torch.uint8)
+            if rank == 0:
+                transport._pack(buf, [leaves[i].tensor for i in members], [byte_view(self.tensors[i]) for i in members])
+            self.plan_buffers.append(buf)
 
     # --- the methods: (sender, receiver) ---------------------------------------------
     def transport_send(self) -> None:
@@ -240,6 +257,17 @@ class Rank:
                 work = pg.recv([self.flat_buf[offs[m + 1]:offs[m + 1] + c]], 0, 101 + m)
         self.received = self.flat_buf
 
+    def plan_pattern_send(self) -> None:
+        pg = dist.group.WORLD
+        for work in [pg.send([b], 1, 200 + m) for m, b in enumerate(self.plan_buffers)]:
+            work.wait()
+
+    def plan_pattern_recv(self) -> None:
+        pg = dist.group.WORLD
+        for work in [pg.recv([b], 0, 200 + m) for m, b in enumerate(self.plan_buffers)]:
+            work.wait()
+        self.received = self.plan_buffers
+
     def per_tensor_send_send(self) -> None:
         for t in self.tensors:
             dist.send(t, 1)
@@ -268,6 +296,8 @@ class Rank:
         if self.rank == 1:
             for t in self.dest_tensors:
                 t.zero_()
+            for b in self.plan_buffers:
+                b.zero_()
             self.flat_buf.zero_()
             self.dest["step"] = 0
 
@@ -284,6 +314,15 @@ class Rank:
             return ok and off == got.numel()
         if base == "per_tensor_send":
             return all(torch.equal(a, b) for a, b in zip(self.tensors, self.dest_tensors))
+        if base == "plan_pattern":  # every received message holds the sender's bytes
+            leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
+            transport._plan_messages(leaves)
+            for (size, members), buf in zip(self.plan, got):
+                expected = torch.zeros(size, dtype=torch.uint8)
+                transport._pack(expected, [leaves[i].tensor for i in members], [byte_view(self.tensors[i]) for i in members])
+                if not torch.equal(buf, expected):
+                    return False
+            return True
         ok = got["step"] == 1234 and list(got["model"]) == list(self.state["model"])
         ok = ok and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(self.tensors, got["model"].values()))
         if base == "transport_inplace":  # in place: the receiver's own tensors
@@ -393,6 +432,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                            "num_bf16": sum(d == torch.bfloat16 for _, d in specs),
                            "default_bucket_mib": DEFAULT_BUCKET / MiB,
                            "sender_pack_copy_s": copy_s, "packed_tensors": packed_count,
+                           "plan_messages": len(me.plan),
                            "packed_bytes": packed_bytes, "warmup": warmup, "rounds": rounds}, f)
     finally:
         dist.destroy_process_group()
@@ -458,7 +498,7 @@ def format_table(s: Dict[str, Any]) -> str:
         meta = f"{r['recv_meta_s_median']:.3f}" if "recv_meta_s_median" in r else "-"
         data = f"{r['recv_data_s_median']:.3f}" if "recv_data_s_median" in r else "-"
         msgs = str(r["messages"]) if "messages" in r else {
-            "single_send": "1", "per_tensor_send": str(s["num_tensors"]),
+            "single_send": "1", "per_tensor_send": str(s["num_tensors"]), "plan_pattern": str(s["plan_messages"]),
             "chunked_send": str(-(-s["total_bytes"] // int(s["default_bucket_mib"] * MiB)))}.get(m, "-")
         mem = "/".join(f"{x:.0f}" for x in r["peak_extra_mib_per_rank"])
         cpu = "/".join(f"{x:.2f}" for x in r["cpu_median_s_per_rank"])
