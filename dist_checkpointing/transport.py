@@ -39,7 +39,7 @@ import logging
 import pickle
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -87,8 +87,34 @@ class _Leaf:
 @dataclass
 class _Meta:
     treespec: Any  # the state's structure (a pytree TreeSpec)
-    leaves: List[_Leaf]
+    leaves: Sequence[_Leaf]
     messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
+    # every leaf's kind, shape and dtype (None for values): compared as a whole by a receiver
+    signature: Optional[Tuple[List[str], List[Any], List[Any]]] = None
+    fp8_leaves: List[int] = field(default_factory=list)  # the leaves that are FP8 tensors
+    treespec_pickle: bytes = b""  # the structure as sent (equal bytes: equal structures)
+
+
+class _LeafColumns(Sequence[_Leaf]):
+    """Decoded metadata, leaf by leaf on first access (building thousands of objects up
+    front would delay the receiver's answer)."""
+
+    def __init__(self, kinds: List[str], shapes: List[Any], dtypes: List[Any], rest: List[Any], values: List[Any]):
+        self._columns = (kinds, shapes, dtypes, rest, values)
+        self._leaves: List[Optional[_Leaf]] = [None] * len(kinds)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        leaf = self._leaves[i]
+        if leaf is None:
+            kinds, shapes, dtypes, rest, values = self._columns
+            tm = None if rest[i] is None else _TensorMeta(shapes[i], dtypes[i], *rest[i])
+            leaf = self._leaves[i] = _Leaf(kinds[i], tm, values[i])
+        return leaf
 
 
 def _local_tensor(kind: str, value: Any) -> Optional[torch.Tensor]:
@@ -140,21 +166,37 @@ def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
 
 
 def _encode_meta(meta: _Meta) -> bytes:
-    """The metadata as a pickle of plain tuples (fast for thousands of leaves; dataclasses
-    and pytree's JSON serialization are ten times slower)."""
-    leaves = [(leaf.kind, None if leaf.tensor is None else (
-        leaf.tensor.shape, leaf.tensor.dtype, leaf.tensor.nbytes, leaf.tensor.requires_grad, leaf.tensor.fp8,
-        leaf.tensor.message, leaf.tensor.offset), leaf.value) for leaf in meta.leaves]
-    return pickle.dumps((meta.treespec, leaves, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
+    """The metadata as a pickle of plain columns (fast for thousands of leaves; dataclasses
+    and pytree's JSON serialization are ten times slower to encode and decode)."""
+    kinds, shapes, dtypes, rest, values = [], [], [], [], []
+    for leaf in meta.leaves:
+        tm = leaf.tensor
+        kinds.append(leaf.kind)
+        values.append(leaf.value)
+        if tm is None:
+            shapes.append(None)
+            dtypes.append(None)
+            rest.append(None)
+        else:
+            shapes.append(tm.shape)
+            dtypes.append(tm.dtype)
+            rest.append((tm.nbytes, tm.requires_grad, tm.fp8, tm.message, tm.offset))  # _TensorMeta's order
+    fp8 = [i for i, leaf in enumerate(meta.leaves) if leaf.tensor is not None and leaf.tensor.fp8 is not None]
+    return pickle.dumps((_pickle_treespec(meta.treespec), kinds, shapes, dtypes, rest, values, meta.messages, fp8),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pickle_treespec(treespec: Any) -> bytes:
+    return pickle.dumps(treespec, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _decode_meta(payload: bytes) -> _Meta:
     with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
         warnings.simplefilter("ignore", FutureWarning)
-        treespec, rows, messages = pickle.loads(payload)
-    # each row's tensor tuple is in _TensorMeta's field order
-    leaves = [_Leaf(kind, None if tm is None else _TensorMeta(*tm), value) for kind, tm, value in rows]
-    return _Meta(treespec, leaves, messages)
+        spec_pickle, kinds, shapes, dtypes, rest, values, messages, fp8 = pickle.loads(payload)
+        treespec = pickle.loads(spec_pickle)
+    return _Meta(treespec, _LeafColumns(kinds, shapes, dtypes, rest, values), messages, (kinds, shapes, dtypes), fp8,
+                 spec_pickle)
 
 
 _ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
@@ -312,11 +354,6 @@ class PGTransport:
         works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
         heads = [torch.zeros(2, dtype=torch.int64, device=self._device) for _ in dsts]
         answers = [(self._post_recv(h, d, _TAG_ACK, "receiving the metadata check"), h, d) for h, d in zip(heads, dsts)]
-        # While the receivers check the metadata: the byte views the data phase will send.
-        order = [i for _, members in messages for i in members]
-        views = _ByteViews([tensors[i] for i in order], self._device)
-        views.fill_while(lambda: not all(work.is_completed() for work, _, _ in answers))
-        position = {leaf: n for n, leaf in enumerate(order)}
         for work, d in works:
             self._wait([work], "sending the metadata", d)
         refusals, accepted = [], []
@@ -333,20 +370,17 @@ class PGTransport:
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        self._send_data(dsts, messages, leaves, tensors, lambda i: views.get(position[i]))
+        self._send_data(dsts, messages, leaves, tensors)
         total = sum(size for size, _ in messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(leaves), total / 2**20, len(messages), dsts, time.perf_counter() - start)
 
     def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], leaves: List[_Leaf],
-                   tensors: List[Optional[torch.Tensor]], view: Callable[[int], Optional[torch.Tensor]]) -> None:
+                   tensors: List[Optional[torch.Tensor]]) -> None:
         """Send every data message. Those from a tensor's own memory are posted at once
         (nothing to allocate, so they stream back to back); buckets are packed into two
         reused buffers, and copies of non-contiguous tensors are bounded to two buckets'
-        worth in flight. ``view(i)``: leaf ``i``'s bytes as a view, if it has one."""
-        def wire_bytes(i: int) -> Tuple[torch.Tensor, bool]:
-            v = view(i)
-            return (v, False) if v is not None else _wire_bytes(tensors[i])
+        worth in flight."""
 
         def wait_all(works: List[Tuple[Any, int]]) -> None:
             for work, d in works:
@@ -365,10 +399,10 @@ class PGTransport:
                 if buffers[slot].numel() < size:
                     buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
                 data = buffers[slot][:size]
-                _pack(data, [leaves[i].tensor for i in members], [wire_bytes(i)[0] for i in members])
+                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i])[0] for i in members])
                 in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
                 continue
-            data, temporary = wire_bytes(members[0])
+            data, temporary = _wire_bytes(tensors[members[0]])
             if data.device != self._device:
                 data, temporary = data.to(self._device), True
             works = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
@@ -400,24 +434,16 @@ class PGTransport:
     def _recv_checkpoint(self, src_rank: int) -> Any:
         start = time.perf_counter()
         # prepared while the sender flattens its state and encodes the metadata
-        own = None if self._state_dict is None else _OwnState(self._state_dict(), self._device)
-
-        def receive(tensor: torch.Tensor, tag: int, what: str) -> None:
-            """Receive, computing the byte views of this rank's tensors meanwhile."""
-            work = self._post_recv(tensor, src_rank, tag, what)
-            if own is not None:
-                own.views.fill_while(lambda: not work.is_completed())
-            self._wait([work], what, src_rank)
-
+        own = None if self._state_dict is None else _OwnState(self._state_dict())
         header = torch.zeros(3, dtype=torch.int64, device=self._device)
-        receive(header, _TAG_HEADER, "receiving the header")
+        self._recv(header, src_rank, _TAG_HEADER, "receiving the header")
         magic, version, length = (int(v) for v in header.tolist())
         if magic != _MAGIC or version != PROTOCOL_VERSION:
             raise CheckpointingException(
                 f"Peer transfer: rank {src_rank} speaks another protocol (magic {magic:#x}, version {version}; "
                 f"expected {_MAGIC:#x}, {PROTOCOL_VERSION})")
         body = torch.empty(length, dtype=torch.uint8, device=self._device)
-        receive(body, _TAG_META, "receiving the metadata")
+        self._recv(body, src_rank, _TAG_META, "receiving the metadata")
         meta = _decode_meta(bytes(body.cpu().numpy()))
 
         error = None
@@ -430,38 +456,24 @@ class PGTransport:
         if error is not None:
             raise CheckpointingException(f"Peer transfer from rank {src_rank} refused: {error}")
         go = torch.zeros(2, dtype=torch.int64, device=self._device)
-        receive(go, _TAG_GO, "receiving the go-ahead")
+        self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
         status, length = (int(v) for v in go.tolist())
         reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
         if status:
             raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
 
-        results = self._receive_data(meta, dests, src_rank, None if own is None else own.views.get)
-        values = []
-        for leaf, result in zip(meta.leaves, results):
-            if leaf.kind == "value":
-                values.append(leaf.value)
-            elif leaf.kind == "sharded_tensor":
-                sh = copy.copy(leaf.value)
-                sh.data = result
-                values.append(sh)
-            elif leaf.kind == "dtensor":
-                spec = leaf.value
-                values.append(DTensor.from_local(result, spec.mesh, spec.placements, run_check=False,
-                                                 shape=spec.shape, stride=spec.stride))
-            else:
-                values.append(result)
+        out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results))
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
-        return tree_unflatten(values, meta.treespec)
+        return out
 
     def _destinations(self, meta: _Meta, own: Optional["_OwnState"]) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
         against the sender's metadata."""
         if own is None:
             return [None] * len(meta.leaves)
-        if own.spec != meta.treespec:
+        if own.spec_pickle != meta.treespec_pickle and own.spec != meta.treespec:
             sent = _paths(tree_unflatten([0] * meta.treespec.num_leaves, meta.treespec))
             here = _paths(own.state)
             only_sender = sorted(set(sent) - set(here))[:5]
@@ -469,6 +481,9 @@ class PGTransport:
             raise CheckpointingException(
                 "the receiver's state has a different structure than the sender's "
                 f"({len(sent)} leaves sent, {len(here)} here; only sent: {only_sender}; only here: {only_here})")
+        if (meta.signature is not None and meta.signature == (own.kinds, own.shapes, own.dtypes)
+                and not meta.fp8_leaves):  # (FP8 formats need the leaf-by-leaf check below)
+            return [None if kind == "value" else local for kind, local in zip(own.kinds, own.locals)]
         dests: List[Optional[torch.Tensor]] = []
         for n, (leaf, mine, kind, local) in enumerate(zip(meta.leaves, own.values, own.kinds, own.locals)):
             if leaf.tensor is None:
@@ -490,9 +505,10 @@ class PGTransport:
         return dests
 
     def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int,
-                      own_bytes: Optional[Callable[[int], Optional[torch.Tensor]]] = None) -> List[Optional[torch.Tensor]]:
-        """Receive every data message; returns the tensor of each leaf (``None`` for values).
-        ``own_bytes(i)``: the byte view of the receiver's own tensor ``i``, if it has one.
+                      assemble: Callable[[List[Optional[torch.Tensor]]], Any]) -> Any:
+        """Receive every data message; returns ``assemble(tensor of each leaf)`` (``None``
+        for values), computed while the last messages arrive unless FP8 leaves need their
+        data first.
 
         Messages that land straight in their tensor are all posted at once; the others
         (buckets, and tensors that need a conversion) go through two reused buffers, each
@@ -509,8 +525,9 @@ class PGTransport:
             if dest is None:
                 dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
             results[i] = dest
-            if tm.fp8 is None and own_bytes is not None and dests[i] is not None:
-                wire[i] = own_bytes(i)
+            if (tm.fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
+                    and dest.stride(0) == 1 and _is_on(dest, self._device)):
+                wire[i] = dest.view(torch.uint8)  # the common case, in one view
                 return wire[i]
             target = _wire_view(tm, dest)
             if target is not None and target.is_contiguous() and _is_on(target, self._device):
@@ -550,66 +567,59 @@ class PGTransport:
                 buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
             buf = buffers[slot][:size]
             pending[slot] = (self._post_recv(buf, src, _TAG_DATA + m, what), m, buf)
+        for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):  # while data streams
+            tm = leaf.tensor
+            if tm is None:
+                continue
+            if results[i] is None:  # a tensor still in a bucket, or an empty one (no message)
+                land(i)
+            if dest is None and tm.requires_grad and results[i].is_floating_point():
+                results[i].requires_grad_(True)
+        out = None if meta.fp8_leaves else assemble(results)
         for entry in sorted((e for e in pending if e is not None), key=lambda e: e[1]):
             work, m, buf = entry  # (the last buckets are unpacked while the last large tensors stream)
             self._wait([work], what, src)
             unpack(m, buf)
         self._wait(straight, what, src)
-        for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):
-            tm = leaf.tensor
-            if tm is None:
-                continue
-            if results[i] is None:  # an empty tensor: no message carried it
-                land(i)
-            if tm.fp8 is not None:
-                results[i] = _finish_fp8(tm, results[i])
-            if dest is None and tm.requires_grad and results[i].is_floating_point():
-                results[i].requires_grad_(True)
-        return results
+        if not meta.fp8_leaves:
+            return out
+        for i in meta.fp8_leaves:
+            results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
+        return assemble(results)
+
+
+def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
+    """The received state: the sender's structure with the received tensors (wrapped back
+    into ShardedTensors and DTensors) and the sender's other values."""
+    values = []
+    for leaf, result in zip(meta.leaves, results):
+        if leaf.kind == "value":
+            values.append(leaf.value)
+        elif leaf.kind == "sharded_tensor":
+            sh = copy.copy(leaf.value)
+            sh.data = result
+            values.append(sh)
+        elif leaf.kind == "dtensor":
+            spec = leaf.value
+            values.append(DTensor.from_local(result, spec.mesh, spec.placements, run_check=False,
+                                             shape=spec.shape, stride=spec.stride))
+        else:
+            values.append(result)
+    return tree_unflatten(values, meta.treespec)
 
 
 class _OwnState:
-    """A receiver's own state, flattened, with the local tensor of every leaf and their byte
-    views (computed while the receiver waits for the sender)."""
+    """A receiver's own state, flattened (while the sender encodes its metadata): the local
+    tensor of every leaf, and the kinds, shapes and dtypes to compare with the sender's."""
 
-    def __init__(self, state: Any, device: torch.device):
+    def __init__(self, state: Any):
         self.state = state
         self.values, self.spec = tree_flatten(state)
         self.kinds = [_kind(v) for v in self.values]
         self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
-        self.views = _ByteViews(self.locals, device)
-
-
-class _ByteViews:
-    """The byte views of a list of tensors (``None`` where a view cannot serve: the tensor
-    is missing, not contiguous, on another device or an FP8 tensor), computed in order,
-    as far as idle time allows (:meth:`fill_while`), the rest on demand (:meth:`get`)."""
-
-    def __init__(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device):
-        self._tensors, self._device = tensors, device
-        self._views: List[Optional[torch.Tensor]] = []
-
-    def fill_while(self, waiting: Callable[[], bool], chunk: int = 64) -> None:
-        """Compute views, ``chunk`` at a time, while ``waiting()`` is true."""
-        while len(self._views) < len(self._tensors) and waiting():
-            end = min(len(self._tensors), len(self._views) + chunk)
-            self._views += [_plain_bytes(t, self._device) for t in self._tensors[len(self._views):end]]
-
-    def get(self, i: int) -> Optional[torch.Tensor]:
-        if i < len(self._views):
-            return self._views[i]
-        return _plain_bytes(self._tensors[i], self._device)
-
-
-def _plain_bytes(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """``t``'s bytes as a uint8 view, if ``t`` is a plain tensor, contiguous, on ``device``."""
-    if t is None or not _is_on(t, device) or (type(t) is not torch.Tensor and is_float8tensor(t)):
-        return None
-    if type(t) is not torch.Tensor or t.requires_grad:
-        t = t.detach()
-    if t.dim() == 1 and t.stride(0) == 1:
-        return t.view(torch.uint8)
-    return as_bytes(t) if t.is_contiguous() else None
+        self.spec_pickle = _pickle_treespec(self.spec)
+        self.shapes = [None if t is None else tuple(t.shape) for t in self.locals]
+        self.dtypes = [None if t is None else t.dtype for t in self.locals]
 
 
 def _is_on(t: torch.Tensor, device: torch.device) -> bool:
