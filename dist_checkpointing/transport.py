@@ -617,7 +617,10 @@ class _OwnState:
         self.values, self.spec = tree_flatten(state)
         self.kinds = [_kind(v) for v in self.values]
         self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
-        self.spec_pickle = _pickle_treespec(self.spec)
+        try:
+            self.spec_pickle: Optional[bytes] = _pickle_treespec(self.spec)
+        except Exception:  # noqa: BLE001 - e.g. a local class in the structure: compared as objects
+            self.spec_pickle = None
         self.shapes = [None if t is None else tuple(t.shape) for t in self.locals]
         self.dtypes = [None if t is None else t.dtype for t in self.locals]
 

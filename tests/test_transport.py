@@ -937,3 +937,24 @@ def test_recover_from_peer_rank_neither_healthy_nor_recovering():
     results = get_pool(3).run(_recover_neither, timeout=POOL_TIMEOUT)
     assert results[:2] == ["ok", "ok"], results
     assert results[2].startswith("raised:") and "rank 2" in results[2], results[2]
+
+
+def test_metadata_round_trip():
+    # The metadata travels as columns and is decoded leaf by leaf on first use: every
+    # field of every leaf comes back, values included; the structure compares equal.
+    from torch.utils._pytree import tree_flatten
+
+    state = {"w": torch.zeros(3, 4, dtype=torch.bfloat16, requires_grad=True), "step": 7, "none": None,
+             "m": [torch.ones(5, dtype=torch.int16), "text"]}
+    values, treespec = tree_flatten(state)
+    leaves = [transport._Leaf("value", value=v) if not isinstance(v, torch.Tensor) else _leaf(v) for v in values]
+    leaves[0].tensor.fp8 = (torch.float8_e4m3fn, 0.5)  # as if an FP8 tensor
+    messages = transport._plan_messages(leaves)
+    meta = transport._decode_meta(transport._encode_meta(transport._Meta(treespec, leaves, messages)))
+    assert meta.treespec == treespec and meta.messages == messages and meta.fp8_leaves == [0]
+    assert len(meta.leaves) == len(leaves)
+    for got, sent in zip(meta.leaves, leaves):
+        assert got == sent
+    assert meta.leaves[-1] is meta.leaves[-1]  # decoded once
+    assert meta.signature == ([lf.kind for lf in leaves], [lf.tensor and lf.tensor.shape for lf in leaves],
+                              [lf.tensor and lf.tensor.dtype for lf in leaves])
