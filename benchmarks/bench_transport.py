@@ -129,6 +129,18 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def transport_plan(tensors: List[torch.Tensor]) -> Tuple[Any, List[Tuple[int, List[int]]]]:
+    """The library's metadata columns and message plan for these tensors (as the sender makes them)."""
+    columns, _ = transport._Columns.describe(tensors)
+    return columns, transport._plan_messages(columns)
+
+
+def pack_bucket(buf: torch.Tensor, columns: Any, members: List[int], tensors: List[torch.Tensor]) -> None:
+    """Pack a bucket of the plan the way the sender does."""
+    transport._pack(buf, [columns.offset[i] for i in members], [columns.nbytes[i] for i in members],
+                    [byte_view(tensors[i]) for i in members])
+
+
 # ----------------------------------------------------------------------------- the receiver's phases
 
 
@@ -205,17 +217,16 @@ class Rank:
         self.received: Any = None  # what the last call produced on rank 1
         self.gc = GCTimer()
         # plan_pattern: the transport's data messages, buckets packed up front
-        leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
-        self.plan = transport._plan_messages(leaves)
+        self.columns, self.plan = transport_plan(self.tensors)
         own = self.tensors if rank == 0 else self.dest_tensors
         self.plan_buffers = []
         for size, members in self.plan:
-            if transport._alone(leaves, size, members):
+            if transport._alone(self.columns, size, members):
                 self.plan_buffers.append(byte_view(own[members[0]]))
                 continue
             buf = torch.zeros(size, dtype=torch.uint8)
             if rank == 0:
-                transport._pack(buf, [leaves[i].tensor for i in members], [byte_view(self.tensors[i]) for i in members])
+                pack_bucket(buf, self.columns, members, self.tensors)
             self.plan_buffers.append(buf)
 
     # --- the methods: (sender, receiver) ---------------------------------------------
@@ -315,11 +326,9 @@ class Rank:
         if base == "per_tensor_send":
             return all(torch.equal(a, b) for a, b in zip(self.tensors, self.dest_tensors))
         if base == "plan_pattern":  # every received message holds the sender's bytes
-            leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
-            transport._plan_messages(leaves)
             for (size, members), buf in zip(self.plan, got):
                 expected = torch.zeros(size, dtype=torch.uint8)
-                transport._pack(expected, [leaves[i].tensor for i in members], [byte_view(self.tensors[i]) for i in members])
+                pack_bucket(expected, self.columns, members, self.tensors)
                 if not torch.equal(buf, expected):
                     return False
             return True
@@ -362,31 +371,20 @@ class Rank:
 
     def copy_cost(self) -> Tuple[float, int, int]:
         """Seconds to pack every bucket of the default plan into a reused buffer the way the
-        sender does (``transport._pack`` where the library has it, else a copy per tensor),
-        alone in this process, nothing sent (median of 3); and how many tensors and bytes
-        the plan packs."""
-        leaves = [transport._Leaf("tensor", transport._tensor_meta(t)) for t in self.tensors]
-        plan = transport._plan_messages(leaves)
-        buckets = [(size, members) for size, members in plan
-                   if not (len(members) == 1 and leaves[members[0]].tensor.nbytes == size)]
+        sender does, alone in this process, nothing sent (median of 3); and how many tensors
+        and bytes the plan packs."""
+        columns, plan = transport_plan(self.tensors)
+        buckets = [(size, members) for size, members in plan if not transport._alone(columns, size, members)]
         buf = torch.empty(max((size for size, _ in buckets), default=0), dtype=torch.uint8)
         buf.zero_()
-        pack = getattr(transport, "_pack", None)
         times = []
         for _ in range(3):
             start = time.perf_counter()
             for size, members in buckets:
-                data = buf[:size]
-                metas = [leaves[i].tensor for i in members]
-                pieces = [byte_view(self.tensors[i]) for i in members]
-                if pack is not None:
-                    pack(data, metas, pieces)
-                else:
-                    for tm, piece in zip(metas, pieces):
-                        data[tm.offset:tm.offset + tm.nbytes].copy_(piece)
+                pack_bucket(buf[:size], columns, members, self.tensors)
             times.append(time.perf_counter() - start)
         packed = [i for _, members in buckets for i in members]
-        return statistics.median(times), len(packed), sum(leaves[i].tensor.nbytes for i in packed)
+        return statistics.median(times), len(packed), sum(columns.nbytes[i] for i in packed)
 
 
 def gather(value: Any) -> List[Any]:

@@ -39,7 +39,7 @@ import logging
 import pickle
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -85,23 +85,72 @@ class _Leaf:
 
 
 @dataclass
+class _Columns:
+    """Every leaf's metadata, one list per field (what travels: pickling and unpickling
+    lists is fast, thousands of objects are not). Value leaves: kind "value", shape and
+    dtype ``None``, 0 bytes."""
+
+    kinds: List[str]
+    shapes: List[Optional[Tuple[int, ...]]]
+    dtypes: List[Optional[torch.dtype]]
+    nbytes: List[int]
+    requires_grad: List[bool]
+    fp8: List[Optional[Tuple[torch.dtype, float]]]
+    message: List[int]
+    offset: List[int]
+    values: List[Any]
+
+    @classmethod
+    def describe(cls, values: Sequence[Any]) -> Tuple["_Columns", List[Optional[torch.Tensor]]]:
+        """The columns of a flattened state (message and offset not yet planned), and each
+        leaf's local tensor (``None`` for values)."""
+        c = cls([], [], [], [], [], [], [], [], [])
+        tensors: List[Optional[torch.Tensor]] = []
+        kinds, shapes, dtypes, nbytes = c.kinds.append, c.shapes.append, c.dtypes.append, c.nbytes.append
+        grads, fp8s, extras, locals_ = c.requires_grad.append, c.fp8.append, c.values.append, tensors.append
+        for value in values:
+            if type(value) is torch.Tensor:  # the common case, inline
+                kinds("tensor"), shapes(tuple(value.shape)), dtypes(value.dtype), nbytes(value.nbytes)
+                grads(value.requires_grad), fp8s(None), extras(None), locals_(value)
+                continue
+            kind = _kind(value)
+            local = _local_tensor(kind, value)
+            kinds(kind if local is not None else "value")
+            locals_(local)
+            if local is None:
+                shapes(None), dtypes(None), nbytes(0), grads(False), fp8s(None), extras(value)
+                continue
+            tm = _tensor_meta(local)
+            shapes(tm.shape), dtypes(tm.dtype), nbytes(tm.nbytes), grads(tm.requires_grad), fp8s(tm.fp8)
+            extras(value.without_data() if kind == "sharded_tensor" else value._spec if kind == "dtensor" else None)
+        c.message = [-1] * len(c.kinds)
+        c.offset = [0] * len(c.kinds)
+        return c, tensors
+
+
+@dataclass
 class _Meta:
     treespec: Any  # the state's structure (a pytree TreeSpec)
-    leaves: Sequence[_Leaf]
+    columns: _Columns
     messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
-    # every leaf's kind, shape and dtype (None for values): compared as a whole by a receiver
-    signature: Optional[Tuple[List[str], List[Any], List[Any]]] = None
-    fp8_leaves: List[int] = field(default_factory=list)  # the leaves that are FP8 tensors
     treespec_pickle: bytes = b""  # the structure as sent (equal bytes: equal structures)
+
+    def __post_init__(self) -> None:
+        self.leaves: Sequence[_Leaf] = _LeafColumns(self.columns)  # objects for the rarer paths
+
+    @property
+    def fp8_leaves(self) -> List[int]:
+        """The leaves that are FP8 tensors."""
+        return [i for i, f in enumerate(self.columns.fp8) if f is not None]
 
 
 class _LeafColumns(Sequence[_Leaf]):
-    """Decoded metadata, leaf by leaf on first access (building thousands of objects up
-    front would delay the receiver's answer)."""
+    """Decoded metadata as leaf objects, each built on first access (the receiver's common
+    paths read the columns directly)."""
 
-    def __init__(self, kinds: List[str], shapes: List[Any], dtypes: List[Any], rest: List[Any], values: List[Any]):
-        self._columns = (kinds, shapes, dtypes, rest, values)
-        self._leaves: List[Optional[_Leaf]] = [None] * len(kinds)
+    def __init__(self, columns: _Columns):
+        self._c = columns
+        self._leaves: List[Optional[_Leaf]] = [None] * len(columns.kinds)
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -111,9 +160,10 @@ class _LeafColumns(Sequence[_Leaf]):
             return [self[j] for j in range(*i.indices(len(self)))]
         leaf = self._leaves[i]
         if leaf is None:
-            kinds, shapes, dtypes, rest, values = self._columns
-            tm = None if rest[i] is None else _TensorMeta(shapes[i], dtypes[i], *rest[i])
-            leaf = self._leaves[i] = _Leaf(kinds[i], tm, values[i])
+            c = self._c
+            tm = None if c.kinds[i] == "value" else _TensorMeta(
+                c.shapes[i], c.dtypes[i], c.nbytes[i], c.requires_grad[i], c.fp8[i], c.message[i], c.offset[i])
+            leaf = self._leaves[i] = _Leaf(c.kinds[i], tm, c.values[i])
         return leaf
 
 
@@ -168,22 +218,9 @@ def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
 def _encode_meta(meta: _Meta) -> bytes:
     """The metadata as a pickle of plain columns (fast for thousands of leaves; dataclasses
     and pytree's JSON serialization are ten times slower to encode and decode)."""
-    kinds, shapes, dtypes, rest, values = [], [], [], [], []
-    for leaf in meta.leaves:
-        tm = leaf.tensor
-        kinds.append(leaf.kind)
-        values.append(leaf.value)
-        if tm is None:
-            shapes.append(None)
-            dtypes.append(None)
-            rest.append(None)
-        else:
-            shapes.append(tm.shape)
-            dtypes.append(tm.dtype)
-            rest.append((tm.nbytes, tm.requires_grad, tm.fp8, tm.message, tm.offset))  # _TensorMeta's order
-    fp8 = [i for i, leaf in enumerate(meta.leaves) if leaf.tensor is not None and leaf.tensor.fp8 is not None]
-    return pickle.dumps((_pickle_treespec(meta.treespec), kinds, shapes, dtypes, rest, values, meta.messages, fp8),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    c = meta.columns
+    return pickle.dumps((_pickle_treespec(meta.treespec), c.kinds, c.shapes, c.dtypes, c.nbytes, c.requires_grad,
+                         c.fp8, c.message, c.offset, c.values, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _pickle_treespec(treespec: Any) -> bytes:
@@ -193,36 +230,36 @@ def _pickle_treespec(treespec: Any) -> bytes:
 def _decode_meta(payload: bytes) -> _Meta:
     with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
         warnings.simplefilter("ignore", FutureWarning)
-        spec_pickle, kinds, shapes, dtypes, rest, values, messages, fp8 = pickle.loads(payload)
+        spec_pickle, *fields, messages = pickle.loads(payload)
         treespec = pickle.loads(spec_pickle)
-    return _Meta(treespec, _LeafColumns(kinds, shapes, dtypes, rest, values), messages, (kinds, shapes, dtypes), fp8,
-                 spec_pickle)
+    return _Meta(treespec, _Columns(*fields), messages, spec_pickle)
 
 
 _ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
 
 
-def _plan_messages(leaves: List[_Leaf]) -> List[Tuple[int, List[int]]]:
-    """Group tensor leaves into data messages: every large tensor alone (in leaf order),
-    the small ones packed into buckets, which are spread evenly through the large ones (so
-    the sender packs and the receiver unpacks a bucket while large tensors stream)."""
+def _plan_messages(c: _Columns) -> List[Tuple[int, List[int]]]:
+    """Group tensor leaves into data messages (and set ``c.message`` / ``c.offset``): every
+    large tensor alone (in leaf order), the small ones packed into buckets, which are
+    spread evenly through the large ones (so the sender packs and the receiver unpacks a
+    bucket while large tensors stream)."""
     alone = min(ALONE_BYTES, BUCKET_BYTES // 2)
-    tensors = [(i, leaf.tensor) for i, leaf in enumerate(leaves) if leaf.tensor is not None and leaf.tensor.nbytes]
+    sizes = [(i, n) for i, n in enumerate(c.nbytes) if n]
     buckets: List[Tuple[int, List[int]]] = []
     size, members = 0, []
-    for i, tm in tensors:
-        if tm.nbytes >= alone:
+    for i, n in sizes:
+        if n >= alone:
             continue
         start = -(-size // _ALIGN) * _ALIGN
-        if members and start + tm.nbytes > BUCKET_BYTES:
+        if members and start + n > BUCKET_BYTES:
             buckets.append((size, members))
             size, members, start = 0, [], 0
-        tm.offset = start
+        c.offset[i] = start
         members.append(i)
-        size = start + tm.nbytes
+        size = start + n
     if members:
         buckets.append((size, members))
-    large = [(tm.nbytes, [i]) for i, tm in tensors if tm.nbytes >= alone]
+    large = [(n, [i]) for i, n in sizes if n >= alone]
     # bucket k goes after the large message that completes (k + 1) / (len(buckets) + 1) of the large bytes
     total, done, k = sum(n for n, _ in large), 0, 0
     messages: List[Tuple[int, List[int]]] = []
@@ -235,7 +272,7 @@ def _plan_messages(leaves: List[_Leaf]) -> List[Tuple[int, List[int]]]:
     messages += buckets[k:]
     for m, (_, members) in enumerate(messages):
         for i in members:
-            leaves[i].tensor.message = m
+            c.message[i] = m
     return messages
 
 
@@ -328,22 +365,9 @@ class PGTransport:
         dsts = list(dst_ranks)
         start = time.perf_counter()
         values, treespec = tree_flatten(state_dict)
-        leaves: List[_Leaf] = []
-        tensors: List[Optional[torch.Tensor]] = []
-        for value in values:
-            kind = _kind(value)
-            local = _local_tensor(kind, value)
-            if local is None:
-                leaves.append(_Leaf("value", value=value))
-            elif kind == "sharded_tensor":
-                leaves.append(_Leaf(kind, _tensor_meta(local), value.without_data()))
-            elif kind == "dtensor":
-                leaves.append(_Leaf(kind, _tensor_meta(local), value._spec))
-            else:
-                leaves.append(_Leaf(kind, _tensor_meta(local)))
-            tensors.append(local)
-        messages = _plan_messages(leaves)
-        meta = _Meta(treespec, leaves, messages)
+        columns, tensors = _Columns.describe(values)
+        messages = _plan_messages(columns)
+        meta = _Meta(treespec, columns, messages)
         try:
             payload = _encode_meta(meta)  # once, for every receiver
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
@@ -370,12 +394,12 @@ class PGTransport:
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        self._send_data(dsts, messages, leaves, tensors)
+        self._send_data(dsts, messages, columns, tensors)
         total = sum(size for size, _ in messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
-                    len(leaves), total / 2**20, len(messages), dsts, time.perf_counter() - start)
+                    len(values), total / 2**20, len(messages), dsts, time.perf_counter() - start)
 
-    def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], leaves: List[_Leaf],
+    def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], c: _Columns,
                    tensors: List[Optional[torch.Tensor]]) -> None:
         """Send every data message. Those from a tensor's own memory are posted at once
         (nothing to allocate, so they stream back to back); buckets are packed into two
@@ -392,14 +416,15 @@ class PGTransport:
         copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
         copied = buckets = 0
         for m, (size, members) in enumerate(messages):
-            if not _alone(leaves, size, members):
+            if not _alone(c, size, members):
                 slot = buckets % 2
                 buckets += 1
                 wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
                 if buffers[slot].numel() < size:
                     buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
                 data = buffers[slot][:size]
-                _pack(data, [leaves[i].tensor for i in members], [_wire_bytes(tensors[i])[0] for i in members])
+                _pack(data, [c.offset[i] for i in members], [c.nbytes[i] for i in members],
+                      [_wire_bytes(tensors[i])[0] for i in members])
                 in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
                 continue
             data, temporary = _wire_bytes(tensors[members[0]])
@@ -481,7 +506,8 @@ class PGTransport:
             raise CheckpointingException(
                 "the receiver's state has a different structure than the sender's "
                 f"({len(sent)} leaves sent, {len(here)} here; only sent: {only_sender}; only here: {only_here})")
-        if (meta.signature is not None and meta.signature == (own.kinds, own.shapes, own.dtypes)
+        c = meta.columns
+        if ((c.kinds, c.shapes, c.dtypes) == (own.kinds, own.shapes, own.dtypes)
                 and not meta.fp8_leaves):  # (FP8 formats need the leaf-by-leaf check below)
             return [None if kind == "value" else local for kind, local in zip(own.kinds, own.locals)]
         dests: List[Optional[torch.Tensor]] = []
@@ -512,8 +538,10 @@ class PGTransport:
 
         Messages that land straight in their tensor are all posted at once; the others
         (buckets, and tensors that need a conversion) go through two reused buffers, each
-        unpacked before it is posted again."""
-        count = len(meta.leaves)
+        unpacked before it is posted again. The common paths read the metadata columns,
+        not per-leaf objects."""
+        c = meta.columns
+        count = len(c.kinds)
         results: List[Optional[torch.Tensor]] = [None] * count
         wire: List[Optional[torch.Tensor]] = [None] * count  # bytes a leaf's wire bytes can land in directly
 
@@ -521,15 +549,15 @@ class PGTransport:
             """Set up leaf ``i``'s tensor (the receiver's own, or a new one); returns its
             bytes when the wire bytes can land in them directly (done lazily, message by
             message: the first messages are posted at once, the rest while data streams)."""
-            tm, dest = meta.leaves[i].tensor, dests[i]
+            fp8, dest = c.fp8[i], dests[i]
             if dest is None:
-                dest = torch.empty(tm.shape, dtype=tm.fp8[0] if tm.fp8 else tm.dtype, device=self._device)
+                dest = torch.empty(c.shapes[i], dtype=fp8[0] if fp8 else c.dtypes[i], device=self._device)
             results[i] = dest
-            if (tm.fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
+            if (fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
                     and dest.stride(0) == 1 and _is_on(dest, self._device)):
                 wire[i] = dest.view(torch.uint8)  # the common case, in one view
                 return wire[i]
-            target = _wire_view(tm, dest)
+            target = _wire_view(meta.leaves[i].tensor, dest)
             if target is not None and target.is_contiguous() and _is_on(target, self._device):
                 wire[i] = as_bytes(target)
             return wire[i]
@@ -537,15 +565,14 @@ class PGTransport:
         def unpack(m: int, buf: torch.Tensor) -> None:
             direct_dsts, direct_srcs = [], []
             members = meta.messages[m][1]
-            for i, piece in zip(members, _pieces(buf, [meta.leaves[i].tensor for i in members])):
-                tm = meta.leaves[i].tensor
+            for i, piece in zip(members, _pieces(buf, [c.offset[i] for i in members], [c.nbytes[i] for i in members])):
                 if results[i] is None:
                     land(i)
                 if wire[i] is not None:
                     direct_dsts.append(wire[i])
                     direct_srcs.append(piece)
                 else:
-                    _unpack(piece, tm, results[i])
+                    _unpack(piece, meta.leaves[i].tensor, results[i])
             _copy_all(direct_dsts, direct_srcs)
 
         what = "receiving tensor data"
@@ -554,8 +581,8 @@ class PGTransport:
         straight: List[Any] = []
         buffered = 0
         for m, (size, members) in enumerate(meta.messages):
-            if _alone(meta.leaves, size, members) and land(members[0]) is not None:
-                straight.append(self._post_recv(wire[members[0]], src, _TAG_DATA + m, what))
+            if _alone(c, size, members) and land(members[0]) is not None:
+                straight.append(self._post_recv(wire[members[0]], src, _TAG_DATA + m, what))  # alone
                 continue
             slot = buffered % 2
             buffered += 1
@@ -567,23 +594,23 @@ class PGTransport:
                 buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
             buf = buffers[slot][:size]
             pending[slot] = (self._post_recv(buf, src, _TAG_DATA + m, what), m, buf)
-        for i, (leaf, dest) in enumerate(zip(meta.leaves, dests)):  # while data streams
-            tm = leaf.tensor
-            if tm is None:
+        for i in range(count):  # while data streams
+            if c.kinds[i] == "value":
                 continue
             if results[i] is None:  # a tensor still in a bucket, or an empty one (no message)
                 land(i)
-            if dest is None and tm.requires_grad and results[i].is_floating_point():
+            if dests[i] is None and c.requires_grad[i] and results[i].is_floating_point():
                 results[i].requires_grad_(True)
-        out = None if meta.fp8_leaves else assemble(results)
+        fp8_leaves = meta.fp8_leaves
+        out = None if fp8_leaves else assemble(results)
         for entry in sorted((e for e in pending if e is not None), key=lambda e: e[1]):
             work, m, buf = entry  # (the last buckets are unpacked while the last large tensors stream)
             self._wait([work], what, src)
             unpack(m, buf)
         self._wait(straight, what, src)
-        if not meta.fp8_leaves:
+        if not fp8_leaves:
             return out
-        for i in meta.fp8_leaves:
+        for i in fp8_leaves:
             results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
         return assemble(results)
 
@@ -591,18 +618,18 @@ class PGTransport:
 def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
     """The received state: the sender's structure with the received tensors (wrapped back
     into ShardedTensors and DTensors) and the sender's other values."""
+    c = meta.columns
     values = []
-    for leaf, result in zip(meta.leaves, results):
-        if leaf.kind == "value":
-            values.append(leaf.value)
-        elif leaf.kind == "sharded_tensor":
-            sh = copy.copy(leaf.value)
+    for kind, value, result in zip(c.kinds, c.values, results):
+        if kind == "value":
+            values.append(value)
+        elif kind == "sharded_tensor":
+            sh = copy.copy(value)
             sh.data = result
             values.append(sh)
-        elif leaf.kind == "dtensor":
-            spec = leaf.value
-            values.append(DTensor.from_local(result, spec.mesh, spec.placements, run_check=False,
-                                             shape=spec.shape, stride=spec.stride))
+        elif kind == "dtensor":
+            values.append(DTensor.from_local(result, value.mesh, value.placements, run_check=False,
+                                             shape=value.shape, stride=value.stride))
         else:
             values.append(result)
     return tree_unflatten(values, meta.treespec)
@@ -634,44 +661,45 @@ def _paths(state: Any) -> List[str]:
     return [keystr(p) for p, _ in tree_flatten_with_path(state)[0]]
 
 
-def _alone(leaves: List[_Leaf], size: int, members: List[int]) -> bool:
+def _alone(c: _Columns, size: int, members: List[int]) -> bool:
     """Whether a data message carries exactly one tensor's bytes (no bucket around them)."""
-    return len(members) == 1 and leaves[members[0]].tensor.nbytes == size
+    return len(members) == 1 and c.nbytes[members[0]] == size
 
 
 _PAD = torch.zeros(_ALIGN, dtype=torch.uint8)
 _pads: Dict[torch.device, List[torch.Tensor]] = {}
 
 
-def _pack(bucket: torch.Tensor, metas: List[_TensorMeta], pieces: List[torch.Tensor]) -> None:
-    """Lay ``pieces`` (wire bytes) into ``bucket`` at their offsets: one ``torch.cat`` with
-    the alignment padding in between (a per-piece copy loop costs 5x more in Python)."""
+def _pack(bucket: torch.Tensor, offsets: List[int], sizes: List[int], pieces: List[torch.Tensor]) -> None:
+    """Lay ``pieces`` (wire bytes of ``sizes`` bytes) into ``bucket`` at their ``offsets``:
+    one ``torch.cat`` with the alignment padding in between (a per-piece copy loop costs
+    5x more in Python)."""
     pads = _pads.get(bucket.device)
     if pads is None:
         pad = _PAD.to(bucket.device)
         pads = _pads[bucket.device] = [pad[:n] for n in range(_ALIGN)]
     parts: List[torch.Tensor] = []
     pos = 0
-    for tm, piece in zip(metas, pieces):
-        if tm.offset > pos:
-            parts.append(pads[tm.offset - pos])
+    for offset, size, piece in zip(offsets, sizes, pieces):
+        if offset > pos:
+            parts.append(pads[offset - pos])
         parts.append(piece)
-        pos = tm.offset + tm.nbytes
+        pos = offset + size
     try:
         torch.cat(parts, out=bucket)
     except RuntimeError:  # pieces on another device: copy one by one
-        for tm, piece in zip(metas, pieces):
-            bucket[tm.offset:tm.offset + tm.nbytes].copy_(piece)
+        for offset, size, piece in zip(offsets, sizes, pieces):
+            bucket[offset:offset + size].copy_(piece)
 
 
-def _pieces(buf: torch.Tensor, metas: List[_TensorMeta]) -> List[torch.Tensor]:
+def _pieces(buf: torch.Tensor, offsets: List[int], sizes: List[int]) -> List[torch.Tensor]:
     """Each member's bytes in a received bucket (one ``torch.split`` for all of them)."""
-    sizes: List[int] = []
+    parts: List[int] = []
     pos = 0
-    for tm in metas:
-        sizes += (tm.offset - pos, tm.nbytes)
-        pos = tm.offset + tm.nbytes
-    return list(torch.split(buf[:pos], sizes))[1::2]
+    for offset, size in zip(offsets, sizes):
+        parts += (offset - pos, size)
+        pos = offset + size
+    return list(torch.split(buf[:pos], parts))[1::2]
 
 
 def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:

@@ -341,10 +341,6 @@ def test_views_send_only_their_elements(pool2):
 # ----------------------------------------------------------------------------- 4. bucketing
 
 
-def _leaf(t: torch.Tensor):
-    return transport._Leaf("tensor", transport._tensor_meta(t))
-
-
 def test_plan_messages(monkeypatch):
     monkeypatch.setattr(transport, "BUCKET_BYTES", SMALL_BUCKET)
     half = SMALL_BUCKET // 2
@@ -353,9 +349,11 @@ def test_plan_messages(monkeypatch):
                torch.zeros(half + 1, dtype=torch.uint8), torch.zeros(0), torch.zeros((), dtype=torch.int16),
                torch.zeros(3 * SMALL_BUCKET, dtype=torch.uint8), torch.zeros(3, 5, dtype=torch.complex64)]
     tensors += [torch.zeros(n, dtype=torch.uint8) for n in range(1, 300, 7)]
-    leaves = [_leaf(t) for t in tensors]
-    leaves.insert(4, transport._Leaf("value", value="not a tensor"))
-    plan = transport._plan_messages(leaves)
+    values: List[Any] = list(tensors)
+    values.insert(4, "not a tensor")
+    columns, _ = transport._Columns.describe(values)
+    plan = transport._plan_messages(columns)
+    leaves = transport._LeafColumns(columns)  # the planned message and offset of each leaf
     seen: Dict[int, int] = {}
     for m, (size, members) in enumerate(plan):
         assert members, "an empty message"
@@ -940,21 +938,23 @@ def test_recover_from_peer_rank_neither_healthy_nor_recovering():
 
 
 def test_metadata_round_trip():
-    # The metadata travels as columns and is decoded leaf by leaf on first use: every
+    # The metadata travels as columns; per-leaf objects are built on first use. Every
     # field of every leaf comes back, values included; the structure compares equal.
     from torch.utils._pytree import tree_flatten
 
     state = {"w": torch.zeros(3, 4, dtype=torch.bfloat16, requires_grad=True), "step": 7, "none": None,
              "m": [torch.ones(5, dtype=torch.int16), "text"]}
     values, treespec = tree_flatten(state)
-    leaves = [transport._Leaf("value", value=v) if not isinstance(v, torch.Tensor) else _leaf(v) for v in values]
-    leaves[0].tensor.fp8 = (torch.float8_e4m3fn, 0.5)  # as if an FP8 tensor
-    messages = transport._plan_messages(leaves)
-    meta = transport._decode_meta(transport._encode_meta(transport._Meta(treespec, leaves, messages)))
+    columns, tensors = transport._Columns.describe(values)
+    assert [t is v if isinstance(v, torch.Tensor) else t is None for t, v in zip(tensors, values)] == [True] * len(values)
+    columns.fp8[0] = (torch.float8_e4m3fn, 0.5)  # as if an FP8 tensor
+    messages = transport._plan_messages(columns)
+    meta = transport._decode_meta(transport._encode_meta(transport._Meta(treespec, columns, messages)))
     assert meta.treespec == treespec and meta.messages == messages and meta.fp8_leaves == [0]
-    assert len(meta.leaves) == len(leaves)
-    for got, sent in zip(meta.leaves, leaves):
-        assert got == sent
+    assert meta.columns == columns
+    assert len(meta.leaves) == len(values)
+    w = meta.leaves[0]
+    assert w.kind == "tensor" and w.tensor.shape == (3, 4) and w.tensor.dtype == torch.bfloat16
+    assert w.tensor.nbytes == 24 and w.tensor.requires_grad and w.tensor.fp8 == (torch.float8_e4m3fn, 0.5)
+    assert [lf.value for lf in meta.leaves if lf.kind == "value"] == [v for v in values if not isinstance(v, torch.Tensor)]
     assert meta.leaves[-1] is meta.leaves[-1]  # decoded once
-    assert meta.signature == ([lf.kind for lf in leaves], [lf.tensor and lf.tensor.shape for lf in leaves],
-                              [lf.tensor and lf.tensor.dtype for lf in leaves])
