@@ -9,10 +9,14 @@ fails the test and the pool is restarted (a hang is a bug, never a pass).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from typing import Any, Callable, List, Tuple
 
@@ -33,8 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None:
     sys.path.insert(0, _ROOT)
+    dump = open(dump_path, "w")  # every thread's stack on SIGUSR1 (the pool asks on a hang)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
@@ -57,6 +63,23 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
+def _descendants(pids: List[int]) -> List[int]:
+    """The processes descended from ``pids`` (Linux ``/proc``; none elsewhere)."""
+    parent_of = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], set(pids)
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier}
+        found += sorted(frontier)
+    return found
+
+
 class DistPool:
     """``world_size`` ranks in a gloo group, waiting for functions to run."""
 
@@ -69,9 +92,14 @@ class DistPool:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
+        self._dumps = []
+        for rank in range(self.world_size):
+            fd, path = tempfile.mkstemp(prefix=f"dist_pool_rank{rank}_", suffix=".txt")
+            os.close(fd)
+            self._dumps.append(path)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, port, child, self._dumps[rank]), daemon=True)
             p.start()
             self._procs.append(p)
             self._conns.append(parent)
@@ -83,8 +111,9 @@ class DistPool:
         replies = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
+                stacks = self._stacks()
                 self.restart()
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)")
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)\n{stacks}")
             replies.append(conn.recv())
         return replies
 
@@ -104,6 +133,25 @@ class DistPool:
                 raise AssertionError(f"rank {rank} did not raise (returned {value!r})")
         return [value[0] for _, value in replies]
 
+    def _stacks(self) -> str:
+        """Every thread's stack on every rank (faulthandler), for a hang's report."""
+        pids = [p.pid for p in self._procs if p.pid is not None]
+        pids += _descendants(pids)  # e.g. forked writers: they inherit the handler and the file
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+        out = []
+        for rank, path in enumerate(self._dumps):
+            try:
+                with open(path) as f:
+                    out.append(f"--- rank {rank} ---\n{f.read()[-6000:]}")
+            except OSError:
+                pass
+        return "\n".join(out)
+
     def restart(self) -> None:
         self.close()
         self._procs, self._conns = [], []
@@ -119,3 +167,8 @@ class DistPool:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        for path in getattr(self, "_dumps", []):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

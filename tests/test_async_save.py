@@ -1148,3 +1148,33 @@ def test_idle_worker_does_not_keep_the_last_request_alive():
         assert ref() is None, "the idle worker still holds the finalized request"
     finally:
         queue.close()
+
+
+def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path):
+    # A child can (rarely) hang inside fork in a multi-threaded process; the parent waits
+    # for its start byte, kills one that does not start in time and forks again.
+    from dist_checkpointing.strategies import async_utils
+
+    marker = tmp_path / "stalled"
+    orig = async_utils._run_child
+
+    def run_child(fn, read_fd, write_fd):
+        if not marker.exists():  # the first child never starts
+            marker.write_text("x")
+            time.sleep(60)
+        orig(fn, read_fd, write_fd)
+
+    monkeypatch.setattr(async_utils, "_run_child", run_child)
+    monkeypatch.setattr(async_utils, "FORK_START_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    call = ForkedCall(lambda: 42, "test")
+    assert call.result() == 42 and marker.exists()
+    assert time.monotonic() - start < 30
+
+    def never_starts(fn, read_fd, write_fd):
+        time.sleep(60)
+
+    monkeypatch.setattr(async_utils, "_run_child", never_starts)
+    monkeypatch.setattr(async_utils, "FORK_START_TIMEOUT_S", 0.3)
+    with pytest.raises(CheckpointingException, match="No forked writer started"):
+        ForkedCall(lambda: 1, "test")

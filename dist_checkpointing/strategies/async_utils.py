@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import struct
 import threading
@@ -240,13 +241,21 @@ _live_children: "weakref.WeakSet[ForkedCall]" = weakref.WeakSet()
 _PR_SET_PDEATHSIG = 1
 
 
+def _resolve_prctl() -> Optional[Callable[..., int]]:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_prctl: Optional[Callable[..., int]] = None  # resolved in the parent: a child must not dlopen
+
+
 def _die_with_parent() -> None:
     """In a forked child: get SIGKILL when the thread that forked it ends (Linux). Forks
     are made by the long-lived forker thread, so that is when this process ends."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class _Forker:
@@ -282,21 +291,48 @@ _forker_lock = threading.Lock()
 
 
 def _get_forker() -> _Forker:
-    global _forker
+    global _forker, _prctl
     with _forker_lock:
         if _forker is None:
+            _prctl = _resolve_prctl()
             _forker = _Forker()
         return _forker
 
 
+FORK_START_TIMEOUT_S = 10.0  # a forked child that has not started by then is killed and forked again
+_FORK_ATTEMPTS = 3
+
+
 def _fork_child(fn: Callable[[], Any]) -> Tuple[int, int]:
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid != 0:
+    """Fork a child running ``fn``; ``(pid, read end of its report pipe)``. A child that does
+    not get out of ``fork`` (rarely, one hangs in the runtime's after-fork handlers of this
+    multi-threaded process) is killed and forked again."""
+    for attempt in range(_FORK_ATTEMPTS):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(fn, read_fd, write_fd)  # never returns
         os.close(write_fd)
-        return pid, read_fd
-    status = 0  # the child
+        ready, _, _ = select.select([read_fd], [], [], FORK_START_TIMEOUT_S)
+        if ready:
+            os.read(read_fd, 1)  # the child's start byte (or EOF: it died, its report says so)
+            return pid, read_fd
+        os.close(read_fd)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        logger.warning("A forked writer (process %d) did not start within %.0f s; forking again (attempt %d of %d)",
+                       pid, FORK_START_TIMEOUT_S, attempt + 2, _FORK_ATTEMPTS)
+    raise CheckpointingException(f"No forked writer started in {_FORK_ATTEMPTS} attempts "
+                                 f"({FORK_START_TIMEOUT_S:.0f} s each)")
+
+
+def _run_child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
+    status = 0
     try:
+        os.write(write_fd, b"S")  # started
         os.close(read_fd)
         _die_with_parent()
         try:
