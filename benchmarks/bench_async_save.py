@@ -53,7 +53,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -279,10 +279,10 @@ class Bench:
         elapsed = timed_barriered(lambda: dcp.save(sd, checkpoint_id=str(d), process_group=self.dcp_group))
         return {"blocking_s": elapsed, "total_s": elapsed}
 
-    def run_async(self, d: Path, check: bool, copy: bool = False) -> Dict[str, object]:
-        """Our async save alone: blocking time, then wait for the finalized checkpoint; then
-        the first update after it (the writer has exited)."""
-        update_idle = self.idle_update()
+    def _start_async_save(self, d: Path, copy: bool) -> Tuple[float, float]:
+        """Barrier, then our async save of the state into ``d`` (fork mode, or the copy
+        strategy with its buffers filled untimed first), scheduled on the queue; returns
+        the clock before ``save`` and after ``schedule_async_request``."""
         sd = self.sharded(self.tensors)
         kwargs = {"sharded_strategy": self.copy_strategy} if copy else {}
         if copy:
@@ -292,7 +292,13 @@ class Bench:
         t0 = time.perf_counter()
         request = dist_checkpointing.save(sd, d, async_sharded_save=True, **kwargs)
         self.queue.schedule_async_request(request)
-        t1 = time.perf_counter()
+        return t0, time.perf_counter()
+
+    def run_async(self, d: Path, check: bool, copy: bool = False) -> Dict[str, object]:
+        """Our async save alone: blocking time, then wait for the finalized checkpoint; then
+        the first update after it (the writer has exited)."""
+        update_idle = self.idle_update()
+        t0, t1 = self._start_async_save(d, copy)
         self.queue.maybe_finalize_async_calls(blocking=True)
         t2 = time.perf_counter()
         self.copy_strategy.release()
@@ -328,16 +334,7 @@ class Bench:
         same update (the writer running), then finalization."""
         update_idle = self.idle_update()
         expected = checksums(self.tensors) if check else None
-        sd = self.sharded(self.tensors)
-        kwargs = {"sharded_strategy": self.copy_strategy} if copy else {}
-        if copy:
-            self._warm_copy_staging(sd)
-        _probe.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        request = dist_checkpointing.save(sd, d, async_sharded_save=True, **kwargs)
-        self.queue.schedule_async_request(request)
-        t1 = time.perf_counter()
+        t0, t1 = self._start_async_save(d, copy)
         self.update()  # the next training step's writes, writer still running
         t2 = time.perf_counter()
         self.queue.maybe_finalize_async_calls(blocking=True)

@@ -8,20 +8,20 @@ for a trainer.
 
 Protocol, between the sender and each receiver (point-to-point messages of the group):
 
-1. header (magic, version, metadata length) and the pickled metadata — the structure,
-   every leaf's kind, shape, dtype and where its bytes travel — serialized once for all
-   receivers;
+1. header (magic, version, metadata length) and the metadata — the structure and, one
+   column per field, every leaf's kind, shape, dtype and where its bytes travel — pickled
+   once for all receivers;
 2. each receiver checks the metadata against its own state (same structure, same shapes
    and dtypes) *before any tensor byte arrives* and answers ok or its error; the sender
    then tells every receiver to go on or to abort (so one receiver's mismatch stops the
    transfer on every rank, with the reason);
-3. the tensor bytes. First every tensor of ``ALONE_BYTES`` (or half a bucket) or more,
-   alone, straight from the sender's memory into the receiver's (when both are contiguous):
-   these messages are all posted at once, so they stream back to back. Then the smaller
-   tensors, packed into buckets of up to ``BUCKET_BYTES`` (a few messages instead of one
-   per tensor): the sender packs them while the large tensors stream, the receiver unpacks
-   them as they arrive. Two bucket buffers per side are reused, so memory stays bounded
-   whatever the state size.
+3. the tensor bytes. Every tensor of ``ALONE_BYTES`` (or half a bucket) or more travels
+   alone, straight from the sender's memory into the receiver's (when both are
+   contiguous); these messages are all posted at once, so they stream back to back. The
+   smaller tensors are packed into buckets of up to ``BUCKET_BYTES`` (a few messages
+   instead of one per tensor), spread evenly among the large ones: the sender packs and
+   the receiver unpacks a bucket while large tensors stream. Two bucket buffers per side
+   are reused, so memory stays bounded whatever the state size.
 
 A view travels as its own elements only (never its whole base storage); non-contiguous
 tensors arrive with the right values. Every wait is bounded by the transport's timeout: a
@@ -156,8 +156,6 @@ class _LeafColumns(Sequence[_Leaf]):
         return len(self._leaves)
 
     def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
         leaf = self._leaves[i]
         if leaf is None:
             c = self._c
@@ -203,8 +201,8 @@ def _wire_bytes(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
 
 
 def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
-    if type(t) is torch.Tensor:  # the common case first
-        return _TensorMeta(tuple(t.shape), t.dtype, t.nbytes, t.requires_grad)
+    """A non-plain tensor's metadata (plain tensors are described inline, see
+    :meth:`_Columns.describe`)."""
     fp8 = None
     if is_float8tensor(t):
         data, scale_inv = _per_tensor_layout(t)
