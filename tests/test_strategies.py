@@ -228,3 +228,81 @@ def test_torch_sharded_tensor_bridge_needs_process_group():
 
     with pytest.raises(CheckpointingException, match="process group"):
         sharded_tensor_to_torch_sharded_tensor([ShardedTensor.from_rank_offsets("w", torch.ones(2))])
+
+
+def _blob_crcs(ckpt: Path) -> dict:
+    """The zip CRC32 of every record of every tensor blob in ``ckpt``, by item."""
+    import io
+    import zipfile
+
+    from dist_checkpointing.strategies.torch import read_metadata
+
+    crcs = {}
+    for index, info in read_metadata(ckpt).storage_data.items():
+        with open(ckpt / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            crcs[index.fqn] = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist()}
+    return crcs
+
+
+def test_writer_threads_skip_the_zip_crc_and_restore_the_switch(tmp_path):
+    """Every writer thread skips torch.save's zip CRC32 (recent torch keeps that switch per
+    thread: turning it off on the calling thread alone left the CRC on in the writer
+    threads), and the caller's setting is back afterwards, also for a caller that turned
+    the CRC off itself."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    sd = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.arange(1000.0) + i) for i in range(4)}
+    ckpt = tmp_path / "ckpt"
+    dc.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=2),
+            validate_access_integrity=False)
+    assert len(list(ckpt.glob("*.distcp"))) == 2, "two writer threads, two files"
+    crcs = _blob_crcs(ckpt)
+    assert set(crcs) == set(sd)
+    for key, records in crcs.items():
+        data = [crc for name, crc in records.items() if name.startswith("data/")]
+        assert data == [0], (key, records)
+    assert get_crc32_options() is True
+    try:
+        set_crc32_options(False)
+        dc.save(sd, tmp_path / "again", validate_access_integrity=False)
+        assert get_crc32_options() is False
+    finally:
+        set_crc32_options(True)
+
+
+def test_zip_crc_switch_is_restored_per_caller():
+    """Callers on several threads, in and out of order: each ends with its own setting."""
+    import threading
+
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    from dist_checkpointing.strategies.filesystem_async import zip_crc_disabled
+
+    inside, release, seen = threading.Barrier(3), threading.Event(), []
+
+    def caller(hold: bool) -> None:
+        with zip_crc_disabled():
+            seen.append(get_crc32_options())
+            inside.wait()
+            if hold:
+                release.wait()
+        if hold:  # the last to leave (an earlier one may still see a process-wide switch off)
+            seen.append(("after", get_crc32_options()))
+
+    threads = [threading.Thread(target=caller, args=(hold,)) for hold in (True, False)]
+    for t in threads:
+        t.start()
+    with zip_crc_disabled():
+        with zip_crc_disabled():
+            assert get_crc32_options() is False
+        assert get_crc32_options() is False
+        inside.wait()
+        threads[1].join()  # the second caller left before the first
+    release.set()
+    threads[0].join()
+    assert seen == [False, False, ("after", True)], seen
+    assert get_crc32_options() is True
+    set_crc32_options(True)

@@ -102,28 +102,53 @@ def adopt_staging_buffers(buffers: List[mmap.mmap]) -> None:
 _crc_lock = threading.Lock()
 _crc_depth = 0
 _crc_saved = True
+_crc_switch_per_thread: Optional[bool] = None
+
+
+def _crc_switch_is_per_thread() -> bool:
+    """Whether torch keeps the zip-CRC switch per thread (a context variable, as recent
+    torch does) rather than process-wide. Probed once, by the caller that has just turned
+    the switch off: a fresh thread still sees it on only if the switch is per thread."""
+    global _crc_switch_per_thread
+    if _crc_switch_per_thread is None:
+        seen: List[bool] = []
+        probe = threading.Thread(target=lambda: seen.append(get_crc32_options()), name="dist-ckpt-crc-probe")
+        probe.start()
+        probe.join()
+        _crc_switch_per_thread = seen[0]
+    return _crc_switch_per_thread
 
 
 @contextlib.contextmanager
 def zip_crc_disabled() -> Iterator[None]:
-    """Skip ``torch.save``'s zip CRC32 (a slow byte-by-byte pass) while saving.
+    """Skip ``torch.save``'s zip CRC32 (a slow byte-by-byte pass) in ``torch.save`` calls
+    made by this thread meanwhile.
 
     Neither ``torch.load`` nor DCP verifies it (stdlib ``zipfile.read`` would: read our blobs
-    with ``torch.load``). Re-entrant and thread-safe; the previous setting is restored on exit.
+    with ``torch.load``). Enter it on the thread that saves: recent torch keeps the switch
+    per thread, and then only this thread's setting changes; where torch keeps it
+    process-wide, it is off while any such block runs. Re-entrant and thread-safe; the
+    previous setting is restored on exit.
     """
     global _crc_depth, _crc_saved
     with _crc_lock:
-        if _crc_depth == 0:
-            _crc_saved = get_crc32_options()
-            set_crc32_options(False)
-        _crc_depth += 1
+        previous = get_crc32_options()
+        set_crc32_options(False)
+        per_thread = _crc_switch_is_per_thread()
+        if not per_thread:
+            if _crc_depth == 0:
+                _crc_saved = previous
+            _crc_depth += 1
     try:
         yield
     finally:
-        with _crc_lock:
-            _crc_depth -= 1
-            if _crc_depth == 0:
-                set_crc32_options(_crc_saved)
+        if per_thread:
+            set_crc32_options(previous)
+        else:
+            with _crc_lock:
+                _crc_depth -= 1
+                if _crc_depth == 0:
+                    set_crc32_options(_crc_saved)
 
 
 class StagedFileWriter(io.RawIOBase):
@@ -360,29 +385,36 @@ def write_file(path: Union[str, Path], payloads: Sequence[Payload],
     (``None`` unless ``compute_checksums``) covers a tensor's data bytes or a bytes
     payload whole. A tensor's checksum is computed piece by piece right after each piece
     is copied into the staging buffer (still in the CPU cache), while the I/O thread
-    writes the previous buffer, so it mostly hides behind the disk. Call inside :func:`zip_crc_disabled` for full
-    speed.
+    writes the previous buffer, so it mostly hides behind the disk. The blobs' zip CRC32
+    is not computed (see :func:`zip_crc_disabled`).
     """
-    spans: List[Tuple[int, int, Optional[int]]] = []
     writer = StagedFileWriter(path)
     try:
-        for payload in payloads:
-            start = writer.tell()
-            if isinstance(payload, torch.Tensor):
-                tensor = _exact_cpu_tensor(payload)
-                nbytes = tensor.numel() * tensor.element_size()
-                if compute_checksums:
-                    writer.hash_next_write(tensor.data_ptr(), nbytes)
-                torch.save(tensor, writer)
-                digest = writer.take_digest() if compute_checksums else None
-                if compute_checksums and digest is None:  # torch.save split the record: hash directly
-                    digest = checksum(tensor_bytes(tensor))
-            else:
-                digest = checksum(payload) if compute_checksums else None
-                writer.write(payload)
-            spans.append((start, writer.tell() - start, digest))
+        with zip_crc_disabled():
+            spans = _write_payloads(writer, payloads, compute_checksums)
     except BaseException:
         writer.abort()
         raise
     writer.close()
+    return spans
+
+
+def _write_payloads(writer: StagedFileWriter, payloads: Sequence[Payload],
+                    compute_checksums: bool) -> List[Tuple[int, int, Optional[int]]]:
+    spans: List[Tuple[int, int, Optional[int]]] = []
+    for payload in payloads:
+        start = writer.tell()
+        if isinstance(payload, torch.Tensor):
+            tensor = _exact_cpu_tensor(payload)
+            nbytes = tensor.numel() * tensor.element_size()
+            if compute_checksums:
+                writer.hash_next_write(tensor.data_ptr(), nbytes)
+            torch.save(tensor, writer)
+            digest = writer.take_digest() if compute_checksums else None
+            if compute_checksums and digest is None:  # torch.save split the record: hash directly
+                digest = checksum(tensor_bytes(tensor))
+        else:
+            digest = checksum(payload) if compute_checksums else None
+            writer.write(payload)
+        spans.append((start, writer.tell() - start, digest))
     return spans

@@ -74,7 +74,6 @@ from .filesystem_async import (
     return_staging_buffers,
     tensor_bytes,
     write_file,
-    zip_crc_disabled,
 )
 from .resharding import (
     Region,
@@ -423,12 +422,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             spans = write_file(checkpoint_dir / fname, [it.payload for it in bucket], self.checksums)
             return [(it.key, it.tensor_meta, fname, off, length, cs) for it, (off, length, cs) in zip(bucket, spans)]
 
-        with zip_crc_disabled():
-            if len(files) <= 1:
-                results = [write_one(f) for f in files]
-            else:
-                with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
-                    results = list(pool.map(write_one, files))
+        if len(files) <= 1:
+            results = [write_one(f) for f in files]
+        else:
+            with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
+                results = list(pool.map(write_one, files))
         return [loc for result in results for loc in result]
 
 
