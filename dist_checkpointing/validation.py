@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -75,21 +76,25 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 _P = (1 << 61) - 1
 
 
-def _axis_base(axis: int) -> int:
-    return (0x9E3779B97F4A7C15 * (axis + 1) + 0x632BE59BD9B4E019) % (_P - 2) + 2
+@functools.lru_cache(maxsize=None)
+def _axis_constants(axis: int) -> Tuple[int, int]:
+    """``(r, 1 / (r - 1) mod P)`` of an axis (the inverse is the costly part: computed once)."""
+    r = (0x9E3779B97F4A7C15 * (axis + 1) + 0x632BE59BD9B4E019) % (_P - 2) + 2
+    return r, pow(r - 1, _P - 2, _P)
 
 
-def _geometric(r: int, offset: int, n: int) -> int:
+def _geometric(axis: int, offset: int, n: int) -> int:
     if n <= 0:
         return 0
-    return pow(r, offset, _P) * (pow(r, n, _P) - 1) % _P * pow(r - 1, _P - 2, _P) % _P
+    r, inverse = _axis_constants(axis)
+    return pow(r, offset, _P) * (pow(r, n, _P) - 1) % _P * inverse % _P
 
 
 def region_fingerprint(offsets: Sequence[int], sizes: Sequence[int]) -> int:
     """Additive fingerprint of the elements of a region (see module comment)."""
     fp = 1
     for axis, (off, size) in enumerate(zip(offsets, sizes)):
-        fp = fp * _geometric(_axis_base(axis), off, size) % _P
+        fp = fp * _geometric(axis, off, size) % _P
     return fp
 
 
