@@ -306,3 +306,36 @@ def test_zip_crc_switch_is_restored_per_caller():
     assert seen == [False, False, ("after", True)], seen
     assert get_crc32_options() is True
     set_crc32_options(True)
+
+
+def test_zip_crc_switch_kept_process_wide(monkeypatch):
+    """With a torch that keeps the CRC switch process-wide (older versions), the switch is
+    off while any writer is inside and comes back when the last one leaves, in any order."""
+    import threading
+
+    from dist_checkpointing.strategies import filesystem_async as fa
+
+    switch = {"on": True}
+    monkeypatch.setattr(fa, "get_crc32_options", lambda: switch["on"])
+    monkeypatch.setattr(fa, "set_crc32_options", lambda on: switch.__setitem__("on", on))
+    monkeypatch.setattr(fa, "_crc_switch_per_thread", None)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first() -> None:
+        with fa.zip_crc_disabled():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait()
+    with fa.zip_crc_disabled():
+        second_in.set()
+        first_out.wait()  # the first writer left while this one is still inside
+        seen.append(switch["on"])
+    thread.join()
+    seen.append(switch["on"])
+    assert fa._crc_switch_per_thread is False, "a fresh thread saw the switch off: process-wide"
+    assert seen == [False, True]
