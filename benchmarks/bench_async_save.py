@@ -39,7 +39,12 @@ even once the writer has exited.
 Methods run interleaved in rotating order; every checkpoint goes to a fresh directory
 that is deleted (and ``sync``-ed) right after its measurement.
 
-Run: ``python benchmarks/bench_async_save.py [--size-gib 1.0] [--rounds 5] [--world-sizes 1,2]``
+``--thp`` runs the ranks with ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator then
+asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) for allocations of 2 MiB or
+more, so the state sits in 2 MiB pages and a fork copies one page-table entry per 2 MiB
+instead of 512 (the user guide's tuning note). The ranks' ``AnonHugePages`` is reported.
+
+Run: ``python benchmarks/bench_async_save.py [--size-gib 1.0] [--rounds 5] [--world-sizes 1,2] [--thp]``
 """
 
 from __future__ import annotations
@@ -146,6 +151,15 @@ def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _anon_huge_mib() -> float:
+    """This process's memory in transparent huge pages, MiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -427,6 +441,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
         # group so they never interleave with this thread's barriers on the default group.
         dcp_group = dist.new_group(backend="gloo")
         params = build_local_state(args.size_gib, rank, world)
+        huge_mib = min(gather_floats(_anon_huge_mib()))
         bench = Bench(params, rank, world, dcp_group, args.update_threads)
         base = Path(args.dir) / f"world{world}"
         rounds: List[Dict[str, object]] = []
@@ -454,7 +469,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             with open(out_path, "w") as f:
                 json.dump({"world_size": world, "hidden_size": hidden_size_for(args.size_gib * world),
                            "num_tensors_per_rank": len(params), "local_bytes_per_rank": all_bytes,
-                           "default_threads": bench.default_threads,
+                           "default_threads": bench.default_threads, "thp": args.thp,
+                           "anon_huge_pages_mib_min_over_ranks": huge_mib,
                            "update_threads": args.update_threads or bench.default_threads, "rounds": rounds}, f)
             shutil.rmtree(base, ignore_errors=True)
     finally:
@@ -542,7 +558,9 @@ def format_table(s: Dict[str, object]) -> str:
     lines = [
         f"world size {s['world_size']}: {', '.join(f'{m:.0f}' for m in per_rank_mib)} MiB per rank "
         f"({s['num_tensors_per_rank']} tensors per rank, nothing replicated), {n_rounds} rounds, "
-        f"medians in s, max over ranks; torch default threads = {s['default_threads']}",
+        f"medians in s, max over ranks; torch default threads = {s['default_threads']}"
+        + (f"; THP_MEM_ALLOC_ENABLE=1 ({s['anon_huge_pages_mib_min_over_ranks']:.0f} MiB in huge pages)"
+           if s.get("thp") else ""),
         f"{'method':<16}{'blocking':>10}{'total':>10}{'write':>10}{'finalize':>10}{'upd idle':>10}"
         f"{'upd after':>10}{'+pair':>10}",
     ]
@@ -588,6 +606,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
     ap.add_argument("--update-threads", type=int, default=0,
                     help="torch threads for the in-place update (default 0: torch's default)")
+    ap.add_argument("--thp", action="store_true",
+                    help="run the ranks with THP_MEM_ALLOC_ENABLE=1 (torch's allocator asks for huge pages)")
     add_scratch_and_output_flags(ap, REPO_ROOT.parent / "bench_tmp", RESULTS_PATH)
     return ap.parse_args()
 
@@ -595,8 +615,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Run every world size, print the tables and write the JSON."""
     args = parse_args()
+    if args.thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch in the spawned ranks
     run_world_sizes("bench_async_save", args, run_world, summarize, format_table,
-                    {"size_gib_per_rank": args.size_gib, "rounds": args.rounds, "update_threads": args.update_threads})
+                    {"size_gib_per_rank": args.size_gib, "rounds": args.rounds, "update_threads": args.update_threads,
+                     "thp": args.thp})
 
 
 if __name__ == "__main__":

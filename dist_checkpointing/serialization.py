@@ -213,9 +213,9 @@ def save(
     is not modified.
 
     With ``async_sharded_save=True`` (the sharded strategy must be an
-    ``AsyncSaveShardedStrategy``) everything up to the common state happens now, the
-    sharded state is snapshotted and written in the background, and an ``AsyncRequest`` is
-    returned: schedule it on an ``AsyncCallsQueue``; the checkpoint is complete (has
+    ``AsyncSaveShardedStrategy``) the checks happen now, the common state is serialized
+    and the sharded state snapshotted now, both are written in the background, and an
+    ``AsyncRequest`` is returned: schedule it on an ``AsyncCallsQueue``; the checkpoint is complete (has
     ``metadata.json``) only once the queue has finalized it. The caller may modify its
     tensors as soon as ``save`` returns.
 
@@ -265,11 +265,15 @@ def save(
         raise CheckpointingException(dir_error)
 
     def save_common():
-        if rank == 0:
-            common_strategy_.save_common(common, checkpoint_dir)
+        if rank != 0:
+            return None
+        if async_sharded_save:  # serialized now, written in the background
+            return common_strategy_.stage_common(common, checkpoint_dir)
+        common_strategy_.save_common(common, checkpoint_dir)
+        return None
 
     phases.end("plan")
-    run_agreed(save_common, "Saving the common state")
+    write_common = run_agreed(save_common, "Saving the common state")
 
     def commit():
         if rank == 0:
@@ -282,6 +286,8 @@ def save(
     if async_sharded_save:
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
                              "Starting the async save")
+        if write_common is not None:
+            request.add_async_step(write_common)
         request.add_finalize_fn(commit)
         phases.nbytes = getattr(sharded_strategy_, "last_written_bytes", None) or phases.nbytes
         phases.end("snapshot")

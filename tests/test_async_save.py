@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import serialization
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
+from dist_checkpointing.strategies import async_utils
 from dist_checkpointing.strategies import torch as torch_strategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
 from dist_checkpointing.strategies.base import SaveShardedStrategy
@@ -192,8 +194,17 @@ def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
     return _proc_gone(pid)
 
 
+def _strategy_call(request: AsyncRequest):
+    """``(async_fn, args)`` as the sharded strategy made them (``save`` chains rank 0's
+    ``common.pt`` write before them)."""
+    fn, args = request.async_fn, request.async_fn_args
+    while isinstance(fn, async_utils._Chained):
+        fn, args = fn.fn, fn.args
+    return fn, args
+
+
 def _writer(request: AsyncRequest) -> ForkedCall:
-    writer = request.async_fn_args[0]
+    writer = _strategy_call(request)[1][0]
     assert isinstance(writer, ForkedCall)
     return writer
 
@@ -594,6 +605,34 @@ def test_destination_removed_during_write(pool2, tmp_path, how, who):
     assert len(set(msgs)) == 1, msgs  # the same agreed error everywhere
 
 
+def _common_write_fails(rank, world, root):
+    """common.pt is written in the background (rank 0): a failure there fails the call on
+    every rank, while the data files are still written and waited for."""
+    ckpt = os.path.join(root, "blocked")
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+        if rank == 0:  # common.pt cannot replace a non-empty directory
+            os.makedirs(os.path.join(ckpt, "common.pt", "x"))
+        queue.schedule_async_request(request)
+        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
+        assert not dc.check_is_distributed_checkpoint(ckpt)
+        assert any(f.endswith(".distcp") for f in os.listdir(ckpt))  # the writers were not cut short
+        good = os.path.join(root, "good")
+        assert queue.schedule_async_request(dc.save(_state(rank, world, gen=1), good, async_sharded_save=True)) == 1
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    finally:
+        queue.close()
+    _load_check(good, rank, world, 1)
+    return msg
+
+
+def test_common_state_write_failure_in_background(pool2, tmp_path):
+    msgs = pool2.run(_common_write_fails, str(tmp_path), timeout=_ERR_TIMEOUT)
+    assert len(set(msgs)) == 1, msgs
+    assert "rank 0" in msgs[0] and "common.pt" in msgs[0], msgs[0]
+
+
 # ----------------------------------------------------------------------------- 6. bad input
 
 
@@ -662,6 +701,35 @@ def test_async_request_finalize_order_and_execute_sync():
     log.clear()
     AsyncRequest(None, finalize_fns=[lambda: log.append("only")]).execute_sync()
     assert log == ["only"]
+
+
+def test_async_steps_run_before_async_fn_which_runs_even_if_one_fails():
+    log = []
+    req = AsyncRequest(lambda a, b=0: log.append(("async", a, b)), (1,), async_fn_kwargs={"b": 2})
+    req.add_async_step(lambda: log.append("s1"))
+    req.add_async_step(lambda: log.append("s2"))
+    req.add_finalize_fn(lambda: log.append("fin"))
+    req.execute_sync()
+    assert log == ["s2", "s1", ("async", 1, 2), "fin"]
+
+    def fail(what):
+        raise OSError(f"{what} failed")
+
+    for fn_fails in (False, True):
+        log.clear()
+        req = AsyncRequest((lambda: fail("async_fn")) if fn_fails else (lambda: log.append("async")))
+        req.add_async_step(lambda: fail("step"))
+        req.add_finalize_fn(lambda: log.append("fin"))
+        msg = _error_of(req.execute_sync)
+        assert "step failed" in msg and "async_fn" not in msg, msg  # the step's error wins
+        assert log == ([] if fn_fails else ["async"])  # async_fn ran; nothing finalized
+
+    log.clear()
+    req = AsyncRequest(None)
+    req.add_async_step(lambda: log.append("only"))
+    req.execute_sync()
+    assert log == ["only"]
+    _error_of(req.freeze().add_async_step, lambda: None)
 
 
 class _Resource:
@@ -814,6 +882,7 @@ _SCRIPT = textwrap.dedent("""
     import torch
     import dist_checkpointing as dc
     from dist_checkpointing import ShardedTensor
+    from dist_checkpointing.strategies import async_utils
     from dist_checkpointing.strategies import torch as torch_strategy
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     ckpt, mode = sys.argv[1], sys.argv[2]
@@ -827,7 +896,10 @@ _SCRIPT = textwrap.dedent("""
     request = dc.save(state, ckpt, async_sharded_save=True)
     queue = AsyncCallsQueue()
     queue.schedule_async_request(request)
-    print(request.async_fn_args[0].pid, flush=True)
+    fn, args = request.async_fn, request.async_fn_args
+    while isinstance(fn, async_utils._Chained):  # common.pt is written first
+        fn, args = fn.fn, fn.args
+    print(args[0].pid, flush=True)
     if mode == "sigkill":
         time.sleep(120)
     elif mode == "slow_exit":
@@ -989,6 +1061,52 @@ def test_overlapping_writes_do_not_share_staging_buffers(tmp_path):
         assert all(torch.all(t == v) for t in out.values()), name
 
 
+def _faults_writing_adopted_buffer(map_in: bool) -> int:
+    """In a forked child: adopt one pooled buffer, optionally map it in as a writer does
+    before its first use, then write one byte per page; the minor page faults that took."""
+    import resource
+
+    from dist_checkpointing.strategies import filesystem_async as fa
+
+    buf = fa.reserve_staging_buffers(1)
+    page_bytes = memoryview(buf[0])
+    page_bytes[::4096] = b"\x01" * len(range(0, len(page_bytes), 4096))  # touched in the parent
+
+    def child() -> int:
+        fa.adopt_staging_buffers(buf)
+        if map_in:
+            fa._POOL.map_in(buf[0])
+            fa._POOL.map_in(buf[0])  # once only: the second call does nothing
+        view = np.frombuffer(buf[0], dtype=np.uint8)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        view[::4096] = 2
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    try:
+        return ForkedCall(child, "adopted buffer").result()
+    finally:
+        page_bytes.release()
+        fa.return_staging_buffers(buf)
+
+
+def test_forked_writer_maps_its_staging_buffers_in_before_use():
+    # A fork does not copy the page tables of shared mappings: the child's first write to
+    # each page of an inherited buffer would fault. map_in populates a buffer in one call.
+    import mmap
+
+    from dist_checkpointing.strategies.filesystem_async import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
+    probe = mmap.mmap(-1, 4096)
+    try:
+        probe.madvise(_MADV_POPULATE_READ)
+    except OSError:
+        pytest.skip("the kernel has no MADV_POPULATE_READ (Linux < 5.14): pages fault in on first use")
+    finally:
+        probe.close()
+    pages = STAGING_BUFFER_BYTES // 4096
+    assert _faults_writing_adopted_buffer(map_in=False) >= pages // 2
+    assert _faults_writing_adopted_buffer(map_in=True) < pages // 20
+
+
 def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
     # A forked writer gets file staging buffers taken out of the pool (already touched,
     # so the child maps them instead of zero-filling new ones); nobody else uses them while
@@ -1008,14 +1126,14 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
     queue = Queue()
     try:
         request = dc_.save(state(1), tmp_path / "a1", async_sharded_save=True)
-        reserved = {id(b) for b in request.async_fn_args[1]["buffers"]}
+        reserved = {id(b) for b in _strategy_call(request)[1][1]["buffers"]}
         assert reserved and reserved <= pooled, "the writer should reuse the pooled (touched) buffers"
         assert not reserved & {id(b) for b in fa._POOL._free}, "reserved buffers must leave the pool"
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         assert reserved <= {id(b) for b in fa._POOL._free}, "the buffers go back to the pool"
         request = dc_.save(state(2), tmp_path / "a2", async_sharded_save=True)
-        assert {id(b) for b in request.async_fn_args[1]["buffers"]} == reserved  # reused by the next save
+        assert {id(b) for b in _strategy_call(request)[1][1]["buffers"]} == reserved  # reused by the next save
         queue.schedule_async_request(request)
     finally:
         queue.close()
@@ -1067,7 +1185,7 @@ def _copy_snapshot(rank, world, root):
         with _slow_writes(0.05):
             sd = _state(rank, world, gen=0)
             request = dc.save(sd, dirs[0], sharded_strategy=strategy, async_sharded_save=True)
-            assert request.async_fn_args == () and not any(isinstance(a, ForkedCall) for a in request.async_fn_args)
+            assert _strategy_call(request)[1] == ()  # the write itself, no forked writer
             _mutate(sd)  # before scheduling
             queue.schedule_async_request(request)
             sd = _state(rank, world, gen=1)

@@ -70,6 +70,13 @@ class AsyncRequest:
         self._check_not_frozen()
         self.finalize_fns.insert(0, fn)
 
+    def add_async_step(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` in the background before ``async_fn``; ``async_fn`` runs even if
+        ``fn`` fails (the call then fails with ``fn``'s error)."""
+        self._check_not_frozen()
+        self.async_fn, self.async_fn_args, self.async_fn_kwargs = (
+            _Chained(fn, self.async_fn, self.async_fn_args, self.async_fn_kwargs), (), {})
+
     def execute_sync(self) -> None:
         """Run everything now, in this thread: ``async_fn``, then (if it succeeded on every
         rank) the finalize steps. Collective like finalization: errors are raised on every
@@ -81,6 +88,29 @@ class AsyncRequest:
     def freeze(self) -> "AsyncRequest":
         """A frozen copy (what a queue keeps once the request is scheduled)."""
         return replace(self, finalize_fns=list(self.finalize_fns), resources=list(self.resources), is_frozen=True)
+
+
+class _Chained:
+    """``step()`` then ``fn(*args, **kwargs)`` (always run); ``step``'s error wins."""
+
+    def __init__(self, step: Callable[[], Any], fn: Optional[Callable[..., Any]], args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]):
+        self.step, self.fn, self.args, self.kwargs = step, fn, args, kwargs
+
+    def __call__(self) -> None:
+        error: Optional[BaseException] = None
+        try:
+            self.step()
+        except BaseException as e:  # noqa: BLE001 - re-raised once fn has run
+            error = e
+        if self.fn is not None:
+            try:
+                self.fn(*self.args, **self.kwargs)
+            except BaseException:
+                if error is None:
+                    raise
+        if error is not None:
+            raise error
 
 
 class _Call:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, DefaultDict, Dict, Tuple, Union
+from typing import Any, Callable, DefaultDict, Dict, Tuple, Union
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
@@ -132,6 +132,16 @@ class SaveCommonStrategy(SaveStrategyBase):
     @abstractmethod
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
         """Write the common state (called on the coordinator rank only)."""
+
+    def stage_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> Callable[[], None]:
+        """For an async save: capture the common state as it is now and return a function
+        that writes it later (on the async queue's thread). The default writes it now."""
+        self.save_common(common_state_dict, checkpoint_dir)
+        return _written_already
+
+
+def _written_already() -> None:
+    """The writer :meth:`SaveCommonStrategy.stage_common` returns when it wrote at once."""
 
 
 class SaveShardedStrategy(SaveStrategyBase):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Union
+from typing import Callable, Union
 
 import torch
 
@@ -21,12 +21,17 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes the common state with ``torch.save`` to ``common.pt`` (atomically)."""
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
+        self.stage_common(common_state_dict, checkpoint_dir)()
+
+    def stage_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> Callable[[], None]:
+        """Serialize the common state now; the returned function writes the bytes."""
         buf = io.BytesIO()
         try:
             torch.save(common_state_dict, buf)
         except Exception as e:  # noqa: BLE001 - unpicklable user object
             raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
-        write_file_with_checksum(Path(checkpoint_dir) / COMMON_STATE_FNAME, buf.getbuffer())
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        return lambda: write_file_with_checksum(path, buf.getbuffer())
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
