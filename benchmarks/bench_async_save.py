@@ -147,21 +147,22 @@ def install_probes() -> None:
     ser.validate_sharding_integrity = _timed_validate
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
+def _proc_mib(path: str, field: str) -> float:
+    """A ``field: N kB`` line of a ``/proc`` file, in MiB."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _rss_mib() -> float:
+    return _proc_mib("/proc/self/status", "VmRSS")
 
 
 def _anon_huge_mib() -> float:
     """This process's memory in transparent huge pages, MiB."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return _proc_mib("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 # ----------------------------------------------------------------------------- helpers

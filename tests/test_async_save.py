@@ -543,6 +543,13 @@ def _big_state(rank, world, mb):
             "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}
 
 
+def _save_again(queue, rank, world, good, gen):
+    """After a failed call (index 0): the same queue saves and finalizes the next one."""
+    request = dc.save(_state(rank, world, gen=gen), good, async_sharded_save=True)
+    assert queue.schedule_async_request(request) == 1
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+
+
 def _killed_writer(rank, world, ckpt, good):
     queue = AsyncCallsQueue()
     try:
@@ -554,10 +561,7 @@ def _killed_writer(rank, world, ckpt, good):
         assert queue.get_num_unfinalized_calls() == 0
         assert not dc.check_is_distributed_checkpoint(ckpt) and CONFIG_FNAME not in os.listdir(ckpt)
         assert "incomplete" in _incomplete_error(ckpt)
-        # the same queue still works
-        request = dc.save(_state(rank, world, gen=5), good, async_sharded_save=True)
-        assert queue.schedule_async_request(request) == 1
-        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        _save_again(queue, rank, world, good, 5)
     finally:
         queue.close()
     _load_check(good, rank, world, 5)
@@ -586,9 +590,7 @@ def _destination_gone(rank, world, root, how, who):
         assert queue.get_num_unfinalized_calls() == 0
         assert not dc.check_is_distributed_checkpoint(ckpt)
         good = os.path.join(root, f"good_{how}_{who}")
-        request = dc.save(_state(rank, world, gen=2), good, async_sharded_save=True)
-        assert queue.schedule_async_request(request) == 1
-        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        _save_again(queue, rank, world, good, 2)
     finally:
         queue.close()
     _load_check(good, rank, world, 2)
@@ -619,8 +621,7 @@ def _common_write_fails(rank, world, root):
         assert not dc.check_is_distributed_checkpoint(ckpt)
         assert any(f.endswith(".distcp") for f in os.listdir(ckpt))  # the writers were not cut short
         good = os.path.join(root, "good")
-        assert queue.schedule_async_request(dc.save(_state(rank, world, gen=1), good, async_sharded_save=True)) == 1
-        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+        _save_again(queue, rank, world, good, 1)
     finally:
         queue.close()
     _load_check(good, rank, world, 1)
