@@ -29,7 +29,8 @@ from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.strategies import async_utils
 from dist_checkpointing.strategies import torch as torch_strategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
-from dist_checkpointing.strategies.base import SaveShardedStrategy
+from dist_checkpointing.strategies.base import SaveCommonStrategy, SaveShardedStrategy
+from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from dist_checkpointing.strategies.filesystem_async import HostStaging
 from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
@@ -634,6 +635,45 @@ def test_common_state_write_failure_in_background(pool2, tmp_path):
     assert "rank 0" in msgs[0] and "common.pt" in msgs[0], msgs[0]
 
 
+class _RecordingCommon(TorchCommonSaveStrategy):
+    """The torch common strategy, recording when ``save_common`` runs; with ``staged=False``
+    it keeps the base class's ``stage_common`` (write at once), as a user strategy would."""
+
+    def __init__(self, staged: bool):
+        super().__init__("torch", 1)
+        self.staged, self.writes = staged, []
+
+    def save_common(self, common_state_dict, checkpoint_dir):
+        self.writes.append(threading.get_ident())
+        super().save_common(common_state_dict, checkpoint_dir)
+
+    def stage_common(self, common_state_dict, checkpoint_dir):
+        if self.staged:
+            return super().stage_common(common_state_dict, checkpoint_dir)
+        return SaveCommonStrategy.stage_common(self, common_state_dict, checkpoint_dir)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_common_state_of_an_async_save(tmp_path, staged):
+    """The torch strategy serializes the common state in ``save`` and writes it on the
+    queue's thread; a common strategy without ``stage_common`` writes it in ``save``."""
+    common = _RecordingCommon(staged)
+    state = {"t": ShardedTensor.from_rank_offsets("t", torch.arange(8.0)), "args": {"lr": 0.5}, "step": [3]}
+    queue = AsyncCallsQueue()
+    try:
+        request = dc.save(state, tmp_path / "c", common_strategy=common, async_sharded_save=True)
+        state["args"]["lr"], state["step"][0] = 9.0, 9  # after save returns: not in the checkpoint
+        assert (common.writes == []) == staged
+        assert os.path.exists(tmp_path / "c" / "common.pt") != staged
+        queue.schedule_async_request(request)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    assert common.writes == ([] if staged else [threading.get_ident()])  # unstaged: in save, this thread
+    loaded = dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(8))}, tmp_path / "c")
+    assert loaded["args"] == {"lr": 0.5} and loaded["step"] == [3] and torch.equal(loaded["t"], torch.arange(8.0))
+
+
 # ----------------------------------------------------------------------------- 6. bad input
 
 
@@ -1207,7 +1247,8 @@ def _copy_snapshot(rank, world, root):
             request = dc.save(_state(rank, world), bad, sharded_strategy=strategy, async_sharded_save=True)
             queue.schedule_async_request(request)
             if rank == 0:
-                shutil.rmtree(bad)
+                while os.path.lexists(bad):  # the queue's thread may be writing common.pt meanwhile
+                    shutil.rmtree(bad, ignore_errors=True)
             msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
         assert not dc.check_is_distributed_checkpoint(bad)
     finally:

@@ -21,17 +21,22 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes the common state with ``torch.save`` to ``common.pt`` (atomically)."""
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
-        self.stage_common(common_state_dict, checkpoint_dir)()
+        _serialized(common_state_dict, checkpoint_dir)()
 
     def stage_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> Callable[[], None]:
         """Serialize the common state now; the returned function writes the bytes."""
-        buf = io.BytesIO()
-        try:
-            torch.save(common_state_dict, buf)
-        except Exception as e:  # noqa: BLE001 - unpicklable user object
-            raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        return lambda: write_file_with_checksum(path, buf.getbuffer())
+        return _serialized(common_state_dict, checkpoint_dir)
+
+
+def _serialized(common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> Callable[[], None]:
+    """``torch.save`` of the common state, now; returns the function that writes it."""
+    buf = io.BytesIO()
+    try:
+        torch.save(common_state_dict, buf)
+    except Exception as e:  # noqa: BLE001 - unpicklable user object
+        raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
+    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    return lambda: write_file_with_checksum(path, buf.getbuffer())
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
