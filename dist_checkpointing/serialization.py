@@ -215,9 +215,9 @@ def save(
     With ``async_sharded_save=True`` (the sharded strategy must be an
     ``AsyncSaveShardedStrategy``) the checks happen now, the common state is serialized
     and the sharded state snapshotted now, both are written in the background, and an
-    ``AsyncRequest`` is returned: schedule it on an ``AsyncCallsQueue``; the checkpoint is complete (has
-    ``metadata.json``) only once the queue has finalized it. The caller may modify its
-    tensors as soon as ``save`` returns.
+    ``AsyncRequest`` is returned: schedule it on an ``AsyncCallsQueue``; the checkpoint
+    is complete (has ``metadata.json``) only once the queue has finalized it. The caller
+    may modify its tensors as soon as ``save`` returns.
 
     Each call logs one line at INFO (bytes this rank writes, seconds, GB/s, and the
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,

@@ -325,7 +325,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         pinned memory — are first copied into host buffers), with ``"copy"`` every tensor
         has been copied into host buffers. The buffers are kept for the next save of the
         same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
-        calls). Collective: one ``all_gather_object`` agrees on the preparation.
+        calls). Collective: ``run_agreed`` agrees on the preparation.
         """
         checkpoint_dir = Path(checkpoint_dir)
         copy_all = self.async_snapshot == "copy"
