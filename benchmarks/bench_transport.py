@@ -129,16 +129,17 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def transport_plan(tensors: List[torch.Tensor]) -> Tuple[Any, List[Tuple[int, List[int]]]]:
-    """The library's metadata columns and message plan for these tensors (as the sender makes them)."""
+def transport_plan(tensors: List[torch.Tensor]) -> Any:
+    """The library's metadata for these tensors, with its message plan (as the sender makes them)."""
     columns, _ = transport._Columns.describe(tensors)
-    return columns, transport._plan_messages(columns)
+    meta = transport._Meta(None, columns)
+    meta.plan()
+    return meta
 
 
-def pack_bucket(buf: torch.Tensor, columns: Any, members: List[int], tensors: List[torch.Tensor]) -> None:
+def pack_bucket(buf: torch.Tensor, meta: Any, members: List[int], tensors: List[torch.Tensor]) -> None:
     """Pack a bucket of the plan the way the sender does."""
-    transport._pack(buf, [columns.offset[i] for i in members], [columns.nbytes[i] for i in members],
-                    [byte_view(tensors[i]) for i in members])
+    transport._pack(buf, transport._segments(meta, transport._wire_dtypes(meta.columns), members), tensors)
 
 
 # ----------------------------------------------------------------------------- the receiver's phases
@@ -217,7 +218,8 @@ class Rank:
         self.received: Any = None  # what the last call produced on rank 1
         self.gc = GCTimer()
         # plan_pattern: the transport's data messages, buckets packed up front
-        self.columns, self.plan = transport_plan(self.tensors)
+        self.meta = transport_plan(self.tensors)
+        self.columns, self.plan = self.meta.columns, self.meta.messages
         own = self.tensors if rank == 0 else self.dest_tensors
         self.plan_buffers = []
         for size, members in self.plan:
@@ -226,7 +228,7 @@ class Rank:
                 continue
             buf = torch.zeros(size, dtype=torch.uint8)
             if rank == 0:
-                pack_bucket(buf, self.columns, members, self.tensors)
+                pack_bucket(buf, self.meta, members, self.tensors)
             self.plan_buffers.append(buf)
 
     # --- the methods: (sender, receiver) ---------------------------------------------
@@ -328,7 +330,7 @@ class Rank:
         if base == "plan_pattern":  # every received message holds the sender's bytes
             for (size, members), buf in zip(self.plan, got):
                 expected = torch.zeros(size, dtype=torch.uint8)
-                pack_bucket(expected, self.columns, members, self.tensors)
+                pack_bucket(expected, self.meta, members, self.tensors)
                 if not torch.equal(buf, expected):
                     return False
             return True
@@ -373,15 +375,16 @@ class Rank:
         """Seconds to pack every bucket of the default plan into a reused buffer the way the
         sender does, alone in this process, nothing sent (median of 3); and how many tensors
         and bytes the plan packs."""
-        columns, plan = transport_plan(self.tensors)
-        buckets = [(size, members) for size, members in plan if not transport._alone(columns, size, members)]
+        meta = transport_plan(self.tensors)
+        columns = meta.columns
+        buckets = [(size, members) for size, members in meta.messages if not transport._alone(columns, size, members)]
         buf = torch.empty(max((size for size, _ in buckets), default=0), dtype=torch.uint8)
         buf.zero_()
         times = []
         for _ in range(3):
             start = time.perf_counter()
             for size, members in buckets:
-                pack_bucket(buf[:size], columns, members, self.tensors)
+                pack_bucket(buf[:size], meta, members, self.tensors)
             times.append(time.perf_counter() - start)
         packed = [i for _, members in buckets for i in members]
         return statistics.median(times), len(packed), sum(columns.nbytes[i] for i in packed)

@@ -9,19 +9,24 @@ for a trainer.
 Protocol, between the sender and each receiver (point-to-point messages of the group):
 
 1. header (magic, version, metadata length) and the metadata — the structure and, one
-   column per field, every leaf's kind, shape, dtype and where its bytes travel — pickled
-   once for all receivers;
+   column per field, every leaf's kind, shape, dtype and size, and the sender's bucket
+   sizes — pickled once for all receivers (each side plans the data messages from it:
+   the plan is not sent);
 2. each receiver checks the metadata against its own state (same structure, same shapes
-   and dtypes) *before any tensor byte arrives* and answers ok or its error; the sender
-   then tells every receiver to go on or to abort (so one receiver's mismatch stops the
-   transfer on every rank, with the reason);
+   and dtypes) *before any tensor byte arrives* and answers ok or its error; with several
+   receivers, the sender then tells every receiver to go on or to abort (so one
+   receiver's mismatch stops the transfer on every rank, with the reason); a single
+   receiver's ok is its own go-ahead;
 3. the tensor bytes. Every tensor of ``ALONE_BYTES`` (or half a bucket) or more travels
    alone, straight from the sender's memory into the receiver's (when both are
    contiguous); these messages are all posted at once, so they stream back to back. The
    smaller tensors are packed into buckets of up to ``BUCKET_BYTES`` (a few messages
    instead of one per tensor), spread evenly among the large ones: the sender packs and
-   the receiver unpacks a bucket while large tensors stream. Two bucket buffers per side
-   are reused, so memory stays bounded whatever the state size.
+   the receiver unpacks a bucket while large tensors stream. In a bucket the tensors are
+   grouped by dtype, each dtype's run packed with one ``torch.cat`` and unpacked with one
+   ``torch.split`` and one ``_foreach_copy_`` (no per-tensor Python work beyond a list
+   entry). Two bucket buffers per side are reused, so memory stays bounded whatever the
+   state size.
 
 A view travels as its own elements only (never its whole base storage); non-contiguous
 tensors arrive with the right values. Every wait is bounded by the transport's timeout: a
@@ -47,7 +52,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from .bytes_view import as_bytes
 from .core import CheckpointingException
 from .fp8 import _float8_dtype, _per_tensor_layout, fill_float8_, is_float8tensor
 from .mapping import ShardedTensor
@@ -59,7 +63,7 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 BUCKET_BYTES = 16 << 20
 ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
 _MAGIC = 0x44435054
@@ -73,8 +77,6 @@ class _TensorMeta:
     nbytes: int  # bytes on the wire
     requires_grad: bool
     fp8: Optional[Tuple[torch.dtype, float]] = None  # (float8 format, scale_inv) of an FP8 tensor
-    message: int = -1  # which data message carries it
-    offset: int = 0  # its offset in that message
 
 
 @dataclass
@@ -96,15 +98,13 @@ class _Columns:
     nbytes: List[int]
     requires_grad: List[bool]
     fp8: List[Optional[Tuple[torch.dtype, float]]]
-    message: List[int]
-    offset: List[int]
     values: List[Any]
 
     @classmethod
     def describe(cls, values: Sequence[Any]) -> Tuple["_Columns", List[Optional[torch.Tensor]]]:
-        """The columns of a flattened state (message and offset not yet planned), and each
-        leaf's local tensor (``None`` for values)."""
-        c = cls([], [], [], [], [], [], [], [], [])
+        """The columns of a flattened state, and each leaf's wire source (see
+        :func:`_wire_source`; ``None`` for values)."""
+        c = cls([], [], [], [], [], [], [])
         tensors: List[Optional[torch.Tensor]] = []
         kinds, shapes, dtypes, nbytes = c.kinds.append, c.shapes.append, c.dtypes.append, c.nbytes.append
         grads, fp8s, extras, locals_ = c.requires_grad.append, c.fp8.append, c.values.append, tensors.append
@@ -120,23 +120,36 @@ class _Columns:
             if local is None:
                 shapes(None), dtypes(None), nbytes(0), grads(False), fp8s(None), extras(value)
                 continue
+            tensors[-1] = _wire_source(local)
             tm = _tensor_meta(local)
             shapes(tm.shape), dtypes(tm.dtype), nbytes(tm.nbytes), grads(tm.requires_grad), fp8s(tm.fp8)
             extras(value.without_data() if kind == "sharded_tensor" else value._spec if kind == "dtensor" else None)
-        c.message = [-1] * len(c.kinds)
-        c.offset = [0] * len(c.kinds)
         return c, tensors
 
 
 @dataclass
 class _Meta:
+    """What the sender says about a transfer. The data messages are not part of it: each
+    side plans them from the columns and the sender's two sizes (:meth:`plan`), the
+    receiver after its check, while the sender plans its own."""
+
     treespec: Any  # the state's structure (a pytree TreeSpec)
     columns: _Columns
-    messages: List[Tuple[int, List[int]]]  # (nbytes, indices of the leaves it carries)
+    receivers: int = 1  # how many ranks the sender sends to (one: no go-ahead round)
+    bucket_bytes: Optional[int] = None  # the sender's bucket size (None: this process's BUCKET_BYTES)
+    alone_bytes: Optional[int] = None  # the sender's size for travelling alone (None: ALONE_BYTES)
     treespec_pickle: bytes = b""  # the structure as sent (equal bytes: equal structures)
 
     def __post_init__(self) -> None:
+        self.bucket_bytes = BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes
+        self.alone_bytes = ALONE_BYTES if self.alone_bytes is None else self.alone_bytes
         self.leaves: Sequence[_Leaf] = _LeafColumns(self.columns)  # objects for the rarer paths
+        self.messages: List[Tuple[int, List[int]]] = []  # (nbytes, indices of the leaves it carries)
+        self.offsets: List[int] = []  # each leaf's offset in its message
+
+    def plan(self) -> None:
+        """Plan the data messages (see :func:`_plan_messages`)."""
+        self.messages, self.offsets = _plan_messages(self.columns, self.bucket_bytes, self.alone_bytes)
 
     @property
     def fp8_leaves(self) -> List[int]:
@@ -160,7 +173,7 @@ class _LeafColumns(Sequence[_Leaf]):
         if leaf is None:
             c = self._c
             tm = None if c.kinds[i] == "value" else _TensorMeta(
-                c.shapes[i], c.dtypes[i], c.nbytes[i], c.requires_grad[i], c.fp8[i], c.message[i], c.offset[i])
+                c.shapes[i], c.dtypes[i], c.nbytes[i], c.requires_grad[i], c.fp8[i])
             leaf = self._leaves[i] = _Leaf(c.kinds[i], tm, c.values[i])
         return leaf
 
@@ -187,17 +200,18 @@ def _kind(value: Any) -> str:
     return "value"
 
 
-def _wire_bytes(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """The bytes that travel for tensor ``t``: its own elements in row-major order (an FP8
-    tensor's ``_data``), as a 1-D uint8 tensor, and whether that is a temporary copy (``t``
-    not contiguous) rather than a view of ``t``."""
-    if type(t) is not torch.Tensor:
-        t = (_per_tensor_layout(t)[0] if is_float8tensor(t) else t).detach()
-    elif t.requires_grad:
-        t = t.detach()
-    elif t.dim() == 1 and t.stride(0) == 1:  # the common case, in one view
-        return t.view(torch.uint8), False
-    return as_bytes(t), not t.is_contiguous()
+def _wire_source(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose elements travel for a non-plain leaf tensor ``t``: an FP8
+    tensor's raw data viewed as its float8 format, or ``t`` detached. (A plain tensor is
+    its own wire source.)"""
+    if is_float8tensor(t):
+        return _per_tensor_layout(t)[0].detach().view(_float8_dtype(t))
+    return t.detach()
+
+
+def _wire_dtypes(c: "_Columns") -> List[Optional[torch.dtype]]:
+    """Each leaf's dtype on the wire: its dtype, or an FP8 tensor's float8 format."""
+    return [f[0] if f else d for d, f in zip(c.dtypes, c.fp8)]
 
 
 def _tensor_meta(t: torch.Tensor) -> _TensorMeta:
@@ -218,7 +232,8 @@ def _encode_meta(meta: _Meta) -> bytes:
     and pytree's JSON serialization are ten times slower to encode and decode)."""
     c = meta.columns
     return pickle.dumps((_pickle_treespec(meta.treespec), c.kinds, c.shapes, c.dtypes, c.nbytes, c.requires_grad,
-                         c.fp8, c.message, c.offset, c.values, meta.messages), protocol=pickle.HIGHEST_PROTOCOL)
+                         c.fp8, c.values, meta.receivers, meta.bucket_bytes, meta.alone_bytes),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _pickle_treespec(treespec: Any) -> bytes:
@@ -228,31 +243,38 @@ def _pickle_treespec(treespec: Any) -> bytes:
 def _decode_meta(payload: bytes) -> _Meta:
     with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
         warnings.simplefilter("ignore", FutureWarning)
-        spec_pickle, *fields, messages = pickle.loads(payload)
+        spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = pickle.loads(payload)
         treespec = pickle.loads(spec_pickle)
-    return _Meta(treespec, _Columns(*fields), messages, spec_pickle)
+    return _Meta(treespec, _Columns(*fields), receivers, bucket_bytes, alone_bytes, spec_pickle)
 
 
-_ALIGN = 64  # bucket offsets, so that every piece can be viewed as its dtype
+_ALIGN = 64  # where each dtype's run starts in a bucket
 
 
-def _plan_messages(c: _Columns) -> List[Tuple[int, List[int]]]:
-    """Group tensor leaves into data messages (and set ``c.message`` / ``c.offset``): every
-    large tensor alone (in leaf order), the small ones packed into buckets, which are
-    spread evenly through the large ones (so the sender packs and the receiver unpacks a
-    bucket while large tensors stream)."""
-    alone = min(ALONE_BYTES, BUCKET_BYTES // 2)
+def _plan_messages(c: _Columns, bucket_bytes: int, alone_bytes: int) -> Tuple[List[Tuple[int, List[int]]], List[int]]:
+    """Group tensor leaves into data messages: ``(messages, offsets)``, each message
+    ``(nbytes, leaves)`` and each leaf's offset in its message. Every tensor of
+    ``alone_bytes`` or half a bucket travels alone (in leaf order); the smaller ones are
+    packed into buckets of up to ``bucket_bytes``, spread evenly through the large ones
+    (so the sender packs and the receiver unpacks a bucket while large tensors stream).
+    In a bucket, the small tensors are grouped by dtype: each dtype's run starts
+    ``_ALIGN``-aligned and its tensors follow each other without gaps, so a run is copied
+    in and out as one typed tensor (see :func:`_segments`). A function of the columns and
+    the two sizes only: both sides compute the same plan."""
+    bucket, alone = bucket_bytes, min(alone_bytes, bucket_bytes // 2)
+    offsets = [0] * len(c.nbytes)
     sizes = [(i, n) for i, n in enumerate(c.nbytes) if n]
+    wire = _wire_dtypes(c)
+    runs: Dict[Any, int] = {}  # each dtype's place among the buckets' runs: the order of first appearance
+    small = sorted(((i, n) for i, n in sizes if n < alone), key=lambda p: runs.setdefault(wire[p[0]], len(runs)))
     buckets: List[Tuple[int, List[int]]] = []
     size, members = 0, []
-    for i, n in sizes:
-        if n >= alone:
-            continue
-        start = -(-size // _ALIGN) * _ALIGN
-        if members and start + n > BUCKET_BYTES:
+    for i, n in small:
+        start = size if members and wire[members[-1]] == wire[i] else -(-size // _ALIGN) * _ALIGN
+        if members and start + n > bucket:
             buckets.append((size, members))
             size, members, start = 0, [], 0
-        c.offset[i] = start
+        offsets[i] = start
         members.append(i)
         size = start + n
     if members:
@@ -268,10 +290,7 @@ def _plan_messages(c: _Columns) -> List[Tuple[int, List[int]]]:
             messages.append(buckets[k])
             k += 1
     messages += buckets[k:]
-    for m, (_, members) in enumerate(messages):
-        for i in members:
-            c.message[i] = m
-    return messages
+    return messages, offsets
 
 
 @contextlib.contextmanager
@@ -363,9 +382,8 @@ class PGTransport:
         dsts = list(dst_ranks)
         start = time.perf_counter()
         values, treespec = tree_flatten(state_dict)
-        columns, tensors = _Columns.describe(values)
-        messages = _plan_messages(columns)
-        meta = _Meta(treespec, columns, messages)
+        columns, sources = _Columns.describe(values)
+        meta = _Meta(treespec, columns, len(dsts))
         try:
             payload = _encode_meta(meta)  # once, for every receiver
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
@@ -376,6 +394,7 @@ class PGTransport:
         works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
         heads = [torch.zeros(2, dtype=torch.int64, device=self._device) for _ in dsts]
         answers = [(self._post_recv(h, d, _TAG_ACK, "receiving the metadata check"), h, d) for h, d in zip(heads, dsts)]
+        meta.plan()  # while the receivers check the metadata
         for work, d in works:
             self._wait([work], "sending the metadata", d)
         refusals, accepted = [], []
@@ -391,56 +410,12 @@ class PGTransport:
             # The refusing receivers have raised already; the others wait for a word.
             self._send_text(accepted, 1, reason, (_TAG_GO, _TAG_GO_TEXT), "sending the abort")
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
-        self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        self._send_data(dsts, messages, columns, tensors)
-        total = sum(size for size, _ in messages)
+        if len(dsts) > 1:  # (a single receiver's own acceptance is its go-ahead)
+            self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
+        _Outbox(self, dsts, meta, sources).send()
+        total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
-                    len(values), total / 2**20, len(messages), dsts, time.perf_counter() - start)
-
-    def _send_data(self, dsts: List[int], messages: List[Tuple[int, List[int]]], c: _Columns,
-                   tensors: List[Optional[torch.Tensor]]) -> None:
-        """Send every data message. Those from a tensor's own memory are posted at once
-        (nothing to allocate, so they stream back to back); buckets are packed into two
-        reused buffers, and copies of non-contiguous tensors are bounded to two buckets'
-        worth in flight."""
-
-        def wait_all(works: List[Tuple[Any, int]]) -> None:
-            for work, d in works:
-                self._wait([work], "sending tensor data", d)
-
-        own: List[Tuple[Any, int]] = []  # sends from the tensors' own memory
-        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
-        in_buffer: List[List[Tuple[Any, int]]] = [[], []]  # the sends of each bucket buffer
-        copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
-        copied = buckets = 0
-        for m, (size, members) in enumerate(messages):
-            if not _alone(c, size, members):
-                slot = buckets % 2
-                buckets += 1
-                wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
-                if buffers[slot].numel() < size:
-                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
-                data = buffers[slot][:size]
-                _pack(data, [c.offset[i] for i in members], [c.nbytes[i] for i in members],
-                      [_wire_bytes(tensors[i])[0] for i in members])
-                in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
-                continue
-            data, temporary = _wire_bytes(tensors[members[0]])
-            if data.device != self._device:
-                data, temporary = data.to(self._device), True
-            works = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
-            if not temporary:
-                own += works
-                continue
-            copies.append((works, size))
-            copied += size
-            while copied > 2 * BUCKET_BYTES and len(copies) > 1:
-                works, size = copies.popleft()
-                wait_all(works)
-                copied -= size
-        for works, _ in copies:
-            wait_all(works)
-        wait_all(in_buffer[0] + in_buffer[1] + own)
+                    len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
 
     # ------------------------------------------------------------------------- receive
 
@@ -478,12 +453,14 @@ class PGTransport:
                         "answering the metadata check")
         if error is not None:
             raise CheckpointingException(f"Peer transfer from rank {src_rank} refused: {error}")
-        go = torch.zeros(2, dtype=torch.int64, device=self._device)
-        self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
-        status, length = (int(v) for v in go.tolist())
-        reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
-        if status:
-            raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
+        meta.plan()  # the sender's plan, made here too
+        if meta.receivers > 1:  # another receiver may refuse: the sender says whether to go on
+            go = torch.zeros(2, dtype=torch.int64, device=self._device)
+            self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
+            status, length = (int(v) for v in go.tolist())
+            reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
+            if status:
+                raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
 
         out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results))
         total = sum(size for size, _ in meta.messages)
@@ -534,54 +511,58 @@ class PGTransport:
         for values), computed while the last messages arrive unless FP8 leaves need their
         data first.
 
-        Messages that land straight in their tensor are all posted at once; the others
-        (buckets, and tensors that need a conversion) go through two reused buffers, each
-        unpacked before it is posted again. The common paths read the metadata columns,
-        not per-leaf objects."""
+        A tensor travelling alone lands straight in its destination when that is
+        contiguous; all those messages are posted at once. The others (buckets, and tensors
+        that need a copy or a conversion) go through two reused buffers, each unpacked
+        before it is posted again: one typed copy call per dtype run of a bucket."""
         c = meta.columns
-        count = len(c.kinds)
-        results: List[Optional[torch.Tensor]] = [None] * count
-        wire: List[Optional[torch.Tensor]] = [None] * count  # bytes a leaf's wire bytes can land in directly
+        count, device, wire = len(c.kinds), self._device, _wire_dtypes(c)
+        inplace = self._state_dict is not None
+        results: List[Optional[torch.Tensor]] = list(dests)
+        # targets[i]: the tensor that leaf i's wire values are copied into (its dtype and
+        # shape); None: not allocated yet (new tensors), or a conversion (in place)
+        if not inplace:
+            targets: List[Optional[torch.Tensor]] = [None] * count
+        elif not meta.fp8_leaves:  # the common case: the receiver's own plain tensors
+            targets = [d if d is None or type(d) is torch.Tensor else _wire_view(meta.leaves[i].tensor, d)
+                       for i, d in enumerate(dests)]
+        else:
+            targets = [None if d is None else _wire_view(meta.leaves[i].tensor, d) for i, d in enumerate(dests)]
+        converted = inplace and any(t is None and d is not None for t, d in zip(targets, dests))
 
-        def land(i: int) -> Optional[torch.Tensor]:
-            """Set up leaf ``i``'s tensor (the receiver's own, or a new one); returns its
-            bytes when the wire bytes can land in them directly (done lazily, message by
-            message: the first messages are posted at once, the rest while data streams)."""
-            fp8, dest = c.fp8[i], dests[i]
-            if dest is None:
-                dest = torch.empty(c.shapes[i], dtype=fp8[0] if fp8 else c.dtypes[i], device=self._device)
-            results[i] = dest
-            if (fp8 is None and type(dest) is torch.Tensor and not dest.requires_grad and dest.dim() == 1
-                    and dest.stride(0) == 1 and _is_on(dest, self._device)):
-                wire[i] = dest.view(torch.uint8)  # the common case, in one view
-                return wire[i]
-            target = _wire_view(meta.leaves[i].tensor, dest)
-            if target is not None and target.is_contiguous() and _is_on(target, self._device):
-                wire[i] = as_bytes(target)
-            return wire[i]
+        def allocate(leaves: List[int]) -> None:
+            for i in leaves:
+                if results[i] is None:
+                    results[i] = targets[i] = torch.empty(c.shapes[i], dtype=wire[i], device=device)
 
         def unpack(m: int, buf: torch.Tensor) -> None:
-            direct_dsts, direct_srcs = [], []
-            members = meta.messages[m][1]
-            for i, piece in zip(members, _pieces(buf, [c.offset[i] for i in members], [c.nbytes[i] for i in members])):
-                if results[i] is None:
-                    land(i)
-                if wire[i] is not None:
-                    direct_dsts.append(wire[i])
-                    direct_srcs.append(piece)
-                else:
-                    _unpack(piece, meta.leaves[i].tensor, results[i])
-            _copy_all(direct_dsts, direct_srcs)
+            with torch.no_grad():
+                for dtype, start, end, leaves in _segments(meta, wire, meta.messages[m][1]):
+                    if not inplace:
+                        allocate(leaves)
+                    ts = [targets[i] for i in leaves]
+                    pieces = _pieces(buf[start:end].view(dtype), leaves, c)
+                    if not converted:
+                        _copy_all(ts, pieces)
+                        continue
+                    _copy_all([t for t in ts if t is not None], [p for t, p in zip(ts, pieces) if t is not None])
+                    for i, t, p in zip(leaves, ts, pieces):
+                        if t is None:
+                            _convert(p, meta.leaves[i].tensor, results[i])
 
         what = "receiving tensor data"
-        buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
+        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
         straight: List[Any] = []
         buffered = 0
         for m, (size, members) in enumerate(meta.messages):
-            if _alone(c, size, members) and land(members[0]) is not None:
-                straight.append(self._post_recv(wire[members[0]], src, _TAG_DATA + m, what))  # alone
-                continue
+            if _alone(c, size, members):
+                if not inplace:
+                    allocate(members)
+                t = targets[members[0]]
+                if t is not None and t.is_contiguous() and _is_on(t, device):
+                    straight.append(self._post_recv(t, src, _TAG_DATA + m, what))
+                    continue
             slot = buffered % 2
             buffered += 1
             if pending[slot] is not None:  # the buffer's last message first
@@ -589,16 +570,15 @@ class PGTransport:
                 self._wait([work], what, src)
                 unpack(prev, buf)
             if buffers[slot].numel() < size:
-                buffers[slot] = torch.empty(size, dtype=torch.uint8, device=self._device)
+                buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
             buf = buffers[slot][:size]
             pending[slot] = (self._post_recv(buf, src, _TAG_DATA + m, what), m, buf)
-        for i in range(count):  # while data streams
-            if c.kinds[i] == "value":
-                continue
-            if results[i] is None:  # a tensor still in a bucket, or an empty one (no message)
-                land(i)
-            if dests[i] is None and c.requires_grad[i] and results[i].is_floating_point():
-                results[i].requires_grad_(True)
+        if not inplace:  # while data streams: the tensors still in a bucket, and empty ones
+            tensors = [i for i in range(count) if c.kinds[i] != "value"]
+            allocate(tensors)
+            for i in tensors:
+                if c.requires_grad[i] and results[i].is_floating_point():
+                    results[i].requires_grad_(True)
         fp8_leaves = meta.fp8_leaves
         out = None if fp8_leaves else assemble(results)
         for entry in sorted((e for e in pending if e is not None), key=lambda e: e[1]):
@@ -611,6 +591,56 @@ class PGTransport:
         for i in fp8_leaves:
             results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
         return assemble(results)
+
+
+class _Outbox:
+    """A sender's data messages. Tensors travelling alone go from their own memory when
+    it is contiguous and on the transport's device (all posted at once, so they stream
+    back to back; copies of the others are bounded to two buckets' worth in flight).
+    Buckets are packed into two reused buffers, one ``torch.cat`` per dtype run."""
+
+    def __init__(self, transport: PGTransport, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]):
+        self._t, self._dsts, self._meta, self._sources = transport, dsts, meta, sources
+
+    def send(self) -> None:
+        """Send every data message to every destination; returns when all are sent."""
+        t, dsts, device, meta = self._t, self._dsts, self._t._device, self._meta
+        c, wire = meta.columns, _wire_dtypes(meta.columns)
+
+        def wait_all(works: List[Tuple[Any, int]]) -> None:
+            for work, d in works:
+                t._wait([work], "sending tensor data", d)
+
+        own: List[Tuple[Any, int]] = []  # sends from the tensors' own memory
+        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+        in_buffer: List[List[Tuple[Any, int]]] = [[], []]  # the sends of each bucket buffer
+        copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
+        copied = buckets = 0
+        for m, (size, members) in enumerate(meta.messages):
+            if not _alone(c, size, members):
+                slot = buckets % 2
+                buckets += 1
+                wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
+                if buffers[slot].numel() < size:
+                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+                data = buffers[slot][:size]
+                _pack(data, _segments(meta, wire, members), self._sources)
+                in_buffer[slot] = [(t._send(data, d, _TAG_DATA + m), d) for d in dsts]
+                continue
+            data = self._sources[members[0]]
+            if data.is_contiguous() and _is_on(data, device):
+                own += [(t._send(data, d, _TAG_DATA + m), d) for d in dsts]
+                continue
+            data = (data if _is_on(data, device) else data.to(device)).contiguous()
+            copies.append(([(t._send(data, d, _TAG_DATA + m), d) for d in dsts], size))
+            copied += size
+            while copied > 2 * BUCKET_BYTES and len(copies) > 1:
+                works, size = copies.popleft()
+                wait_all(works)
+                copied -= size
+        for works, _ in copies:
+            wait_all(works)
+        wait_all(in_buffer[0] + in_buffer[1] + own)
 
 
 def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
@@ -664,40 +694,53 @@ def _alone(c: _Columns, size: int, members: List[int]) -> bool:
     return len(members) == 1 and c.nbytes[members[0]] == size
 
 
-_PAD = torch.zeros(_ALIGN, dtype=torch.uint8)
-_pads: Dict[torch.device, List[torch.Tensor]] = {}
+def _segments(meta: _Meta, wire: List[Optional[torch.dtype]], members: List[int]
+              ) -> List[Tuple[torch.dtype, int, int, List[int]]]:
+    """A data message's runs: ``(dtype, start, end, leaves)`` for each stretch of bytes
+    that holds consecutive leaves of one wire dtype without gaps (a tensor travelling
+    alone is one run)."""
+    runs: List[Tuple[torch.dtype, int, int, List[int]]] = []
+    dtype, start, end, leaves = None, 0, -1, []
+    offsets, nbytes = meta.offsets, meta.columns.nbytes
+    for i in members:
+        offset = offsets[i]
+        if offset != end or wire[i] != dtype:
+            if leaves:
+                runs.append((dtype, start, end, leaves))
+            dtype, start, end, leaves = wire[i], offset, offset, []
+        leaves.append(i)
+        end += nbytes[i]
+    if leaves:
+        runs.append((dtype, start, end, leaves))
+    return runs
 
 
-def _pack(bucket: torch.Tensor, offsets: List[int], sizes: List[int], pieces: List[torch.Tensor]) -> None:
-    """Lay ``pieces`` (wire bytes of ``sizes`` bytes) into ``bucket`` at their ``offsets``:
-    one ``torch.cat`` with the alignment padding in between (a per-piece copy loop costs
-    5x more in Python)."""
-    pads = _pads.get(bucket.device)
-    if pads is None:
-        pad = _PAD.to(bucket.device)
-        pads = _pads[bucket.device] = [pad[:n] for n in range(_ALIGN)]
-    parts: List[torch.Tensor] = []
+def _pieces(run: torch.Tensor, leaves: List[int], c: _Columns) -> List[torch.Tensor]:
+    """Each leaf's values in ``run`` (a bucket's bytes of one dtype run, viewed as that
+    dtype), shaped as the leaf (one ``torch.split`` for the run; only the pieces of
+    tensors that are not 1-D get a second view)."""
+    size = run.element_size()
+    pieces = torch.split(run, [c.nbytes[i] // size for i in leaves])
+    return [p if len(c.shapes[i]) == 1 else p.view(c.shapes[i]) for i, p in zip(leaves, pieces)]
+
+
+def _pack(bucket: torch.Tensor, runs: List[Tuple[torch.dtype, int, int, List[int]]],
+          sources: List[Optional[torch.Tensor]]) -> None:
+    """Copy the wire sources of every run's leaves into ``bucket``: one ``torch.cat`` per
+    run (the alignment gaps are zeroed)."""
     pos = 0
-    for offset, size, piece in zip(offsets, sizes, pieces):
-        if offset > pos:
-            parts.append(pads[offset - pos])
-        parts.append(piece)
-        pos = offset + size
-    try:
-        torch.cat(parts, out=bucket)
-    except RuntimeError:  # pieces on another device: copy one by one
-        for offset, size, piece in zip(offsets, sizes, pieces):
-            bucket[offset:offset + size].copy_(piece)
-
-
-def _pieces(buf: torch.Tensor, offsets: List[int], sizes: List[int]) -> List[torch.Tensor]:
-    """Each member's bytes in a received bucket (one ``torch.split`` for all of them)."""
-    parts: List[int] = []
-    pos = 0
-    for offset, size in zip(offsets, sizes):
-        parts += (offset - pos, size)
-        pos = offset + size
-    return list(torch.split(buf[:pos], parts))[1::2]
+    with torch.no_grad():
+        for dtype, start, end, leaves in runs:
+            if start > pos:
+                bucket[pos:start].zero_()
+            pos = end
+            pieces = [sources[i] for i in leaves]
+            run = bucket[start:end].view(dtype)
+            try:
+                torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in pieces], out=run)
+            except RuntimeError:  # e.g. pieces on another device: one copy each
+                for piece, t in zip(torch.split(run, [t.numel() for t in pieces]), pieces):
+                    piece.copy_(t.reshape(-1))
 
 
 def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
@@ -713,32 +756,24 @@ def _copy_all(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
 
 
 def _wire_view(tm: _TensorMeta, dest: torch.Tensor) -> Optional[torch.Tensor]:
-    """The tensor whose bytes are exactly a leaf's wire bytes, or ``None`` when the
-    destination needs a conversion (FP8 bytes into a plain high-precision tensor, plain
-    values into an FP8 tensor)."""
+    """The tensor (wire dtype, leaf shape) that a leaf's wire values can be copied into
+    as they are, or ``None`` when the destination needs a conversion (FP8 values into a
+    plain high-precision tensor, plain values into an FP8 tensor)."""
     if tm.fp8 is None:
         return None if is_float8tensor(dest) else dest.detach()
     if is_float8tensor(dest):
-        return _per_tensor_layout(dest)[0].detach()
+        return _per_tensor_layout(dest)[0].detach().view(tm.fp8[0])
     return dest.detach() if dest.dtype == tm.fp8[0] else None
 
 
-def _unpack(piece: torch.Tensor, tm: _TensorMeta, dest: torch.Tensor) -> None:
-    """Copy a leaf's wire bytes into a destination that could not receive them directly
-    (not contiguous, on another device, or needing a conversion)."""
+def _convert(values: torch.Tensor, tm: _TensorMeta, dest: torch.Tensor) -> None:
+    """Put a leaf's wire values into a destination of another kind: plain values into an
+    FP8 tensor (quantized with its own scale), FP8 values into a plain tensor
+    (dequantized with the sender's scale)."""
     if tm.fp8 is None:
-        values = piece.view(tm.dtype).reshape(tm.shape)
-        if is_float8tensor(dest):  # plain values into an FP8 tensor: quantize with its own scale
-            fill_float8_(dest, values)
-        else:
-            dest.detach().copy_(values)
-        return
-    raw = piece.view(tm.fp8[0]).reshape(tm.shape)
-    target = _wire_view(tm, dest)
-    if target is None:
-        dest.detach().copy_((raw.float() * tm.fp8[1]).to(tm.dtype))
+        fill_float8_(dest, values)
     else:
-        target.copy_(raw.view(torch.uint8) if target.dtype == torch.uint8 else raw)
+        dest.detach().copy_((values.float() * tm.fp8[1]).to(tm.dtype))
 
 
 def _finish_fp8(tm: _TensorMeta, dest: torch.Tensor) -> torch.Tensor:

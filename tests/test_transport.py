@@ -318,6 +318,7 @@ def _views(rank: int, world_size: int) -> Any:
         if rank == 0:
             spy = _SpyPG()
             PGTransport(spy, T, "cpu").send_checkpoint([1], state)
+            assert transport._TAG_GO not in [tag for tag, *_ in spy.sent], "one receiver: its acceptance is the go-ahead"
             sent = spy.data_sent()
             own = sum(t.numel() * t.element_size() for t in state.values())
             total = sum(n for _, _, n, _ in sent)
@@ -352,8 +353,11 @@ def test_plan_messages(monkeypatch):
     values: List[Any] = list(tensors)
     values.insert(4, "not a tensor")
     columns, _ = transport._Columns.describe(values)
-    plan = transport._plan_messages(columns)
-    leaves = transport._LeafColumns(columns)  # the planned message and offset of each leaf
+    meta = transport._Meta(None, columns)
+    meta.plan()
+    plan, offsets = meta.messages, meta.offsets
+    assert (plan, offsets) == transport._plan_messages(columns, SMALL_BUCKET, transport.ALONE_BYTES)
+    leaves = transport._LeafColumns(columns)
     seen: Dict[int, int] = {}
     for m, (size, members) in enumerate(plan):
         assert members, "an empty message"
@@ -362,13 +366,19 @@ def test_plan_messages(monkeypatch):
             tm = leaves[i].tensor
             assert tm is not None and tm.nbytes > 0 and i not in seen
             seen[i] = m
-            assert tm.message == m
-            assert tm.offset % 64 == 0, f"leaf {i}: offset {tm.offset} not aligned"
-            spans.append((tm.offset, tm.offset + tm.nbytes))
+            offset = offsets[i]
+            assert offset % tm.dtype.itemsize == 0, f"leaf {i}: offset {offset} not a multiple of its element"
+            spans.append((offset, offset + tm.nbytes))
             if tm.nbytes >= half:
-                assert members == [i] and tm.offset == 0 and size == tm.nbytes, "a large tensor must travel alone"
+                assert members == [i] and offset == 0 and size == tm.nbytes, "a large tensor must travel alone"
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "overlapping pieces"
+        # a bucket holds one run per dtype: each starts aligned, its tensors without gaps
+        runs = transport._segments(meta, transport._wire_dtypes(columns), members)
+        assert len(runs) == len({columns.dtypes[i] for i in members}), runs
+        for dtype, start, end, run in runs:
+            assert start % 64 == 0 and end - start == sum(columns.nbytes[i] for i in run), (dtype, start, end)
+            assert {columns.dtypes[i] for i in run} == {dtype} and run == sorted(run), "a run keeps leaf order"
         assert size == spans[-1][1]
         if len(members) > 1:
             assert size <= SMALL_BUCKET
@@ -387,6 +397,10 @@ def _many_small(rank: int, world_size: int, bucket: int) -> int:
         if rank == 0:
             PGTransport(spy, T, "cpu").send_checkpoint(list(range(1, world_size)), {"t": exp})
             assert len(spy.data_sent()) % (world_size - 1) == 0
+            # several receivers: each hears whether every one of them accepted before any data
+            goes = [(n, dst) for n, (tag, _, _, dst) in enumerate(spy.sent) if tag == transport._TAG_GO]
+            first_data = min(n for n, (tag, *_) in enumerate(spy.sent) if tag >= transport._TAG_DATA)
+            assert sorted(d for _, d in goes) == list(range(1, world_size)) and max(n for n, _ in goes) < first_data
             return len(spy.data_sent()) // (world_size - 1)
         if rank == 1:
             mine = {"t": [torch.zeros(numel) for _ in range(n)]}
@@ -948,9 +962,13 @@ def test_metadata_round_trip():
     columns, tensors = transport._Columns.describe(values)
     assert [t is v if isinstance(v, torch.Tensor) else t is None for t, v in zip(tensors, values)] == [True] * len(values)
     columns.fp8[0] = (torch.float8_e4m3fn, 0.5)  # as if an FP8 tensor
-    messages = transport._plan_messages(columns)
-    meta = transport._decode_meta(transport._encode_meta(transport._Meta(treespec, columns, messages)))
-    assert meta.treespec == treespec and meta.messages == messages and meta.fp8_leaves == [0]
+    sent = transport._Meta(treespec, columns, receivers=2, bucket_bytes=1 << 10, alone_bytes=16)
+    meta = transport._decode_meta(transport._encode_meta(sent))
+    assert meta.treespec == treespec and meta.fp8_leaves == [0]
+    assert (meta.receivers, meta.bucket_bytes, meta.alone_bytes) == (2, 1 << 10, 16)
+    sent.plan()
+    meta.plan()  # the receiver's plan is the sender's
+    assert (meta.messages, meta.offsets) == (sent.messages, sent.offsets) and len(meta.messages) == 2
     assert meta.columns == columns
     assert len(meta.leaves) == len(values)
     w = meta.leaves[0]
