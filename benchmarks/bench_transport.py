@@ -139,7 +139,7 @@ def transport_plan(tensors: List[torch.Tensor]) -> Any:
 
 def pack_bucket(buf: torch.Tensor, meta: Any, members: List[int], tensors: List[torch.Tensor]) -> None:
     """Pack a bucket of the plan the way the sender does."""
-    transport._pack(buf, transport._segments(meta, transport._wire_dtypes(meta.columns), members), tensors)
+    transport._pack(buf, transport._segments(meta, members), tensors)
 
 
 # ----------------------------------------------------------------------------- the receiver's phases

@@ -144,6 +144,7 @@ class _Meta:
         self.bucket_bytes = BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes
         self.alone_bytes = ALONE_BYTES if self.alone_bytes is None else self.alone_bytes
         self.leaves: Sequence[_Leaf] = _LeafColumns(self.columns)  # objects for the rarer paths
+        self.wire = _wire_dtypes(self.columns)  # each leaf's dtype on the wire
         self.messages: List[Tuple[int, List[int]]] = []  # (nbytes, indices of the leaves it carries)
         self.offsets: List[int] = []  # each leaf's offset in its message
 
@@ -412,10 +413,53 @@ class PGTransport:
             raise CheckpointingException(f"Peer transfer aborted: {reason}")
         if len(dsts) > 1:  # (a single receiver's own acceptance is its go-ahead)
             self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
-        _Outbox(self, dsts, meta, sources).send()
+        self._send_data(dsts, meta, sources)
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
+
+    def _send_data(self, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]) -> None:
+        """Send every data message to every destination. Tensors travelling alone go from
+        their own memory when it is contiguous and on the transport's device (all posted
+        at once, so they stream back to back; copies of the others are bounded to two
+        buckets' worth in flight). Buckets are packed into two reused buffers, one
+        ``torch.cat`` per dtype run."""
+        device, c = self._device, meta.columns
+
+        def wait_all(works: List[Tuple[Any, int]]) -> None:
+            for work, d in works:
+                self._wait([work], "sending tensor data", d)
+
+        own: List[Tuple[Any, int]] = []  # sends from the tensors' own memory
+        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+        in_buffer: List[List[Tuple[Any, int]]] = [[], []]  # the sends of each bucket buffer
+        copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
+        copied = buckets = 0
+        for m, (size, members) in enumerate(meta.messages):
+            if not _alone(c, size, members):
+                slot = buckets % 2
+                buckets += 1
+                wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
+                if buffers[slot].numel() < size:
+                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+                data = buffers[slot][:size]
+                _pack(data, _segments(meta, members), sources)
+                in_buffer[slot] = [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
+                continue
+            data = sources[members[0]]
+            if data.is_contiguous() and _is_on(data, device):
+                own += [(self._send(data, d, _TAG_DATA + m), d) for d in dsts]
+                continue
+            data = (data if _is_on(data, device) else data.to(device)).contiguous()
+            copies.append(([(self._send(data, d, _TAG_DATA + m), d) for d in dsts], size))
+            copied += size
+            while copied > 2 * BUCKET_BYTES and len(copies) > 1:
+                works, size = copies.popleft()
+                wait_all(works)
+                copied -= size
+        for works, _ in copies:
+            wait_all(works)
+        wait_all(in_buffer[0] + in_buffer[1] + own)
 
     # ------------------------------------------------------------------------- receive
 
@@ -516,7 +560,7 @@ class PGTransport:
         that need a copy or a conversion) go through two reused buffers, each unpacked
         before it is posted again: one typed copy call per dtype run of a bucket."""
         c = meta.columns
-        count, device, wire = len(c.kinds), self._device, _wire_dtypes(c)
+        count, device, wire = len(c.kinds), self._device, meta.wire
         inplace = self._state_dict is not None
         results: List[Optional[torch.Tensor]] = list(dests)
         # targets[i]: the tensor that leaf i's wire values are copied into (its dtype and
@@ -537,7 +581,7 @@ class PGTransport:
 
         def unpack(m: int, buf: torch.Tensor) -> None:
             with torch.no_grad():
-                for dtype, start, end, leaves in _segments(meta, wire, meta.messages[m][1]):
+                for dtype, start, end, leaves in _segments(meta, meta.messages[m][1]):
                     if not inplace:
                         allocate(leaves)
                     ts = [targets[i] for i in leaves]
@@ -593,56 +637,6 @@ class PGTransport:
         return assemble(results)
 
 
-class _Outbox:
-    """A sender's data messages. Tensors travelling alone go from their own memory when
-    it is contiguous and on the transport's device (all posted at once, so they stream
-    back to back; copies of the others are bounded to two buckets' worth in flight).
-    Buckets are packed into two reused buffers, one ``torch.cat`` per dtype run."""
-
-    def __init__(self, transport: PGTransport, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]):
-        self._t, self._dsts, self._meta, self._sources = transport, dsts, meta, sources
-
-    def send(self) -> None:
-        """Send every data message to every destination; returns when all are sent."""
-        t, dsts, device, meta = self._t, self._dsts, self._t._device, self._meta
-        c, wire = meta.columns, _wire_dtypes(meta.columns)
-
-        def wait_all(works: List[Tuple[Any, int]]) -> None:
-            for work, d in works:
-                t._wait([work], "sending tensor data", d)
-
-        own: List[Tuple[Any, int]] = []  # sends from the tensors' own memory
-        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
-        in_buffer: List[List[Tuple[Any, int]]] = [[], []]  # the sends of each bucket buffer
-        copies: Deque[Tuple[List[Tuple[Any, int]], int]] = collections.deque()  # sends from temporary copies
-        copied = buckets = 0
-        for m, (size, members) in enumerate(meta.messages):
-            if not _alone(c, size, members):
-                slot = buckets % 2
-                buckets += 1
-                wait_all(in_buffer[slot])  # the buffer is free once its last sends are done
-                if buffers[slot].numel() < size:
-                    buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
-                data = buffers[slot][:size]
-                _pack(data, _segments(meta, wire, members), self._sources)
-                in_buffer[slot] = [(t._send(data, d, _TAG_DATA + m), d) for d in dsts]
-                continue
-            data = self._sources[members[0]]
-            if data.is_contiguous() and _is_on(data, device):
-                own += [(t._send(data, d, _TAG_DATA + m), d) for d in dsts]
-                continue
-            data = (data if _is_on(data, device) else data.to(device)).contiguous()
-            copies.append(([(t._send(data, d, _TAG_DATA + m), d) for d in dsts], size))
-            copied += size
-            while copied > 2 * BUCKET_BYTES and len(copies) > 1:
-                works, size = copies.popleft()
-                wait_all(works)
-                copied -= size
-        for works, _ in copies:
-            wait_all(works)
-        wait_all(in_buffer[0] + in_buffer[1] + own)
-
-
 def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
     """The received state: the sender's structure with the received tensors (wrapped back
     into ShardedTensors and DTensors) and the sender's other values."""
@@ -694,14 +688,13 @@ def _alone(c: _Columns, size: int, members: List[int]) -> bool:
     return len(members) == 1 and c.nbytes[members[0]] == size
 
 
-def _segments(meta: _Meta, wire: List[Optional[torch.dtype]], members: List[int]
-              ) -> List[Tuple[torch.dtype, int, int, List[int]]]:
+def _segments(meta: _Meta, members: List[int]) -> List[Tuple[torch.dtype, int, int, List[int]]]:
     """A data message's runs: ``(dtype, start, end, leaves)`` for each stretch of bytes
     that holds consecutive leaves of one wire dtype without gaps (a tensor travelling
     alone is one run)."""
     runs: List[Tuple[torch.dtype, int, int, List[int]]] = []
     dtype, start, end, leaves = None, 0, -1, []
-    offsets, nbytes = meta.offsets, meta.columns.nbytes
+    offsets, nbytes, wire = meta.offsets, meta.columns.nbytes, meta.wire
     for i in members:
         offset = offsets[i]
         if offset != end or wire[i] != dtype:

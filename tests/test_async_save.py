@@ -544,29 +544,39 @@ def _big_state(rank, world, mb):
             "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}
 
 
-def _save_again(queue, rank, world, good, gen):
-    """After a failed call (index 0): the same queue saves and finalizes the next one."""
-    request = dc.save(_state(rank, world, gen=gen), good, async_sharded_save=True)
-    assert queue.schedule_async_request(request) == 1
-    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
-
-
-def _killed_writer(rank, world, ckpt, good):
+def _fails_then_saves_again(rank, world, ckpt, state, sabotage, check, good, gen) -> str:
+    """An async save of ``state`` into ``ckpt``, ``sabotage(request)`` before it is
+    scheduled: the call fails (its message returned, after ``check()``), nothing is left
+    unfinalized and ``ckpt`` is no checkpoint; then the same queue saves generation
+    ``gen`` into ``good``, which loads back."""
     queue = AsyncCallsQueue()
     try:
-        request = dc.save(_big_state(rank, world, 32), ckpt, async_sharded_save=True)
-        if rank == 1:
-            os.kill(_writer(request).pid, signal.SIGKILL)
+        request = dc.save(state, ckpt, async_sharded_save=True)
+        sabotage(request)
         queue.schedule_async_request(request)
         msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
         assert queue.get_num_unfinalized_calls() == 0
-        assert not dc.check_is_distributed_checkpoint(ckpt) and CONFIG_FNAME not in os.listdir(ckpt)
-        assert "incomplete" in _incomplete_error(ckpt)
-        _save_again(queue, rank, world, good, 5)
+        assert not dc.check_is_distributed_checkpoint(ckpt)
+        check()
+        request = dc.save(_state(rank, world, gen=gen), good, async_sharded_save=True)
+        assert queue.schedule_async_request(request) == 1
+        assert queue.maybe_finalize_async_calls(blocking=True) == [1]
     finally:
         queue.close()
-    _load_check(good, rank, world, 5)
+    _load_check(good, rank, world, gen)
     return msg
+
+
+def _killed_writer(rank, world, ckpt, good):
+    def kill(request):
+        if rank == 1:
+            os.kill(_writer(request).pid, signal.SIGKILL)
+
+    def check():
+        assert CONFIG_FNAME not in os.listdir(ckpt)
+        assert "incomplete" in _incomplete_error(ckpt)
+
+    return _fails_then_saves_again(rank, world, ckpt, _big_state(rank, world, 32), kill, check, good, 5)
 
 
 def test_killed_writer_fails_on_every_rank(pool2, tmp_path):
@@ -577,25 +587,17 @@ def test_killed_writer_fails_on_every_rank(pool2, tmp_path):
 
 def _destination_gone(rank, world, root, how, who):
     ckpt = os.path.join(root, f"{how}_{who}")
-    queue = AsyncCallsQueue()
-    try:
-        request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+
+    def remove(request):
         if who == "all" or rank == 0:
             while os.path.lexists(ckpt):  # a writer may add a file while rmtree runs
                 shutil.rmtree(ckpt, ignore_errors=True)
             if how == "file":
                 with open(ckpt, "w") as f:
                     f.write("not a directory")
-        queue.schedule_async_request(request)
-        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
-        assert queue.get_num_unfinalized_calls() == 0
-        assert not dc.check_is_distributed_checkpoint(ckpt)
-        good = os.path.join(root, f"good_{how}_{who}")
-        _save_again(queue, rank, world, good, 2)
-    finally:
-        queue.close()
-    _load_check(good, rank, world, 2)
-    return msg
+
+    good = os.path.join(root, f"good_{how}_{who}")
+    return _fails_then_saves_again(rank, world, ckpt, _state(rank, world), remove, lambda: None, good, 2)
 
 
 @pytest.mark.parametrize("how,who", [("rmtree", "rank0"), ("rmtree", "all"), ("file", "rank0")])
@@ -612,21 +614,15 @@ def _common_write_fails(rank, world, root):
     """common.pt is written in the background (rank 0): a failure there fails the call on
     every rank, while the data files are still written and waited for."""
     ckpt = os.path.join(root, "blocked")
-    queue = AsyncCallsQueue()
-    try:
-        request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
+
+    def block(request):
         if rank == 0:  # common.pt cannot replace a non-empty directory
             os.makedirs(os.path.join(ckpt, "common.pt", "x"))
-        queue.schedule_async_request(request)
-        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
-        assert not dc.check_is_distributed_checkpoint(ckpt)
+
+    def check():
         assert any(f.endswith(".distcp") for f in os.listdir(ckpt))  # the writers were not cut short
-        good = os.path.join(root, "good")
-        _save_again(queue, rank, world, good, 1)
-    finally:
-        queue.close()
-    _load_check(good, rank, world, 1)
-    return msg
+
+    return _fails_then_saves_again(rank, world, ckpt, _state(rank, world), block, check, os.path.join(root, "good"), 1)
 
 
 def test_common_state_write_failure_in_background(pool2, tmp_path):

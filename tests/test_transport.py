@@ -374,7 +374,7 @@ def test_plan_messages(monkeypatch):
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "overlapping pieces"
         # a bucket holds one run per dtype: each starts aligned, its tensors without gaps
-        runs = transport._segments(meta, transport._wire_dtypes(columns), members)
+        runs = transport._segments(meta, members)
         assert len(runs) == len({columns.dtypes[i] for i in members}), runs
         for dtype, start, end, run in runs:
             assert start % 64 == 0 and end - start == sum(columns.nbytes[i] for i in run), (dtype, start, end)
