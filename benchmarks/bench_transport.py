@@ -16,6 +16,8 @@ Methods:
   alone, small ones in buckets), every one posted at once on both sides, the buckets
   packed before the clock starts, no metadata: what the transport costs without its
   metadata round, packing and Python bookkeeping;
+* ``split_send@N`` (``--split-counts``): those contiguous bytes in N equal messages, every one
+  posted at once on both sides (what the number of messages alone costs on this wire);
 * ``chunked_send``: those contiguous bytes in messages of the default ``BUCKET_BYTES``, at most
   two sends in flight and the next receive posted one ahead (the transport's data pattern
   without metadata or packing copies);
@@ -24,11 +26,18 @@ Methods:
 * ``broadcast_object``: ``dist.broadcast_object_list([state], src=0)`` (pickle);
 * ``transport_inplace@N``: ``transport_inplace`` with ``dist_checkpointing.transport.BUCKET_BYTES``
   set to N MiB on both ranks (the bucket-size sweep; the default size is the
-  ``transport_inplace`` row).
+  ``transport_inplace`` row);
+* ``transport_inplace@aloneK`` (``--sweep-alone-kib``): ``transport_inplace`` with
+  ``ALONE_BYTES`` set to K KiB on both ranks: tensors below it go into buckets (copied),
+  the others travel alone (one message each).
 
 One untimed warm-up round runs every method once and checks that rank 1 received the values
 rank 0 sent (its destination tensors zeroed before). Then ``--rounds`` interleaved rounds,
 each running every method once in an order rotated by one each round; medians over rounds.
+The target (transport / single send <= 1.5) is checked twice: on the medians of all rounds,
+and on the best round of each (on a shared machine the single send is bimodal, ~0.06 s or
+~0.11 s for the same bytes, so a median ratio alone can pass only because the anchor was
+mostly slow): the target is met only if both ratios are within it.
 Time: barrier on both ranks, then the receiver's wall time until it has everything (the
 sender's time until its call returns is recorded too). Memory: peak extra RSS per rank
 (``/proc/self/clear_refs`` + ``VmHWM``) during the call, max over rounds; CPU time of each
@@ -68,6 +77,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_transport.json"
 MiB = 1 << 20
 DEFAULT_BUCKET = transport.BUCKET_BYTES
+DEFAULT_ALONE = transport.ALONE_BYTES
 BASE_METHODS = ("single_send", "chunked_send", "plan_pattern", "transport_inplace", "transport_alloc",
                 "per_tensor_send", "broadcast_object")
 TARGET = 1.5  # transport / single_send (the bucketing target)
@@ -123,6 +133,17 @@ def build_state(specs, fill: bool) -> Dict[str, Any]:
             t.zero_()
         model[f"layer{i // 10:03d}.param{i % 10}"] = t
     return {"model": model, "step": 1234 if fill else 0}
+
+
+def transport_sizes(method: str) -> Tuple[int, int]:
+    """``(BUCKET_BYTES, ALONE_BYTES)`` for a method: ``transport_inplace@N`` sets the bucket
+    to N MiB, ``transport_inplace@aloneK`` the alone threshold to K KiB; the defaults otherwise."""
+    base, _, at = method.partition("@")
+    if not base.startswith("transport") or not at:
+        return DEFAULT_BUCKET, DEFAULT_ALONE
+    if at.startswith("alone"):
+        return DEFAULT_BUCKET, int(at[len("alone"):]) * 1024
+    return int(at) * MiB, DEFAULT_ALONE
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -216,6 +237,11 @@ class Rank:
             self.flat_buf = torch.empty(self.total, dtype=torch.uint8)
             self.flat_buf.zero_()
         self.received: Any = None  # what the last call produced on rank 1
+        flat = self.flat if rank == 0 else self.flat_buf
+        # split_send@N: the contiguous bytes in N equal slices (cut before the clock starts)
+        self.splits = {n: [flat[self.total * k // n:self.total * (k + 1) // n] for k in range(n)]
+                       for n in args.split_counts}
+        self.split = 0  # the N of the split_send call running
         self.gc = GCTimer()
         # plan_pattern: the transport's data messages, buckets packed up front
         self.meta = transport_plan(self.tensors)
@@ -247,6 +273,17 @@ class Rank:
 
     def single_send_recv(self) -> None:
         dist.recv(self.flat_buf, 0)
+        self.received = self.flat_buf
+
+    def split_send_send(self) -> None:
+        pg = dist.group.WORLD
+        for work in [pg.send([b], 1, 300 + m) for m, b in enumerate(self.splits[self.split])]:
+            work.wait()
+
+    def split_send_recv(self) -> None:
+        pg = dist.group.WORLD
+        for work in [pg.recv([b], 0, 300 + m) for m, b in enumerate(self.splits[self.split])]:
+            work.wait()
         self.received = self.flat_buf
 
     def chunked_send_send(self) -> None:
@@ -318,7 +355,7 @@ class Rank:
         """On rank 1: did the last call deliver the sent values?"""
         base = method.split("@")[0]
         got = self.received
-        if base in ("single_send", "chunked_send"):
+        if base in ("single_send", "chunked_send", "split_send"):
             off, ok = 0, True
             for t in self.tensors:
                 n = t.numel() * t.element_size()
@@ -342,8 +379,10 @@ class Rank:
 
     # --- one timed call ----------------------------------------------------------------
     def run(self, method: str, check: bool) -> Dict[str, Any]:
-        bucket = int(method.split("@")[1]) * MiB if "@" in method else DEFAULT_BUCKET
-        transport.BUCKET_BYTES = bucket  # on both ranks (only the sender's plan uses it)
+        base, _, at = method.partition("@")
+        self.split = int(at) if base == "split_send" else 0
+        # on both ranks (only the sender's sizes count: they travel with its metadata)
+        transport.BUCKET_BYTES, transport.ALONE_BYTES = transport_sizes(method)
         if check:
             self.zero_destinations()
         TimedTransport.phases = {}
@@ -361,7 +400,7 @@ class Rank:
         dist.barrier()
         ok = self.verify(method) if (check and self.rank == 1) else None
         self.received = None
-        transport.BUCKET_BYTES = DEFAULT_BUCKET
+        transport.BUCKET_BYTES, transport.ALONE_BYTES = DEFAULT_BUCKET, DEFAULT_ALONE
         out = {"s": elapsed, "extra_mib": mem.extra_mib, "verified": ok, "gc_s": gc_s, "gc_full": gc_full,
                "cpu_s": cpu_s}
         if "data_start" in ph:  # the transport's receiver
@@ -404,7 +443,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     try:
         me = Rank(rank, args)
         methods = list(BASE_METHODS if args.broadcast_object else BASE_METHODS[:-1])
+        methods += [f"split_send@{n}" for n in args.split_counts]
         methods += [f"transport_inplace@{b}" for b in args.sweep_mib if b * MiB != DEFAULT_BUCKET]
+        methods += [f"transport_inplace@alone{k}" for k in args.sweep_alone_kib if k * 1024 != DEFAULT_ALONE]
         warmup = {}
         for m in methods:
             r = me.run(m, check=True)
@@ -459,7 +500,7 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
             "gc_max_s_per_rank": [max(r[m][k]["gc_s"] for r in rounds) for k in range(2)],
             "calls_with_full_gc_per_rank": [sum(r[m][k]["gc_full"] > 0 for r in rounds) for k in range(2)],
             "verified": raw["warmup"][m][1]["verified"],
-            "bucket_mib": (int(m.split("@")[1]) if "@" in m else raw["default_bucket_mib"])
+            "bucket_mib": (transport_sizes(m)[0] / MiB if m.startswith("transport") else raw["default_bucket_mib"])
             if m.startswith("transport") or m == "chunked_send" else None,
         }
         if "meta_s" in rounds[0][m][1]:
@@ -473,10 +514,14 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
     ratios = {f"{m} / single_send": per[m]["recv_median_s"] / single for m in raw["methods"] if m != "single_send"}
     paired = {f"{m} / single_send": statistics.median(r[m][1]["s"] / r["single_send"][1]["s"] for r in rounds)
               for m in raw["methods"] if m != "single_send"}
-    targets = {f"transport_inplace / single_send <= {TARGET}": ratios["transport_inplace / single_send"] <= TARGET,
-               f"transport_alloc / single_send <= {TARGET}": ratios["transport_alloc / single_send"] <= TARGET}
+    best = {f"{m} / single_send": per[m]["recv_min_s"] / per["single_send"]["recv_min_s"]
+            for m in raw["methods"] if m != "single_send"}
+    targets = {}
+    for m in ("transport_inplace", "transport_alloc"):
+        key = f"{m} / single_send"
+        targets[f"{key} <= {TARGET}"] = ratios[key] <= TARGET and best[key] <= TARGET
     return {**{k: v for k, v in raw.items() if k != "rounds"}, "rounds": rounds, "per_method": per,
-            "ratios": ratios, "paired_median_ratios": paired, "targets_met": targets}
+            "ratios": ratios, "paired_median_ratios": paired, "best_ratios": best, "targets_met": targets}
 
 
 def format_table(s: Dict[str, Any]) -> str:
@@ -489,24 +534,26 @@ def format_table(s: Dict[str, Any]) -> str:
         f"{s['total_bytes'] / MiB:.1f} MiB in all; {len(s['rounds'])} rounds, medians of the receiver's time "
         f"from a barrier until it has everything; GB = 1e9 bytes",
         f"{'method':<23}{'bucket':>7}{'msgs':>6}{'recv s':>8}{'min s':>7}{'max s':>7}{'GB/s':>7}"
-        f"{'x single':>9}{'paired':>8}{'send s':>8}{'meta s':>8}{'data s':>8}{'+MiB r0/r1':>12}"
+        f"{'x single':>9}{'paired':>8}{'best':>6}{'send s':>8}{'meta s':>8}{'data s':>8}{'+MiB r0/r1':>12}"
         f"{'cpu s r0/r1':>13}{'gc ms r0/r1':>13}{'full gc':>9}  verified",
     ]
     for m, r in s["per_method"].items():
         bucket = f"{r['bucket_mib']:.0f}M" if r["bucket_mib"] is not None else "-"
         ratio = s["ratios"].get(f"{m} / single_send", 1.0)
         paired = s["paired_median_ratios"].get(f"{m} / single_send", 1.0)
+        best = s["best_ratios"].get(f"{m} / single_send", 1.0)
         meta = f"{r['recv_meta_s_median']:.3f}" if "recv_meta_s_median" in r else "-"
         data = f"{r['recv_data_s_median']:.3f}" if "recv_data_s_median" in r else "-"
         msgs = str(r["messages"]) if "messages" in r else {
             "single_send": "1", "per_tensor_send": str(s["num_tensors"]), "plan_pattern": str(s["plan_messages"]),
-            "chunked_send": str(-(-s["total_bytes"] // int(s["default_bucket_mib"] * MiB)))}.get(m, "-")
+            "chunked_send": str(-(-s["total_bytes"] // int(s["default_bucket_mib"] * MiB)))}.get(
+            m, m.split("@")[1] if m.startswith("split_send@") else "-")
         mem = "/".join(f"{x:.0f}" for x in r["peak_extra_mib_per_rank"])
         cpu = "/".join(f"{x:.2f}" for x in r["cpu_median_s_per_rank"])
         gcms = "/".join(f"{x * 1e3:.0f}" for x in r["gc_median_s_per_rank"])
         full = "/".join(str(x) for x in r["calls_with_full_gc_per_rank"])
         lines.append(f"{m:<23}{bucket:>7}{msgs:>6}{r['recv_median_s']:>8.3f}{r['recv_min_s']:>7.3f}"
-                     f"{r['recv_max_s']:>7.3f}{r['GBps']:>7.2f}{ratio:>9.2f}{paired:>8.2f}"
+                     f"{r['recv_max_s']:>7.3f}{r['GBps']:>7.2f}{ratio:>9.2f}{paired:>8.2f}{best:>6.2f}"
                      f"{r['send_median_s']:>8.3f}{meta:>8}{data:>8}{mem:>12}{cpu:>13}{gcms:>13}{full:>9}  {r['verified']}")
     ti = s["per_method"]["transport_inplace"]
     lines.append(f"transport_inplace, medians: receiver: header+metadata+agreement {ti['recv_meta_s_median']:.3f} s "
@@ -515,7 +562,9 @@ def format_table(s: Dict[str, Any]) -> str:
                  f"{ti['send_plan_s_median']:.3f} s, first data message at {ti['send_first_data_s_median']:.3f} s")
     lines.append(f"sender's packing of the {s['packed_tensors']} tensors it puts into buckets "
                  f"({s['packed_bytes'] / MiB:.1f} MiB), alone in one process: {s['sender_pack_copy_s']:.3f} s")
-    lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
+    lines.append("x single: ratio of the medians; paired: median of the per-round ratios; best: ratio of the "
+                 "fastest rounds (min s)")
+    lines.append("targets (x single and best both within): " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
     if "library" in s:
         lib = s["library"]
         lines.append(f"library: commit {lib['commit']}{' + local changes to transport.py' if lib['transport_py_modified'] else ''}"
@@ -549,6 +598,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tensors", type=int, default=4000, help="number of tensors")
     ap.add_argument("--small-max-kib", type=float, default=256.0, help="largest small tensor, KiB")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (medians over them)")
+    ap.add_argument("--sweep-alone-kib", default="",
+                    help="ALONE_BYTES values to sweep, KiB (e.g. 32,128,256; '' for none)")
+    ap.add_argument("--split-counts", default="64,861,2000",
+                    help="split_send@N methods: the same bytes in N equal messages ('' for none)")
     ap.add_argument("--sweep-mib", default="4,8,16,32,64", help="BUCKET_BYTES values to sweep, MiB ('' for none)")
     ap.add_argument("--no-broadcast-object", dest="broadcast_object", action="store_false",
                     help="skip the broadcast_object_list method")
@@ -560,6 +613,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
     args = ap.parse_args()
     args.sweep_mib = [int(x) for x in args.sweep_mib.split(",") if x.strip()]
+    args.sweep_alone_kib = [int(x) for x in args.sweep_alone_kib.split(",") if x.strip()]
+    args.split_counts = [int(x) for x in args.split_counts.split(",") if x.strip()]
     return args
 
 
