@@ -379,8 +379,7 @@ class Rank:
 
     # --- one timed call ----------------------------------------------------------------
     def run(self, method: str, check: bool) -> Dict[str, Any]:
-        base, _, at = method.partition("@")
-        self.split = int(at) if base == "split_send" else 0
+        self.split = int(method.split("@")[1]) if method.startswith("split_send@") else 0
         # on both ranks (only the sender's sizes count: they travel with its metadata)
         transport.BUCKET_BYTES, transport.ALONE_BYTES = transport_sizes(method)
         if check:
@@ -500,8 +499,7 @@ def summarize(raw: Dict[str, Any]) -> Dict[str, Any]:
             "gc_max_s_per_rank": [max(r[m][k]["gc_s"] for r in rounds) for k in range(2)],
             "calls_with_full_gc_per_rank": [sum(r[m][k]["gc_full"] > 0 for r in rounds) for k in range(2)],
             "verified": raw["warmup"][m][1]["verified"],
-            "bucket_mib": (transport_sizes(m)[0] / MiB if m.startswith("transport") else raw["default_bucket_mib"])
-            if m.startswith("transport") or m == "chunked_send" else None,
+            "bucket_mib": transport_sizes(m)[0] / MiB if m.startswith("transport") or m == "chunked_send" else None,
         }
         if "meta_s" in rounds[0][m][1]:
             for key in ("meta_s", "check_s", "data_s", "after_s"):
