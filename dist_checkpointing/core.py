@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 CONFIG_FNAME = "metadata.json"
+_MAX_CONFIG_BYTES = 1 << 16
 
 
 class CheckpointingException(Exception):
@@ -35,16 +37,41 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
     if not config_path.is_file():
         return None
     try:
-        with open(config_path) as f:
-            raw = json.load(f)
-        return CheckpointingConfig(
-            sharded_backend=raw["sharded_backend"],
-            sharded_backend_version=raw.get("sharded_backend_version", 1),
-            common_backend=raw.get("common_backend"),
-            common_backend_version=raw.get("common_backend_version"),
-        )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        with open(config_path, "rb") as f:
+            text = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(text) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {_MAX_CONFIG_BYTES} bytes")
+        raw = json.loads(text)
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointingException(f"Invalid checkpoint config file {config_path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointingException(f"Invalid checkpoint config file {config_path}: a JSON object is expected, "
+                                     f"not {type(raw).__name__}")
+    return CheckpointingConfig(
+        sharded_backend=_config_field(raw, "sharded_backend", str, config_path),
+        sharded_backend_version=_config_field(raw, "sharded_backend_version", int, config_path, 1),
+        common_backend=_config_field(raw, "common_backend", str, config_path, None),
+        common_backend_version=_config_field(raw, "common_backend_version", int, config_path, None),
+    )
+
+
+_MISSING = object()
+
+
+def _config_field(raw: dict, name: str, kind: type, path: Path, default: Any = _MISSING) -> Any:
+    """``raw[name]`` checked to be a ``kind`` (a version: an int in 0..2**31), or ``default``."""
+    value = raw.get(name, default)
+    if value is _MISSING:
+        raise CheckpointingException(f"Invalid checkpoint config file {path}: field {name!r} is missing")
+    if value is None and default is None:
+        return None
+    valid = isinstance(value, str) and len(value) <= 256 if kind is str else (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31)
+    if not valid:
+        expected = "a string" if kind is str else "an integer version"
+        raise CheckpointingException(
+            f"Invalid checkpoint config file {path}: field {name!r} must be {expected}, not {value!r:.100}")
+    return value
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
@@ -93,12 +120,17 @@ def fsync_dir(path: Union[str, Path]) -> None:
 def atomic_write_bytes(path: Union[str, Path], data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # A name of its own: two writers of one path never write into each other's file.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, TypeVar, Union
+import types
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -200,3 +202,36 @@ def map_reduce(
     for x in xs:
         groups[key_fn(x)].append(value_fn(x))
     return {k: reduce_fn(v) for k, v in groups.items()}
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def find_anywhere(x: Any, predicate: Callable[[Any], bool], root: str = "state_dict") -> Optional[Tuple[str, Any, type]]:
+    """The first value matching ``predicate`` anywhere inside ``x`` — in dicts and lists,
+    but also tuples (named too), sets, deques, other mappings and the attributes of plain
+    objects — as ``(path, value, container)``, where ``container`` is the type of the first
+    container on the path that is neither a dict nor a list (``dict`` if there is none).
+    ``None`` if nothing matches. Each object is visited once (cycles are fine)."""
+    seen = set()
+    stack: List[Tuple[str, Any, type]] = [(root, x, dict)]
+    while stack:
+        path, value, container = stack.pop()
+        if predicate(value):
+            return path, value, container
+        if id(value) in seen:
+            continue
+        if isinstance(value, Mapping):
+            children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple, deque)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, (set, frozenset)):
+            children = [(f"{path}{{...}}", v) for v in value]
+        elif hasattr(value, "__dict__") and not isinstance(value, _OPAQUE):
+            children = [(f"{path}.{name}", v) for name, v in vars(value).items()]
+        else:
+            continue
+        seen.add(id(value))
+        inner = container if container is not dict or type(value) in (dict, list) else type(value)
+        stack.extend((p, v, inner) for p, v in reversed(children))
+    return None

@@ -16,6 +16,7 @@ from typing import Optional, Union
 import xxhash
 
 from .core import CheckpointingException, atomic_write_bytes
+from .save_claim import current_save_id
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksum"
@@ -43,14 +44,31 @@ def write_file_with_checksum(path: Union[str, Path], data) -> None:
 
     Safe to use on an existing checkpoint: the old sidecar is removed first, then the file
     replaced, then the new sidecar written, so a crash at any point leaves a file that
-    matches its sidecar or has none (read unverified) — never a false mismatch.
+    matches its sidecar or has none (read unverified) — never a false mismatch. While a
+    save holds the directory (:mod:`~dist_checkpointing.save_claim`), the sidecar records
+    that save's id, which the save checks before it commits.
     """
     path = Path(path)
     sidecar_path = path.with_name(path.name + SIDECAR_SUFFIX)
     sidecar_path.unlink(missing_ok=True)
     atomic_write_bytes(path, data)
     sidecar = {"algorithm": ALGORITHM, "checksum": f"{checksum(data):016x}", "length": len(data)}
+    save_id = current_save_id(path.parent)
+    if save_id is not None:
+        sidecar["save_id"] = save_id
     atomic_write_bytes(sidecar_path, json.dumps(sidecar).encode())
+
+
+def recorded_save_id(path: Union[str, Path]) -> Optional[str]:
+    """The save id recorded in ``path``'s checksum sidecar (``None`` without one)."""
+    sidecar = Path(path).with_name(Path(path).name + SIDECAR_SUFFIX)
+    try:
+        raw = json.loads(sidecar.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointingException(f"Checksum file {sidecar} is damaged: {e}") from e
+    return raw.get("save_id") if isinstance(raw, dict) else None
 
 
 def read_file_verified(path: Union[str, Path], verify: bool = True) -> bytes:
@@ -79,6 +97,6 @@ def _read_sidecar(path: Path) -> Optional[tuple]:
         if raw.get("algorithm") != ALGORITHM:
             raise CheckpointingException(f"{sidecar}: unknown checksum algorithm {raw.get('algorithm')!r}")
         return int(raw["checksum"], 16), int(raw["length"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointingException(f"Checksum file {sidecar} is damaged: {e}") from e
 

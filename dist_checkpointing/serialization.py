@@ -25,7 +25,11 @@ from .core import (
     load_config,
     save_config,
 )
-from .dict_utils import copy_structure, dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .integrity import recorded_save_id
+from .save_claim import check_claim, claim_save_dir, release_claim
+from .dict_utils import (
+    copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
+)
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -38,6 +42,8 @@ from .mapping import (
     is_main_replica,
 )
 from .strategies.async_utils import AsyncRequest
+from .strategies.common import COMMON_STATE_FNAME
+from .strategies.torch import METADATA_FNAME
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -172,22 +178,33 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
     apply_factories(sd)
     nonpersistent, rest = extract_matching_values(sd, lambda v: isinstance(v, LocalNonpersistentObject))
     sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase))
+    hidden = find_anywhere(common, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
+    if hidden is not None:
+        path, value, container = hidden
+        key = getattr(value, "key", None)
+        raise CheckpointingException(
+            f"{type(value).__name__}{'' if key is None else f' {key!r}'} at {path} is inside a "
+            f"{container.__name__}: sharded items and LocalNonpersistentObjects may only be nested in dicts "
+            "and lists (anywhere else they would be pickled into the common state by rank 0 alone, and the "
+            "other ranks' data lost). Use a dict or a list there."
+        )
     return sharded, common, nonpersistent
 
 
 # ----------------------------------------------------------------------------- save
 
 
-def _prepare_save_dir(checkpoint_dir: Path) -> None:
-    if checkpoint_dir.exists():
-        if not checkpoint_dir.is_dir():
-            raise CheckpointingException(f"Checkpoint path {checkpoint_dir} exists and is not a directory")
-        if any(checkpoint_dir.iterdir()):
+def _check_written_by(save_id: str, checkpoint_dir: Path) -> None:
+    """Before committing: the directory is still this save's, and the files that record a
+    save id (the checksum sidecars of ``common.pt`` and ``.metadata``) name this one."""
+    check_claim(checkpoint_dir, save_id)
+    for name in (COMMON_STATE_FNAME, METADATA_FNAME):
+        recorded = recorded_save_id(checkpoint_dir / name)
+        if recorded is not None and recorded != save_id:
             raise CheckpointingException(
-                f"Checkpoint directory {checkpoint_dir} is not empty: refusing to save into it"
+                f"{checkpoint_dir / name} was written by save {recorded}, not by this save ({save_id}): "
+                "another save wrote into the directory; not committing it"
             )
-    else:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
 
 def save(
@@ -241,10 +258,10 @@ def save(
             sh.validate_metadata_integrity()
             if isinstance(sh, ShardedTensor) and sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+        phases.nbytes = _local_bytes(sharded, main_only=True)
         return sharded_strategy_, common_strategy_, sharded, common
 
     sharded_strategy_, common_strategy_, sharded, common = run_agreed(prepare, "Preparing the save")
-    phases.nbytes = _local_bytes(sharded, main_only=True)
     if validate_access_integrity:
         validate_sharding_integrity(nested_values(sharded))
     common_view = run_agreed(
@@ -254,13 +271,14 @@ def save(
     )
     check_common_state_consistency(common_view)
 
-    dir_error = None
+    # Rank 0 claims the directory (atomically: of concurrent saves into it, one wins).
+    claim: Tuple[Optional[str], Optional[str]] = (None, None)
     if rank == 0:
         try:
-            _prepare_save_dir(checkpoint_dir)
+            claim = (None, claim_save_dir(checkpoint_dir))
         except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            dir_error = error_message(e)
-    dir_error = broadcast_object(dir_error)
+            claim = (error_message(e), None)
+    dir_error, save_id = broadcast_object(claim)
     if dir_error is not None:
         raise CheckpointingException(dir_error)
 
@@ -277,11 +295,13 @@ def save(
 
     def commit():
         if rank == 0:
+            _check_written_by(save_id, checkpoint_dir)
             save_config(
                 CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
                                     common_strategy_.backend, common_strategy_.version),
                 checkpoint_dir,
             )
+            release_claim(checkpoint_dir, save_id)
 
     if async_sharded_save:
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
@@ -366,10 +386,10 @@ def load(
         sharded_strategy_ = _sharded_load_strategy(config, sharded_strategy)
         common = _load_common(config, checkpoint_dir, common_strategy, sharded_strategy_)
         sharded, _, nonpersistent = _split_state_dict(sharded_state_dict)
+        phases.nbytes = _local_bytes(sharded, main_only=False)
         return sharded_strategy_, common, sharded, nonpersistent
 
     sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")
-    phases.nbytes = _local_bytes(sharded, main_only=False)
     if validate_access_integrity:
         validate_sharding_integrity(nested_values(sharded), allow_gaps=True)
     missing: set = set()

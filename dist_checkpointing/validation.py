@@ -14,7 +14,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 import torch
 
 from .bytes_view import as_bytes
-from .collectives import all_gather_object, all_reduce_max_uint8, broadcast_object, get_rank, get_world_size
+from .collectives import (
+    all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, get_rank, get_world_size, run_agreed,
+)
 from .core import CheckpointingException
 from .dict_utils import diff
 from .mapping import ShardedObject, ShardedTensor, is_main_replica
@@ -185,7 +187,7 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     ``allow_gaps`` (load requests may be partial) only rejects disagreeing shapes/dtypes
     and more main replicas than elements.
     """
-    local = _summaries(sharded_items)
+    local = run_agreed(lambda: _summaries(sharded_items), "Summarizing the sharded items", group)
     gathered = all_gather_object(local, group)
     rank, world = get_rank(group), get_world_size(group)
     by_key: Dict[str, List[Tuple[int, _KeySummary]]] = {}
@@ -265,9 +267,9 @@ def _fingerprint(obj: Any, h: "hashlib._Hash") -> None:
         for v in obj:
             _fingerprint(v, h)
     elif isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        h.update(f"t{t.dtype}{tuple(t.shape)}".encode())
-        h.update(as_bytes(t).numpy().tobytes())
+        h.update(f"t{obj.dtype}{tuple(obj.shape)}{obj.device.type}".encode())
+        if obj.device.type != "meta":  # a meta tensor has no values to compare
+            h.update(as_bytes(obj.detach().cpu().contiguous()).numpy().tobytes())
     else:
         try:
             h.update(pickle.dumps(obj))
@@ -287,9 +289,11 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
 
     Costs one ``all_gather_object`` of a 16-byte digest; only when digests differ, rank 0's
     state is broadcast so that each differing rank can name the keys. Returns (and logs as
-    a warning) this rank's difference report, or ``None``.
+    a warning) this rank's difference report, or ``None``. A digest that cannot be
+    computed on some rank raises on every rank.
     """
-    digests = all_gather_object(common_state_digest(common), group)
+    digest = run_agreed(lambda: common_state_digest(common), "Digesting the common state", group)
+    digests = all_gather_object(digest, group)
     if all(d == digests[0] for d in digests):
         return None
     payload = None
@@ -302,11 +306,12 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     if digests[get_rank(group)] == digests[0]:
         return None
     prefix = f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved"
-    if payload is None:
-        report = f"{prefix} (rank 0's common state cannot be pickled, so the differing keys are unknown)"
-    else:
+    try:  # nothing collective follows: a failure here must not leave this rank behind
         only_rank0, only_here, different = diff(pickle.loads(payload), common)
         report = (f"{prefix}: keys only on rank 0: {only_rank0}; keys only on this rank: {only_here}; "
                   f"keys with different values: {different}")
+    except Exception as e:  # noqa: BLE001 - unpicklable or incomparable: report without details
+        reason = "cannot be pickled" if payload is None else f"cannot be compared here ({error_message(e)})"
+        report = f"{prefix} (rank 0's common state {reason}, so the differing keys are unknown)"
     logger.warning(report)
     return report

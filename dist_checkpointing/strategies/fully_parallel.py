@@ -212,7 +212,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         distribution = self._planner.plan(
             sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict), compute,
             "Planning the fully parallel save")
-        return distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution)
+        return run_agreed(
+            lambda: distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution),
+            "Assigning the main replicas")
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
         start = time.perf_counter()
@@ -229,6 +231,36 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         request = self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
         self.last_written_bytes = getattr(self.base_strategy, "last_written_bytes", None)
         return request
+
+
+def _assign_reads(sharded_state_dict: ShardedStateDict, distribution: ShardDistribution, obj_loader: Dict[str, int],
+                  me: int) -> Tuple[List[Tuple[Any, Any]], Dict[Any, Any]]:
+    """The shards and objects this rank reads (``(id, item)``) and those it receives (by id)."""
+    # FP8 requests are read and exchanged as their nominal-dtype values; each rank
+    # quantizes them with its own scale when ``load`` fills the result, never twice.
+    work = dict_list_map_outplace(_nominal_stand_in, sharded_state_dict)
+
+    # This rank reads the shards and objects assigned to it; the rest arrive by exchange.
+    reads: List[Tuple[Any, ShardedTensor]] = []
+    unloaded: Dict[ShardId, ShardedTensor] = {}
+    seen = set()
+    for sh in nested_values(work):
+        if isinstance(sh, ShardedTensor):
+            ident: Any = shard_id(sh)
+            mine = distribution.main_rank_for_shard[ident] == me
+        elif isinstance(sh, ShardedObject):
+            ident = sh.unique_key
+            mine = obj_loader[ident] == me
+        else:
+            continue
+        if ident in seen:
+            continue
+        seen.add(ident)
+        if mine:
+            reads.append((ident, sh))
+        else:
+            unloaded[ident] = sh
+    return reads, unloaded
 
 
 _LoadPlan = Tuple[Optional[ShardDistribution], Dict[str, int], Dict[str, List[int]]]
@@ -309,30 +341,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group
         me = get_rank(group)
-        # FP8 requests are read and exchanged as their nominal-dtype values; each rank
-        # quantizes them with its own scale at the end (below), never twice.
-        work = dict_list_map_outplace(_nominal_stand_in, sharded_state_dict)
-
-        # This rank reads the shards and objects assigned to it; the rest arrive by exchange.
-        reads: List[Tuple[Any, ShardedTensor]] = []
-        unloaded: Dict[ShardId, ShardedTensor] = {}
-        seen = set()
-        for sh in nested_values(work):
-            if isinstance(sh, ShardedTensor):
-                ident: Any = shard_id(sh)
-                mine = distribution.main_rank_for_shard[ident] == me
-            elif isinstance(sh, ShardedObject):
-                ident = sh.unique_key
-                mine = obj_loader[ident] == me
-            else:
-                continue
-            if ident in seen:
-                continue
-            seen.add(ident)
-            if mine:
-                reads.append((ident, sh))
-            else:
-                unloaded[ident] = sh
+        reads, unloaded = run_agreed(lambda: _assign_reads(sharded_state_dict, distribution, obj_loader, me),
+                                     "Assigning the fully parallel reads")
         planned = time.perf_counter()
         loaded = self.base_strategy.load({str(i): sh for i, (_, sh) in enumerate(reads)}, checkpoint_dir)
         read = time.perf_counter()

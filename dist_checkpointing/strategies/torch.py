@@ -60,6 +60,7 @@ from ..collectives import (
     run_agreed,
 )
 from ..core import CheckpointingException
+from ..save_claim import current_save_id
 from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_file_with_checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..fp8 import dequantize, fill_float8_, is_float8tensor
@@ -85,6 +86,7 @@ from .resharding import (
     linear_index,
     relative_slices,
 )
+from .metadata_checks import check_dcp_metadata, check_stored_sizes
 from .safe_pickle import load_dcp_metadata, safe_torch_load
 from .torch_blob import TensorHeader, read_tensor_header
 
@@ -179,6 +181,12 @@ def _checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]
     return {"algorithm": ALGORITHM, "items": items}
 
 
+def _storage_meta(checkpoint_dir: Path) -> StorageMeta:
+    """DCP's record of this save: the directory and the id of the save that holds it
+    (:mod:`~dist_checkpointing.save_claim`; a fresh id when none does)."""
+    return StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=current_save_id(checkpoint_dir) or uuid.uuid4().hex)
+
+
 def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Metadata:
     """Global DCP metadata from every rank's item locations, with consistency checks."""
     state_dict_metadata: Dict[str, Any] = {}
@@ -229,7 +237,7 @@ def _build_metadata(per_rank: List[List[_Location]], checkpoint_dir: Path) -> Me
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
         storage_data=storage_data,
-        storage_meta=StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4())),
+        storage_meta=_storage_meta(checkpoint_dir),
         version=DCP_VERSION,
     )
     # Megatron-Core's loader looks up per-key extras here: the original global shape of
@@ -401,7 +409,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 if reuse:
                     metadata = self._cache[1]
-                    metadata.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
+                    metadata.storage_meta = _storage_meta(checkpoint_dir)
                     metadata.checksums = _checksum_table(per_rank)
                 else:
                     metadata = _build_metadata(per_rank, checkpoint_dir)
@@ -469,6 +477,7 @@ def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
         if cached is not None and cached[0] == stamp:
             return cached[1]
     metadata = load_dcp_metadata(path)
+    check_dcp_metadata(metadata, path)
     with _metadata_cache_lock:
         _metadata_cache.clear()
         _metadata_cache[str(path)] = (stamp, metadata)
@@ -735,8 +744,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return self._result(sharded_state_dict, plan)
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
-        """Load in this process alone (no collectives): for offline tools."""
+        """Load in this process alone (no collectives): for offline tools. Tensors requested
+        without data (e.g. from :meth:`load_tensors_metadata`) are allocated only once their
+        keys' stored sizes are checked against the data files."""
         checkpoint_dir = Path(checkpoint_dir)
+        dataless = {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor) and sh.data is None}
+        if dataless:
+            metadata = read_metadata(checkpoint_dir)
+            check_stored_sizes(metadata, checkpoint_dir,
+                               [k for k in dataless if isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)])
         plan = self._plan(sharded_state_dict, checkpoint_dir)
         self._execute(plan, checkpoint_dir)
         return self._result(sharded_state_dict, plan)

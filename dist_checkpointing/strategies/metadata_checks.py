@@ -1,0 +1,166 @@
+"""Checks of a DCP ``.metadata`` before anything trusts it.
+
+A ``.metadata`` file is unpickled with an allow-list of classes (``safe_pickle``), but the
+values inside can still be anything: a string where a mapping belongs, a negative offset,
+a chunk larger than the bytes it is stored in, a global shape of a petabyte. Readers index
+and allocate by these values, so :func:`check_dcp_metadata` checks the types and the
+internal consistency of every field once, when the file is read, and names the file and
+field at fault. :func:`check_stored_sizes` then checks the claimed byte ranges against the
+data files' real sizes, for readers that allocate whole tensors from the metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..core import CheckpointingException
+
+_MAX_NDIM = 64
+_MAX_INT = 1 << 62  # no file, offset or dimension is larger; Python ints could be
+
+
+def _fail(path: Any, field: str, problem: str) -> CheckpointingException:
+    return CheckpointingException(f"Checkpoint metadata {path} is malformed: {field} {problem}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT
+
+
+def _int_tuple(value: Any, path: Any, field: str, ndim: Optional[int] = None) -> tuple:
+    if not isinstance(value, (tuple, list)) or not all(_is_int(v) for v in value):
+        raise _fail(path, field, f"must be a sequence of non-negative integers, not {value!r:.200}")
+    if len(value) > _MAX_NDIM or (ndim is not None and len(value) != ndim):
+        raise _fail(path, field, f"has {len(value)} dimensions" + (f", expected {ndim}" if ndim is not None else ""))
+    return tuple(value)
+
+
+def _check_tensor(key: str, md: TensorStorageMetadata, path: Any, chunk_bytes: Dict[tuple, int]) -> None:
+    field = f"state_dict_metadata[{key!r}]"
+    if not isinstance(md.properties, TensorProperties) or not isinstance(md.properties.dtype, torch.dtype):
+        raise _fail(path, f"{field}.properties", "must hold a torch dtype")
+    shape = _int_tuple(md.size, path, f"{field}.size")
+    if not isinstance(md.chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in md.chunks):
+        raise _fail(path, f"{field}.chunks", "must be a list of ChunkStorageMetadata")
+    for n, chunk in enumerate(md.chunks):
+        offsets = _int_tuple(chunk.offsets, path, f"{field}.chunks[{n}].offsets", len(shape))
+        sizes = _int_tuple(chunk.sizes, path, f"{field}.chunks[{n}].sizes", len(shape))
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise _fail(path, f"{field}.chunks[{n}]", f"at {offsets} of size {sizes} lies outside the shape {shape}")
+        chunk_bytes[(key, offsets)] = math.prod(sizes) * md.properties.dtype.itemsize
+
+
+def _check_storage(metadata: Metadata, path: Any, chunk_bytes: Dict[tuple, int]) -> None:
+    if not isinstance(metadata.storage_data, dict):
+        raise _fail(path, "storage_data", f"must be a mapping, not {type(metadata.storage_data).__name__}")
+    sdm = metadata.state_dict_metadata
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise _fail(path, "storage_data", f"has a key {index!r:.200} that is not a MetadataIndex")
+        field = f"storage_data[{index.fqn!r}" + (f" at {tuple(index.offset)}" if index.offset is not None else "") + "]"
+        if index.offset is not None:
+            _int_tuple(index.offset, path, f"{field} offset")
+        if not isinstance(info, _StorageInfo):
+            raise _fail(path, field, f"must be a _StorageInfo, not {type(info).__name__}")
+        if not isinstance(info.relative_path, str) or not info.relative_path \
+                or os.path.basename(info.relative_path) != info.relative_path or info.relative_path in (".", ".."):
+            raise _fail(path, f"{field}.relative_path", f"must name a file inside the checkpoint, not {info.relative_path!r:.200}")
+        if not _is_int(info.offset) or not _is_int(info.length):
+            raise _fail(path, field, f"has offset {info.offset!r:.50} and length {info.length!r:.50}: "
+                        "both must be non-negative integers")
+        if index.fqn not in sdm:
+            raise _fail(path, field, "names a key that the metadata does not describe")
+        if index.offset is not None:
+            nbytes = chunk_bytes.get((index.fqn, tuple(index.offset)), 0)
+            if nbytes > info.length:
+                raise _fail(path, field, f"claims a chunk of {nbytes} bytes stored in {info.length} bytes "
+                            f"of {info.relative_path}")
+
+
+def _check_extras(metadata: Metadata, path: Any) -> None:
+    mcore = getattr(metadata, "mcore_data", None)
+    if mcore is not None:
+        if not isinstance(mcore, dict) or not all(isinstance(v, dict) for v in mcore.values()):
+            raise _fail(path, "mcore_data", "must map keys to dicts")
+        for key, extras in mcore.items():
+            orig = extras.get("nd_reformulated_orig_global_shape")
+            if orig is not None:
+                _int_tuple(orig, path, f"mcore_data[{key!r}].nd_reformulated_orig_global_shape")
+    table = getattr(metadata, "checksums", None)
+    if table is None:
+        return
+    if not isinstance(table, dict) or not isinstance(table.get("algorithm"), str) \
+            or not isinstance(table.get("items"), dict) or not isinstance(table.get("scope", ""), str):
+        raise _fail(path, "checksums", "must be a mapping with a string 'algorithm' and a mapping 'items'")
+    for where, value in table["items"].items():
+        if not (isinstance(where, tuple) and len(where) == 2 and isinstance(where[0], str) and _is_int(where[1])) \
+                or not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64):
+            raise _fail(path, "checksums['items']", f"has an entry {where!r:.100}: {value!r:.50} that is not "
+                        "(file name, offset): 64-bit checksum")
+
+
+def check_dcp_metadata(metadata: Metadata, path: Any) -> None:
+    """Raise :class:`CheckpointingException` naming ``path`` and the field if ``metadata``
+    is malformed: wrong types, negative or non-integer sizes and offsets, chunks outside
+    their tensor or larger than the bytes they are stored in, data files outside the
+    checkpoint directory, a malformed checksum table."""
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise _fail(path, "state_dict_metadata", f"must be a mapping, not {type(metadata.state_dict_metadata).__name__}")
+    chunk_bytes: Dict[tuple, int] = {}  # (key, chunk offsets) -> bytes of the chunk's values
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _fail(path, "state_dict_metadata", f"has a key {key!r:.100} that is not a string")
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor(key, md, path, chunk_bytes)
+        elif not isinstance(md, BytesStorageMetadata):
+            raise _fail(path, f"state_dict_metadata[{key!r}]", f"is a {type(md).__name__}, not tensor or bytes metadata")
+    _check_storage(metadata, path, chunk_bytes)
+    _check_extras(metadata, path)
+
+
+def check_stored_sizes(metadata: Metadata, checkpoint_dir: Path, keys: Iterable[str]) -> None:
+    """Before allocating the whole tensors ``keys``: each must be covered by the elements of
+    its stored chunks, and every byte range they are stored in must lie within its data file
+    (each file is looked at once). Raises :class:`CheckpointingException` naming the key
+    and file otherwise."""
+    sizes: Dict[str, int] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        stored = sum(math.prod(c.sizes) for c in md.chunks)
+        if stored < math.prod(md.size):
+            raise CheckpointingException(
+                f"Checkpoint {checkpoint_dir} does not cover tensor {key!r}: its global shape {tuple(md.size)} "
+                f"has {math.prod(md.size)} elements, its chunks store only {stored}"
+            )
+        for chunk in md.chunks:
+            info = metadata.storage_data.get(MetadataIndex(key, torch.Size(chunk.offsets)))
+            if info is None:
+                raise CheckpointingException(
+                    f"Checkpoint {checkpoint_dir} has no storage entry for chunk {tuple(chunk.offsets)} of {key!r}")
+            if info.relative_path not in sizes:
+                try:
+                    sizes[info.relative_path] = os.stat(checkpoint_dir / info.relative_path).st_size
+                except OSError as e:
+                    raise CheckpointingException(
+                        f"Data file {checkpoint_dir / info.relative_path} of tensor {key!r} is missing or unreadable: {e}"
+                    ) from e
+            if info.offset + info.length > sizes[info.relative_path]:
+                raise CheckpointingException(
+                    f"Tensor {key!r}: chunk {tuple(chunk.offsets)} is stored at bytes {info.offset}.."
+                    f"{info.offset + info.length} of {checkpoint_dir / info.relative_path}, which has "
+                    f"{sizes[info.relative_path]} bytes"
+                )
