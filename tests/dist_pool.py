@@ -106,8 +106,17 @@ class DistPool:
 
     def _dispatch(self, fn: Callable[..., Any], args: tuple, timeout: float) -> List[Tuple[bool, Any]]:
         """Send ``fn`` to every rank and collect ``(ok, value)`` per rank; a hang fails."""
+        self.submit(fn, *args)
+        return self.collect(fn, timeout)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start ``fn(rank, world_size, *args)`` on every rank without waiting (for running
+        two pools at once); :meth:`collect` its replies."""
         for conn in self._conns:
             conn.send((fn, args))
+
+    def collect(self, fn: Callable[..., Any], timeout: float = 120.0) -> List[Tuple[bool, Any]]:
+        """``(ok, value)`` per rank of the call started by :meth:`submit`; a hang fails."""
         replies = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
