@@ -76,6 +76,7 @@ from .filesystem_async import (
     tensor_bytes,
     write_file,
 )
+from .memory_maps import not_isolated_by_fork
 from .resharding import (
     Region,
     contiguous_start,
@@ -287,10 +288,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             forked child process sees the tensors copy-on-write and writes them; the call
             returns after the fork (a fraction of one memcpy), but every page the caller
             writes while the child runs is copied by the kernel on its first write, and
-            written pages stay write-protected until then (see the user guide). ``"copy"``:
-            every tensor is copied into host buffers reused from the previous save of the
-            same structure (one memcpy; device tensors into pinned memory), then written
-            by the async queue's thread; no later cost to the caller.
+            written pages stay write-protected until then (see the user guide); tensors a
+            fork does not isolate are copied into host buffers first (:func:`_needs_staging`:
+            other devices, pinned memory, shared and file-backed mappings such as
+            ``np.memmap`` or ``torch.load(mmap=True)``; every CPU tensor where
+            ``/proc/self/maps`` cannot be read). ``"copy"``: every tensor is copied into
+            host buffers reused from the previous save of the same structure (one memcpy;
+            device tensors into pinned memory), then written by the async queue's thread;
+            no later cost to the caller.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
@@ -329,11 +334,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         the forked writer) and whose finalize step gathers the item locations and writes
         ``.metadata`` (collective). Once this returns the caller may change its tensors:
         with ``async_snapshot="fork"`` a forked writer sees them as they are now
-        (copy-on-write; tensors a fork does not snapshot — on other devices, in shared or
-        pinned memory — are first copied into host buffers), with ``"copy"`` every tensor
-        has been copied into host buffers. The buffers are kept for the next save of the
-        same structure (released by :meth:`release`, which ``AsyncCallsQueue.close``
-        calls). Collective: ``run_agreed`` agrees on the preparation.
+        (copy-on-write; tensors a fork does not isolate — on other devices, in pinned
+        memory, in shared or file-backed mappings — are first copied into host buffers),
+        with ``"copy"`` every tensor has been copied into host buffers. The buffers are
+        kept for the next save of the same structure (released by :meth:`release`, which
+        ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed`` agrees on the
+        preparation.
         """
         checkpoint_dir = Path(checkpoint_dir)
         copy_all = self.async_snapshot == "copy"
@@ -376,13 +382,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _stage(self, files: Dict[str, List[_SaveItem]], copy_all: bool = False) -> Dict[str, List[_SaveItem]]:
         """The same files with tensors replaced by host copies: every tensor (``copy_all``),
-        else those a fork does not snapshot (tensors on other devices, CPU tensors in shared
-        or pinned memory)."""
-        slots = [(fname, i) for fname, items in files.items() for i, it in enumerate(items)
-                 if isinstance(it.payload, torch.Tensor) and (copy_all or _needs_staging(it.payload))]
-        copies = self._staging.stage([(slot, files[slot[0]][slot[1]].payload) for slot in slots], pin=copy_all)
+        else those a fork does not snapshot (:func:`_needs_staging`)."""
+        tensors = [((fname, i), it.payload) for fname, items in files.items() for i, it in enumerate(items)
+                   if isinstance(it.payload, torch.Tensor)]
+        needed = [True] * len(tensors) if copy_all else _needs_staging([t for _, t in tensors])
+        chosen = [slot_tensor for slot_tensor, need in zip(tensors, needed) if need]
+        copies = self._staging.stage(chosen, pin=copy_all)
         staged = {fname: list(items) for fname, items in files.items()}
-        for (fname, i), copy in zip(slots, copies):
+        for ((fname, i), _), copy in zip(chosen, copies):
             staged[fname][i] = replace(staged[fname][i], payload=copy)
         return staged
 
@@ -438,11 +445,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return [loc for result in results for loc in result]
 
 
-def _needs_staging(t: torch.Tensor) -> bool:
-    """Whether a forked writer would not see ``t`` as it is now: memory on another device,
-    shared memory (not copied on write), or pinned memory (not inherited reliably)."""
-    if t.device.type != "cpu" or t.is_shared():
-        return True
+def _needs_staging(tensors: List[torch.Tensor]) -> List[bool]:
+    """For each tensor, whether a forked writer would not see it as it is now: memory on
+    another device, pinned memory (not inherited reliably), or CPU memory a fork does not
+    isolate (shared or file-backed mappings; every CPU tensor where the process's mappings
+    cannot be read: :func:`.memory_maps.not_isolated_by_fork`)."""
+    needed = [True] * len(tensors)
+    cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not _is_pinned(t)]
+    for i, unisolated in zip(cpu, not_isolated_by_fork([tensors[i] for i in cpu])):
+        needed[i] = unisolated
+    return needed
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
     try:
         return t.is_pinned()
     except RuntimeError:  # no accelerator to ask
