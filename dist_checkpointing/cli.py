@@ -104,3 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CheckpointingException as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - the tools raise CheckpointingException; never a traceback anyway
+        logger.debug("unexpected error", exc_info=True)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

@@ -9,14 +9,14 @@ validated and exported.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -25,25 +25,18 @@ import torch
 from .core import CheckpointingException, fsync_dir, load_config
 from .dict_utils import dict_list_map_outplace, nested_values
 from .mapping import ShardedObject, ShardedTensor
+from .path_overlap import output_location, refuse_overlap
 from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
 from .serialization import load_common_state_dict, load_tensors_metadata, save
 from .strategies.common import TorchCommonLoadStrategy
-from .strategies.torch import (
-    TorchDistLoadShardedStrategy,
-    data_file_path,
-    original_global_shape,
-    read_metadata,
-)
+from .strategies.torch import TorchDistLoadShardedStrategy, original_global_shape, read_metadata
+from .whole_tensors import TensorReader, malformed, nbytes, range_problem
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 # progress(done_bytes, total_bytes, what)
 Progress = Callable[[int, int, str], None]
-
-
-def _nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -98,8 +91,13 @@ class CheckpointInfo:
 def inspect_checkpoint(checkpoint_dir: PathLike) -> CheckpointInfo:
     """Describe a checkpoint: backend, common-state keys, every tensor (key, global shape,
     dtype, number of stored chunks, bytes, flattened or not), every ShardedObject, and the
-    files with their sizes. Reads metadata only."""
+    files with their sizes. Reads metadata only; raises only CheckpointingException."""
     checkpoint_dir = Path(checkpoint_dir)
+    with malformed(f"Cannot inspect checkpoint {checkpoint_dir}"):
+        return _inspect(checkpoint_dir)
+
+
+def _inspect(checkpoint_dir: Path) -> CheckpointInfo:
     config = load_config(checkpoint_dir)
     common_keys: List[str] = []
     common_error = None
@@ -113,20 +111,24 @@ def inspect_checkpoint(checkpoint_dir: PathLike) -> CheckpointInfo:
     if config.sharded_backend != "torch_dist":
         for key, sh in sorted(load_tensors_metadata(checkpoint_dir).items()):
             info.tensors.append(TensorInfo(key, tuple(sh.global_shape), str(sh.dtype), 0,
-                                           _nbytes(tuple(sh.global_shape), sh.dtype), False))
+                                           nbytes(tuple(sh.global_shape), sh.dtype), False))
         return info
     metadata = read_metadata(checkpoint_dir)
+    where = checkpoint_dir / ".metadata"
     stored: Dict[str, int] = {}
-    for index, storage in metadata.storage_data.items():
-        stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if hasattr(md, "chunks"):
-            orig = original_global_shape(metadata, key)
-            shape = orig if orig is not None else tuple(md.size)
-            info.tensors.append(TensorInfo(key, tuple(shape), str(md.properties.dtype), len(md.chunks),
-                                           _nbytes(tuple(shape), md.properties.dtype), orig is not None))
-        else:
-            info.objects[key] = stored.get(key, 0)
+    with malformed(f"{where} is malformed"):
+        for index, storage in metadata.storage_data.items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
+        entries = sorted(metadata.state_dict_metadata.items())
+    for key, md in entries:
+        with malformed(f"{where}: the entry of {key!r} is malformed"):
+            if hasattr(md, "chunks"):
+                orig = original_global_shape(metadata, key)
+                shape = orig if orig is not None else tuple(md.size)
+                info.tensors.append(TensorInfo(key, tuple(shape), str(md.properties.dtype), len(md.chunks),
+                                               nbytes(tuple(shape), md.properties.dtype), orig is not None))
+            else:
+                info.objects[key] = stored.get(key, 0)
     return info
 
 
@@ -159,45 +161,6 @@ def _human(nbytes: int) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} TiB"
-
-
-# ----------------------------------------------------------------------------- reading whole tensors
-
-
-def _return_freed_memory() -> None:
-    """Give freed heap memory back to the system (glibc keeps it otherwise, so temporary
-    read buffers would stay resident for the rest of a long export)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-class _TensorReader:
-    """Reads whole global tensors one at a time into one reused buffer. Chunks that are
-    not contiguous in the whole tensor pass through a temporary buffer of at most one
-    chunk, freed after each tensor."""
-
-    def __init__(self, checkpoint_dir: Path, keys: List[str]):
-        self.dir = checkpoint_dir
-        self.meta = load_tensors_metadata(checkpoint_dir)
-        # One reader thread: at most one temporary chunk buffer at a time.
-        self.strategy = TorchDistLoadShardedStrategy(thread_count=1)
-        largest = max((_nbytes(tuple(self.meta[k].global_shape), self.meta[k].dtype) for k in keys), default=0)
-        self._buffer = torch.empty(largest, dtype=torch.uint8)
-
-    def read(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key`` (a view of the reused buffer: valid until the next read)."""
-        sh = self.meta[key]
-        shape = tuple(sh.global_shape)
-        view = self._buffer[:_nbytes(shape, sh.dtype)].view(sh.dtype).view(shape)
-        self.strategy.load_local({key: replace(sh, data=view)}, self.dir)
-        self.strategy.release_scratch()
-        _return_freed_memory()
-        return view
-
-    def close(self) -> None:
-        self.strategy.release_scratch()
 
 
 # ----------------------------------------------------------------------------- validate
@@ -238,93 +201,99 @@ def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tupl
     return problems
 
 
+@contextmanager
+def _reported(report: ValidationReport, what: str) -> Iterator[None]:
+    """Record any error in the block as a problem of ``report`` (named ``what`` unless it
+    is a CheckpointingException, which names its key or file itself)."""
+    try:
+        with malformed(what):
+            yield
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+
+
+def _check_readable(report: ValidationReport, what: str, load: Callable[[], Any]) -> None:
+    """Run ``load``: a refusal to unpickle is a note (the checksum is verified before
+    unpickling, so it is not damage), any other failure a problem."""
+    try:
+        with malformed(what):
+            load()
+    except CheckpointingException as e:
+        (report.notes if "allow_pickle" in str(e) else report.problems).append(f"{what}: {e}")
+
+
 def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
     """Check a checkpoint completely: it is committed (``metadata.json``), the common state
     and ``.metadata`` match their checksums, every tensor's chunks cover it exactly, every
     data file holds the byte ranges named for it, and every stored item can be read and
     matches its checksum (tensors are read whole, one at a time; objects are checked
-    without being unpickled unsafely). Never raises for a damaged checkpoint: the
-    problems are in the report."""
-    checkpoint_dir = Path(checkpoint_dir)
+    without being unpickled unsafely). Never raises for a damaged or hostile checkpoint:
+    every failure, whatever its type, is a problem in the report."""
     report = ValidationReport(str(checkpoint_dir))
-    try:
-        config = load_config(checkpoint_dir)
-    except CheckpointingException as e:
-        report.problems.append(str(e))
-        return report
+    with _reported(report, f"Validating {checkpoint_dir}"):
+        _validate(Path(checkpoint_dir), report, progress)
+    return report
+
+
+def _validate(checkpoint_dir: Path, report: ValidationReport, progress: Optional[Progress]) -> None:
+    config = load_config(checkpoint_dir)
     if config.sharded_backend != "torch_dist":
         report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")
-        return report
+        return
     if config.common_backend is not None:
-        try:
-            TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir)
-        except CheckpointingException as e:
-            (report.notes if "allow_pickle" in str(e) else report.problems).append(f"common state: {e}")
-    try:
-        metadata = read_metadata(checkpoint_dir)
-    except CheckpointingException as e:
-        report.problems.append(str(e))
-        return report
-
+        _check_readable(report, "common state",
+                        lambda: TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir))
+    metadata = read_metadata(checkpoint_dir)
+    where = checkpoint_dir / ".metadata"
     if getattr(metadata, "checksums", None) is None:
         report.notes.append("no item checksums are recorded (e.g. written by Megatron-Core): damage inside "
                             "tensor data cannot be detected, only unreadable or truncated items")
-    sizes: Dict[str, int] = {}
-    for index, storage in metadata.storage_data.items():
-        try:
-            path = data_file_path(checkpoint_dir, storage.relative_path)
-        except CheckpointingException as e:
-            report.problems.append(str(e))
-            continue
-        if storage.relative_path not in sizes:
-            sizes[storage.relative_path] = path.stat().st_size if path.is_file() else -1
-        size = sizes[storage.relative_path]
-        what = f"item {index.fqn!r}" + (f" (chunk at {tuple(index.offset)})" if index.offset is not None else "")
-        if size < 0:
-            report.problems.append(f"{what}: data file {storage.relative_path} is missing")
-        elif storage.offset + storage.length > size:
-            report.problems.append(f"{what}: {storage.relative_path} has {size} bytes, the item needs bytes "
-                                   f"{storage.offset}..{storage.offset + storage.length}")
-    tensor_keys = []
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if hasattr(md, "chunks"):
-            report.problems += _coverage_problems(key, tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
-            tensor_keys.append(key)
+    # Every size the metadata claims is checked against the files before anything is allocated.
+    file_sizes: Dict[str, int] = {}
+    tensor_keys, object_keys = [], []
+    with malformed(f"{where} is malformed"):
+        for index, storage in metadata.storage_data.items():
+            with _reported(report, f"{where}: the storage entry of {getattr(index, 'fqn', index)!r} is malformed"):
+                problem = range_problem(checkpoint_dir, index, storage, file_sizes)
+                if problem is not None:
+                    report.problems.append(problem)
+        for key, md in sorted(metadata.state_dict_metadata.items()):
+            with _reported(report, f"{where}: the entry of {key!r} is malformed"):
+                if hasattr(md, "chunks"):
+                    report.problems += _coverage_problems(key, tuple(md.size),
+                                                          [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+                    tensor_keys.append(key)
+                else:
+                    object_keys.append(key)
     if report.problems:
-        return report
+        return
 
-    reader = _TensorReader(checkpoint_dir, tensor_keys)
-    total = sum(_nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in tensor_keys)
+    reader = TensorReader(checkpoint_dir, tensor_keys)
+    sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in tensor_keys}
+    total = sum(sizes.values())
     try:
         for key in tensor_keys:
-            try:
+            with _reported(report, f"tensor {key!r}"):
                 reader.read(key)
-            except CheckpointingException as e:
-                report.problems.append(str(e))
             report.checked_tensors += 1
-            report.checked_bytes += _nbytes(tuple(reader.meta[key].global_shape), reader.meta[key].dtype)
+            report.checked_bytes += sizes[key]
             if progress is not None:
                 progress(report.checked_bytes, total, key)
     finally:
         reader.close()
     strategy = TorchDistLoadShardedStrategy(allow_pickle=False)
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if hasattr(md, "chunks"):
-            continue
-        try:
-            strategy.load_local({"o": ShardedObject.empty_from_unique_key(key)}, checkpoint_dir)
-        except CheckpointingException as e:
-            # The checksum is verified before unpickling: a refusal to unpickle is not damage.
-            (report.notes if "allow_pickle" in str(e) else report.problems).append(str(e))
+    for key in object_keys:
+        _check_readable(report, f"object {key!r}", lambda k=key: strategy.load_local(
+            {"o": ShardedObject.empty_from_unique_key(k)}, checkpoint_dir))
         report.checked_objects += 1
-    return report
 
 
 # ----------------------------------------------------------------------------- export
 
 
 def _select_keys(checkpoint_dir: Path, key_prefix: Optional[str]) -> List[str]:
-    keys = sorted(load_tensors_metadata(checkpoint_dir))
+    with malformed(f"{checkpoint_dir / '.metadata'}: the tensor entries are malformed"):
+        keys = sorted(load_tensors_metadata(checkpoint_dir))
     if key_prefix:
         keys = [k for k in keys if k.startswith(key_prefix)]
         if not keys:
@@ -361,19 +330,29 @@ def export_checkpoint(
     Only keys starting with ``key_prefix`` are exported (an error if none does). An
     existing ``out`` is replaced only with ``force``; the new output is written next to
     it and moved into place at the end, so a failed export leaves ``out`` as it was.
+    An ``out`` that is the checkpoint, holds it or lies inside it is refused before
+    anything is read. Raises only CheckpointingException.
     """
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if format not in ("safetensors", "torch"):
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
-    load_config(checkpoint_dir)
-    keys = _select_keys(checkpoint_dir, key_prefix)
-    _refuse_existing(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    reader = _TensorReader(checkpoint_dir, keys)
-    sizes = {k: _nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
+    refuse_overlap(checkpoint_dir, out, "export")
+    with malformed(f"Cannot export {checkpoint_dir} to {out}"):
+        load_config(checkpoint_dir)
+        keys = _select_keys(checkpoint_dir, key_prefix)
+        _refuse_existing(out, force)
+        return _export(checkpoint_dir, out, format, keys, max_shard_bytes, progress)
+
+
+def _export(checkpoint_dir: Path, out: Path, format: str, keys: List[str], max_shard_bytes: int,
+            progress: Optional[Progress]) -> List[Path]:
+    location = output_location(out)  # the temporary output goes next to it, never inside the source
+    location.parent.mkdir(parents=True, exist_ok=True)
+    reader = TensorReader(checkpoint_dir, keys)
+    sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())
     start = time.perf_counter()
-    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
     try:
         done = 0
         if format == "torch":
@@ -387,7 +366,8 @@ def export_checkpoint(
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            written = [_move_into_place(tmp / "export.pt", out)]
+            _move_into_place(tmp / "export.pt", location)
+            written = [out]
         else:
             for key in keys:
                 dtype_name(key, reader.meta[key].dtype)  # refuse unsupported dtypes before writing
@@ -417,7 +397,7 @@ def export_checkpoint(
             if len(shards) > 1:
                 write_index(tmp, {k: name for name, shard in zip(names, shards) for k in shard}, total)
             written = [out / p.name for p in sorted(tmp.iterdir())]
-            _move_into_place(tmp, out)
+            _move_into_place(tmp, location)
             tmp = None
     finally:
         reader.close()
@@ -429,21 +409,26 @@ def export_checkpoint(
     return written
 
 
-def _move_into_place(src: Path, out: Path) -> Path:
-    """Replace ``out`` by the finished ``src`` (a file or directory) and make it durable."""
+def _move_into_place(src: Path, out: Path) -> None:
+    """Replace ``out`` (a symlink itself, not its target) by the finished ``src`` (a file
+    or directory) and make it durable."""
     if src.is_dir():
         for child in src.iterdir():  # the index and the files (already fsynced) and the entries
             if child.suffix == ".json":
                 with open(child, "rb+") as f:
                     os.fsync(f.fileno())
         fsync_dir(src)
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
+    _remove(out)
     os.replace(src, out)
     fsync_dir(out.parent)
-    return out
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path`` if there: a directory tree, a file, or a symlink itself (never its target)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
 
 
 # ----------------------------------------------------------------------------- import
@@ -489,10 +474,18 @@ def import_checkpoint(source: PathLike, out: PathLike, force: bool = False) -> i
     """Turn a plain state dict (a ``torch.save`` file, or safetensors files) into a
     checkpoint that :func:`~dist_checkpointing.load` reads under any layout: every tensor
     becomes one whole global tensor keyed by its dotted path (``"layers.0.weight"``);
-    other values become common state. Returns the number of tensors."""
+    other values become common state. Returns the number of tensors. An ``out`` that is
+    the source (for an index file: its directory), holds it or lies inside it is refused
+    before anything is read. Raises only CheckpointingException."""
     source, out = Path(source), Path(out)
     if not source.exists():
         raise CheckpointingException(f"{source} does not exist")
+    refuse_overlap(source.parent if source.name == INDEX_FNAME else source, out, "import")
+    with malformed(f"Cannot import {source} to {out}"):
+        return _import(source, out, force)
+
+
+def _import(source: Path, out: Path, force: bool) -> int:
     occupied = out.is_file() or (out.is_dir() and any(out.iterdir()))
     if occupied:
         _refuse_existing(out, force)
@@ -500,7 +493,7 @@ def import_checkpoint(source: PathLike, out: PathLike, force: bool = False) -> i
     if not isinstance(state, dict):
         raise CheckpointingException(f"{source} holds a {type(state).__name__}, not a state dict")
     if occupied:
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+        _remove(out)
     # Both walks visit the leaves in the same order: each tensor gets its own dotted key.
     keys = iter([k for k, v in _keyed_leaves(state) if isinstance(v, torch.Tensor)])
     sharded = dict_list_map_outplace(
