@@ -27,7 +27,8 @@ from .dict_utils import dict_list_map_outplace, nested_values
 from .mapping import ShardedObject, ShardedTensor
 from .path_overlap import output_location, refuse_overlap
 from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
-from .serialization import load_common_state_dict, load_tensors_metadata, save
+from .serialization import get_default_load_sharded_strategy, load_common_state_dict, load_tensors_metadata, save
+from .strategies.base import StrategyAction, get_default_strategy
 from .strategies.common import TorchCommonLoadStrategy
 from .strategies.torch import TorchDistLoadShardedStrategy, original_global_shape, read_metadata
 from .whole_tensors import TensorReader, malformed, nbytes, range_problem
@@ -237,10 +238,12 @@ def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] =
 
 def _validate(checkpoint_dir: Path, report: ValidationReport, progress: Optional[Progress]) -> None:
     config = load_config(checkpoint_dir)
-    if config.sharded_backend != "torch_dist":
+    # What load would refuse (an unknown backend or version) is a problem here too.
+    if not isinstance(get_default_load_sharded_strategy(checkpoint_dir), TorchDistLoadShardedStrategy):
         report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")
         return
     if config.common_backend is not None:
+        get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
         _check_readable(report, "common state",
                         lambda: TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir))
     metadata = read_metadata(checkpoint_dir)

@@ -174,6 +174,8 @@ def test_crafted_metadata_json_is_refused_by_every_reader(case, pristine, tmp_pa
         text = json.dumps(CONFIG_CASES[case])
     (ckpt / CONFIG_FNAME).write_text(text)
     readers = dict(_readers(ckpt), load_common_state_dict=lambda: dc.load_common_state_dict(ckpt))
+    if case == "unknown common backend":  # only the readers of the common state need it
+        readers = {k: v for k, v in readers.items() if k in ("load", "load_common_state_dict")}
     for name, read in readers.items():
         with pytest.raises(CheckpointingException) as info:
             read()
