@@ -1,6 +1,6 @@
 """Checksums of stored bytes: computed at save, verified at load.
 
-Every stored item (a tensor chunk's data bytes, an object's blob) gets an xxh3-64 checksum
+Every stored item gets an xxh3-64 checksum of its whole record (every byte of its blob)
 recorded in the checkpoint metadata, so a rank that reads part of a checkpoint verifies
 exactly what it reads. Whole files written by one rank (``common.pt``, ``.metadata``) get
 a small JSON sidecar ``{name}.checksum``. Files without checksums (e.g. written by
@@ -10,8 +10,9 @@ Megatron-Core) load unverified.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import xxhash
 
@@ -20,6 +21,12 @@ from .save_claim import current_save_id
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksum"
+#: ``scope`` of an item checksum table whose checksums cover each item's whole record.
+SCOPE_RECORD = "record"
+#: the meaning of a table without ``scope`` (older checkpoints): a tensor item's checksum
+#: covers only its data bytes (an object's covers its whole record in both scopes).
+SCOPE_DATA = "data"
+_PIECE = 1 << 20  # bytes hashed per read of a record's framing
 
 
 def checksum(data) -> int:
@@ -37,6 +44,61 @@ def mismatch_error(what: str, where: str) -> CheckpointingException:
     return CheckpointingException(
         f"Checksum mismatch for {what} in {where}: the stored bytes are corrupted"
     )
+
+
+def item_checksum_table(items: Dict[Tuple[str, int], int]) -> Dict[str, Any]:
+    """The table of item checksums stored in ``.metadata``: ``(file, offset) -> checksum``
+    of each item's whole record."""
+    return {"algorithm": ALGORITHM, "scope": SCOPE_RECORD, "items": items}
+
+
+def item_checksum_scope(table: Dict[str, Any], where: str) -> str:
+    """The scope of an item checksum table (:data:`SCOPE_RECORD` or :data:`SCOPE_DATA`);
+    a table this version cannot verify is refused."""
+    scope = table.get("scope", SCOPE_DATA)
+    if table.get("algorithm") != ALGORITHM or scope not in (SCOPE_RECORD, SCOPE_DATA):
+        raise CheckpointingException(
+            f"Checkpoint {where} uses checksum algorithm {table.get('algorithm')!r} with scope {scope!r}, which "
+            "this version cannot verify (load with verify_checksums=False to skip verification)"
+        )
+    return scope
+
+
+class RecordVerifier:
+    """Checks a stored record ``[offset, offset + length)`` of an open file against its
+    checksum while the caller reads the part of it at ``span`` (e.g. a tensor's data).
+
+    The caller feeds the span's bytes to :meth:`update` in order, as it reads them. With
+    ``whole_record`` the record's bytes before the span are hashed first (here) and those
+    after it in :meth:`finish`, so the digest is the one-shot digest of the whole record;
+    without it, of the span alone (the data-only checksums of older checkpoints).
+    """
+
+    def __init__(self, fd: int, record: Tuple[int, int], span: Tuple[int, int], expected: int,
+                 whole_record: bool, what: str, where: str):
+        self._fd, self._expected, self._what, self._where = fd, expected, what, where
+        self._hasher = new_hasher()
+        self._suffix = (span[0] + span[1], record[0] + record[1]) if whole_record else (0, 0)
+        if whole_record:
+            self._hash_range(record[0], span[0])
+
+    def update(self, data) -> None:
+        """Hash the next bytes of the span."""
+        self._hasher.update(data)
+
+    def finish(self) -> None:
+        """Hash the rest of the record and compare; raises on a mismatch."""
+        self._hash_range(*self._suffix)
+        if self._hasher.intdigest() != self._expected:
+            raise mismatch_error(self._what, self._where)
+
+    def _hash_range(self, start: int, end: int) -> None:
+        while start < end:
+            data = os.pread(self._fd, min(_PIECE, end - start), start)
+            if not data:
+                raise CheckpointingException(f"Unexpected end of file reading {self._what} at {self._where}")
+            self._hasher.update(data)
+            start += len(data)
 
 
 def write_file_with_checksum(path: Union[str, Path], data) -> None:

@@ -22,12 +22,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
-import numpy as np
 import torch
 from torch.serialization import get_crc32_options, set_crc32_options
 
 from ..bytes_view import as_bytes
-from ..integrity import checksum, new_hasher
+from ..integrity import new_hasher
 
 STAGING_BUFFER_BYTES = 16 << 20
 BUFFERS_PER_FILE = 3
@@ -202,18 +201,17 @@ class StagedFileWriter(io.RawIOBase):
         self._view = memoryview(self._buf)
         self._fill = 0
         self._flushed = 0
-        self._hash_target: Optional[Tuple[int, int]] = None
+        self._hasher = None  # an xxh3-64 hasher while a record is being checksummed
+
+    def start_checksum(self) -> None:
+        """Checksum every byte written from now on, each piece right after it is copied
+        into the staging buffer (hot in the CPU cache); see :meth:`take_checksum`."""
+        self._hasher = new_hasher()
+
+    def take_checksum(self) -> int:
+        """The checksum of the bytes written since :meth:`start_checksum`; stops hashing."""
+        digest = self._hasher.intdigest()
         self._hasher = None
-        self._digest: Optional[int] = None
-
-    def hash_next_write(self, address: int, nbytes: int) -> None:
-        """Checksum the ``write`` of the ``nbytes`` at ``address`` (a tensor's data record)
-        while copying it, when the bytes are hot in the CPU cache; see :meth:`take_digest`."""
-        self._hash_target, self._hasher, self._digest = (address, nbytes), new_hasher(), None
-
-    def take_digest(self) -> Optional[int]:
-        """The checksum requested by :meth:`hash_next_write` (``None`` if no such write came)."""
-        digest, self._digest, self._hash_target, self._hasher = self._digest, None, None, None
         return digest
 
     def writable(self) -> bool:
@@ -227,10 +225,7 @@ class StagedFileWriter(io.RawIOBase):
         if src.format != "B" or src.ndim != 1:
             src = src.cast("B")
         n = src.nbytes
-        hasher = None
-        if self._hash_target is not None and self._hash_target[1] == n and n and self._digest is None:
-            if np.frombuffer(src, dtype=np.uint8).__array_interface__["data"][0] == self._hash_target[0]:
-                hasher = self._hasher
+        hasher = self._hasher
         pos = 0
         size = len(self._view)
         while pos < n:
@@ -242,8 +237,6 @@ class StagedFileWriter(io.RawIOBase):
             pos += k
             if self._fill == size:
                 self._hand_over(size)
-        if hasher is not None:
-            self._digest = hasher.intdigest()
         return n
 
     def _hand_over(self, nbytes: int) -> None:
@@ -405,8 +398,8 @@ def write_file(path: Union[str, Path], payloads: Sequence[Payload],
     """Write ``payloads`` (tensors as ``torch.save`` blobs, bytes as is) into a new file.
 
     Returns ``(offset, length, checksum)`` of each payload in the file; the checksum
-    (``None`` unless ``compute_checksums``) covers a tensor's data bytes or a bytes
-    payload whole. A tensor's checksum is computed piece by piece right after each piece
+    (``None`` unless ``compute_checksums``) covers the payload's whole record, the
+    ``length`` bytes at ``offset``. It is computed piece by piece right after each piece
     is copied into the staging buffer (still in the CPU cache), while the I/O thread
     writes the previous buffer, so it mostly hides behind the disk. The blobs' zip CRC32
     is not computed (see :func:`zip_crc_disabled`).
@@ -427,17 +420,11 @@ def _write_payloads(writer: StagedFileWriter, payloads: Sequence[Payload],
     spans: List[Tuple[int, int, Optional[int]]] = []
     for payload in payloads:
         start = writer.tell()
+        if compute_checksums:
+            writer.start_checksum()
         if isinstance(payload, torch.Tensor):
-            tensor = _exact_cpu_tensor(payload)
-            nbytes = tensor.numel() * tensor.element_size()
-            if compute_checksums:
-                writer.hash_next_write(tensor.data_ptr(), nbytes)
-            torch.save(tensor, writer)
-            digest = writer.take_digest() if compute_checksums else None
-            if compute_checksums and digest is None:  # torch.save split the record: hash directly
-                digest = checksum(tensor_bytes(tensor))
+            torch.save(_exact_cpu_tensor(payload), writer)
         else:
-            digest = checksum(payload) if compute_checksums else None
             writer.write(payload)
-        spans.append((start, writer.tell() - start, digest))
+        spans.append((start, writer.tell() - start, writer.take_checksum() if compute_checksums else None))
     return spans

@@ -61,7 +61,15 @@ from ..collectives import (
 )
 from ..core import CheckpointingException
 from ..save_claim import current_save_id
-from ..integrity import ALGORITHM, checksum, mismatch_error, new_hasher, write_file_with_checksum
+from ..integrity import (
+    SCOPE_RECORD,
+    RecordVerifier,
+    checksum,
+    item_checksum_scope,
+    item_checksum_table,
+    mismatch_error,
+    write_file_with_checksum,
+)
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -178,8 +186,8 @@ _Location = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
 
 
 def _checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]]) -> Dict[str, Any]:
-    items = {(fname, offset): cs for entries in per_rank_checksums for fname, offset, cs in entries if cs is not None}
-    return {"algorithm": ALGORITHM, "items": items}
+    return item_checksum_table(
+        {(fname, offset): cs for entries in per_rank_checksums for fname, offset, cs in entries if cs is not None})
 
 
 def _storage_meta(checkpoint_dir: Path) -> StorageMeta:
@@ -557,32 +565,47 @@ class _ObjectRead:
 
 
 class _Reader:
-    """Executes reads with one fd per file and cached blob headers."""
+    """Executes reads with one fd per file and cached blob headers.
 
-    def __init__(self, checkpoint_dir: Path, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]]):
+    ``checksums`` maps ``(file, offset)`` to an item's checksum: of its whole record when
+    ``whole_records``, else (older checkpoints) of a tensor's data bytes or an object's
+    record. Every item's claimed byte range is checked against its file's size before
+    anything is read or allocated for it.
+    """
+
+    def __init__(self, checkpoint_dir: Path, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]],
+                 whole_records: bool = True):
         self.dir = checkpoint_dir
         self.allow_pickle = allow_pickle
         self.checksums = checksums or {}
-        self._fds: Dict[str, int] = {}
+        self.whole_records = whole_records
+        self._files: Dict[str, Tuple[int, int]] = {}  # relative path -> (fd, size)
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd, _ in self._files.values():
             os.close(fd)
-        self._fds.clear()
+        self._files.clear()
 
-    def _fd(self, relative_path: str) -> int:
+    def _open(self, key: str, storage: _StorageInfo) -> int:
+        """The fd of the item's data file, once the file is known to hold the item's bytes."""
         with self._lock:
-            fd = self._fds.get(relative_path)
-            if fd is None:
-                path = data_file_path(self.dir, relative_path)
+            opened = self._files.get(storage.relative_path)
+            if opened is None:
+                path = data_file_path(self.dir, storage.relative_path)
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except OSError as e:
                     raise CheckpointingException(f"Cannot open checkpoint data file {path}: {e}") from e
-                self._fds[relative_path] = fd
-            return fd
+                opened = self._files[storage.relative_path] = (fd, os.fstat(fd).st_size)
+        fd, size = opened
+        if storage.offset < 0 or storage.length < 0 or storage.offset + storage.length > size:
+            raise CheckpointingException(
+                f"Item {key!r}: the checkpoint metadata claims bytes {storage.offset}..{storage.offset + storage.length} "
+                f"of {self.dir / storage.relative_path}, which holds {size} bytes"
+            )
+        return fd
 
     def _header(self, read: _TensorRead, fd: int) -> Optional[TensorHeader]:
         cache_key = (read.storage.relative_path, read.storage.offset)
@@ -606,7 +629,7 @@ class _Reader:
 
     def read_tensor(self, read: _TensorRead) -> None:
         where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
-        fd = self._fd(read.storage.relative_path)
+        fd = self._open(read.key, read.storage)
         try:
             header = self._header(read, fd)
         except CheckpointingException:
@@ -623,45 +646,57 @@ class _Reader:
         last = sum((r + s - 1) * st for r, s, st in zip(rel, read.overlap[1], header.stride))
         itemsize = dest.element_size()
         whole = tuple(read.overlap[1]) == tuple(read.chunk[1])
+        # A checksum covers the chunk's whole data span (data-only checksums: of a contiguous chunk).
+        verify = expected is not None and (self.whole_records or header.is_contiguous())
+        if verify:  # read the whole span; with whole_records the rest of the record is hashed too
+            read_from, read_to = 0, header.span_elements() - 1
+        else:
+            read_from, read_to = first, last
+        data = (header.data_offset + read_from * itemsize, (read_to - read_from + 1) * itemsize)
+        verifier = RecordVerifier(fd, (read.storage.offset, read.storage.length), data, expected,
+                                  self.whole_records, what, where) if verify else None
         if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
-            _pread_into(fd, tensor_bytes(dest), header.data_offset, where, expected, what)
+            _pread_into(fd, tensor_bytes(dest), header.data_offset, where, what, verifier)
             return
-        read_from, read_to = first, last
-        verify = expected is not None and header.is_contiguous()
-        if verify:  # the checksum covers the whole chunk: read and verify all of it
-            read_from, read_to = 0, math.prod(read.chunk[1]) - 1
-        span = torch.empty((read_to - read_from + 1) * itemsize, dtype=torch.uint8)
-        _pread_into(fd, span.numpy(), header.data_offset + read_from * itemsize, where,
-                    expected if verify else None, what)
+        span = torch.empty(data[1], dtype=torch.uint8)
+        _pread_into(fd, span.numpy(), data[0], where, what, verifier)
         src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride, first - read_from)
         dest.copy_(src)
 
     def _read_tensor_via_torch_load(self, read: _TensorRead, fd: int, dest: torch.Tensor, where: str,
                                     expected: Optional[int], what: str) -> None:
-        raw = os.pread(fd, read.storage.length, read.storage.offset)
+        raw = self._read_record(fd, read.storage, where, what, expected if self.whole_records else None)
         loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
         if is_float8tensor(loaded):  # a pickled Transformer Engine FP8 tensor (Megatron-Core's FP8 saves)
             loaded = dequantize(loaded)
         if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != tuple(read.chunk[1]):
             raise CheckpointingException(f"Item {read.key!r} at {where} does not hold the expected tensor")
-        if expected is not None and checksum(tensor_bytes(loaded.contiguous())) != expected:
+        if expected is not None and not self.whole_records and checksum(tensor_bytes(loaded.contiguous())) != expected:
             raise mismatch_error(what, where)
         rel = tuple(slice(o - c, o - c + s) for o, c, s in zip(read.overlap[0], read.chunk[0], read.overlap[1]))
         dest.copy_(loaded[rel])
 
     def read_object(self, read: _ObjectRead) -> None:
         where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
-        fd = self._fd(read.storage.relative_path)
-        raw = os.pread(fd, read.storage.length, read.storage.offset)
-        if len(raw) != read.storage.length:
-            raise CheckpointingException(f"ShardedObject {read.key!r} at {where} is truncated")
+        what = f"ShardedObject {read.key!r}"
+        fd = self._open(read.key, read.storage)
         expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
-        if expected is not None and checksum(raw) != expected:
-            raise mismatch_error(f"ShardedObject {read.key!r}", where)
-        loaded = safe_torch_load(raw, f"ShardedObject {read.key!r} at {where}", self.allow_pickle)
+        raw = self._read_record(fd, read.storage, where, what, expected)
+        loaded = safe_torch_load(raw, f"{what} at {where}", self.allow_pickle)
         if not (isinstance(loaded, list) and len(loaded) == 1):
-            raise CheckpointingException(f"ShardedObject {read.key!r} at {where} has an unexpected layout")
+            raise CheckpointingException(f"{what} at {where} has an unexpected layout")
         read.result.append(loaded[0])
+
+    @staticmethod
+    def _read_record(fd: int, storage: _StorageInfo, where: str, what: str, expected: Optional[int]) -> bytes:
+        """An item's whole record (inside its file: see :meth:`_open`), verified against
+        ``expected`` if given, before anything unpickles it."""
+        raw = os.pread(fd, storage.length, storage.offset)
+        if len(raw) != storage.length:
+            raise CheckpointingException(f"{what} at {where} is truncated")
+        if expected is not None and checksum(raw) != expected:
+            raise mismatch_error(what, where)
+        return raw
 
 
 def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
@@ -698,21 +733,20 @@ def original_global_shape(metadata: Metadata, key: str) -> Optional[Tuple[int, .
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
 
 
-def _pread_into(fd: int, buf, offset: int, where: str, expected: Optional[int] = None, what: str = "") -> None:
-    """Fill ``buf`` from ``fd`` at ``offset``; with ``expected``, verify the bytes' checksum."""
+def _pread_into(fd: int, buf, offset: int, where: str, what: str, verifier: Optional[RecordVerifier] = None) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; with a ``verifier``, check the record's checksum."""
     mv = memoryview(buf).cast("B")
-    hasher = new_hasher() if expected is not None else None
-    piece = _VERIFY_PIECE if hasher is not None else mv.nbytes
+    piece = _VERIFY_PIECE if verifier is not None else mv.nbytes
     done = 0
     while done < mv.nbytes:
         n = os.preadv(fd, [mv[done:done + piece]], offset + done)
         if n <= 0:
-            raise CheckpointingException(f"Unexpected end of file reading {what or 'data'} at {where}")
-        if hasher is not None:
-            hasher.update(mv[done:done + n])
+            raise CheckpointingException(f"Unexpected end of file reading {what} at {where}")
+        if verifier is not None:
+            verifier.update(mv[done:done + n])
         done += n
-    if hasher is not None and hasher.intdigest() != expected:
-        raise mismatch_error(what, where)
+    if verifier is not None:
+        verifier.finish()
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -931,12 +965,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _execute(self, plan, checkpoint_dir: Path) -> None:
         tensor_reads, object_reads, post_copies = plan
         table = getattr(read_metadata(checkpoint_dir), "checksums", None) if self.verify_checksums else None
-        if table is not None and table.get("algorithm") != ALGORITHM:
-            raise CheckpointingException(
-                f"Checkpoint {checkpoint_dir} uses checksum algorithm {table.get('algorithm')!r}, which this "
-                "version cannot verify (load with verify_checksums=False to skip verification)"
-            )
-        reader = _Reader(checkpoint_dir, self.allow_pickle, table["items"] if table else None)
+        scope = item_checksum_scope(table, str(checkpoint_dir)) if table is not None else None
+        reader = _Reader(checkpoint_dir, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
         try:
             tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
             tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))

@@ -69,6 +69,14 @@ class TensorHeader:
         expected = contiguous_strides(self.size)
         return all(sz <= 1 or st == ex for sz, st, ex in zip(self.size, self.stride, expected))
 
+    def span_elements(self) -> int:
+        """How many elements of storage the tensor spans, from its first element to its last."""
+        return _span_elements(self.size, self.stride)
+
+
+def _span_elements(size: Tuple[int, ...], stride: Tuple[int, ...]) -> int:
+    return 0 if math.prod(size) == 0 else 1 + sum((s - 1) * st for s, st in zip(size, stride))
+
 
 @dataclass
 class _StorageRef:
@@ -125,12 +133,18 @@ class _HeaderUnpickler(pickle.Unpickler):
         return _StorageRef(pid[1].dtype, str(pid[2]))
 
 
-def _record_data_offset(fd: int, blob_offset: int, info: zipfile.ZipInfo) -> int:
+def _record_data_offset(fd: int, blob_offset: int, blob_length: int, info: zipfile.ZipInfo) -> int:
+    """Where the payload of the zip record ``info`` starts, relative to the blob; the
+    payload must lie inside the blob."""
     raw = os.pread(fd, _LOCAL_HEADER.size, blob_offset + info.header_offset)
-    fields = _LOCAL_HEADER.unpack(raw)
-    if fields[0] != _LOCAL_HEADER_SIG:
+    if len(raw) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(raw)[0] != _LOCAL_HEADER_SIG:
         raise ValueError(f"bad local header for record {info.filename}")
-    return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    fields = _LOCAL_HEADER.unpack(raw)
+    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if start + info.file_size > blob_length:
+        raise ValueError(f"record {info.filename} ({info.file_size} bytes at {start}) extends past the blob "
+                         f"({blob_length} bytes)")
+    return start
 
 
 def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHeader]:
@@ -138,7 +152,7 @@ def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHead
 
     Returns ``None`` when the blob is not a plain single-tensor ``torch.save`` archive
     (the caller then falls back to ``torch.load``). Raises ``ValueError`` for a damaged
-    archive.
+    archive; nothing outside the blob is read, and the tensor's bytes lie inside it.
     """
     zf = zipfile.ZipFile(FileSlice(fd, offset, length))  # reads the central directory only
     infos = {i.filename: i for i in zf.infolist()}
@@ -147,7 +161,7 @@ def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHead
         return None
     prefix = pkl_name[: -len("data.pkl")]
     pkl_info = infos[pkl_name]
-    pkl_start = _record_data_offset(fd, offset, pkl_info)
+    pkl_start = _record_data_offset(fd, offset, length, pkl_info)
     pkl = os.pread(fd, pkl_info.file_size, offset + pkl_start)
     try:
         obj = _HeaderUnpickler(io.BytesIO(pkl)).load()
@@ -159,10 +173,10 @@ def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHead
     data_info = infos.get(f"{prefix}data/{storage.key}")
     if data_info is None or dtype is None:
         return None
-    data_start = _record_data_offset(fd, offset, data_info)
+    data_start = _record_data_offset(fd, offset, length, data_info)
+    if len(size) != len(stride) or min((storage_offset, *size, *stride)) < 0:
+        raise ValueError(f"invalid tensor geometry: size {size}, stride {stride}, storage offset {storage_offset}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = math.prod(size)
-    span = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(size, stride))
-    if (storage_offset + span) * itemsize > data_info.file_size:
+    if (storage_offset + _span_elements(size, stride)) * itemsize > data_info.file_size:
         raise ValueError("tensor extends past its storage record")
     return TensorHeader(dtype, size, stride, offset + data_start + storage_offset * itemsize)
