@@ -25,6 +25,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.integrity import checksum, write_file_with_checksum
+from dist_checkpointing.strategies.filesystem_async import STAGING_BUFFER_BYTES, write_file
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
 from dist_checkpointing.strategies.torch_blob import read_tensor_header
 from dist_checkpointing.tools import validate_checkpoint
@@ -143,6 +144,17 @@ def test_flipped_byte_anywhere_in_a_record_is_detected(clean, region, tmp_path):
     report = validate_checkpoint(ckpt)
     assert not report.ok
     assert any(key in p and fname in p for p in report.problems), report.problems
+
+
+def test_writer_checksums_are_those_of_whole_records(tmp_path):
+    """Hashed write by write as they are staged, the checksums equal the one-shot digest
+    of each record: small ones, one that straddles two staging buffers, bytes payloads."""
+    payloads = [torch.arange(10.0), b"x" * 100, torch.ones(STAGING_BUFFER_BYTES - 1000, dtype=torch.uint8),
+                torch.arange(3, dtype=torch.int64), torch.empty(0), b"y" * (70 << 10)]
+    spans = write_file(tmp_path / "f", payloads)
+    raw = (tmp_path / "f").read_bytes()
+    assert sum(length for _, length, _ in spans) == len(raw)
+    assert [checksum(raw[offset:offset + length]) for offset, length, _ in spans] == [cs for _, _, cs in spans]
 
 
 def test_undamaged_checkpoint_loads_and_validates(clean):

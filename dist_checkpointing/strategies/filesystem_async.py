@@ -30,6 +30,7 @@ from ..integrity import new_hasher
 
 STAGING_BUFFER_BYTES = 16 << 20
 BUFFERS_PER_FILE = 3
+_HASH_BATCH = 64 << 10  # small writes (torch.save's zip framing) are hashed together, up to this
 _ALIGN = 4096
 
 Payload = Union[torch.Tensor, bytes]
@@ -202,17 +203,24 @@ class StagedFileWriter(io.RawIOBase):
         self._fill = 0
         self._flushed = 0
         self._hasher = None  # an xxh3-64 hasher while a record is being checksummed
+        self._hashed = 0  # end of the current buffer's bytes already hashed (or not hashed at all)
 
     def start_checksum(self) -> None:
-        """Checksum every byte written from now on, each piece right after it is copied
-        into the staging buffer (hot in the CPU cache); see :meth:`take_checksum`."""
-        self._hasher = new_hasher()
+        """Checksum every byte written from now on, right after it is copied into the
+        staging buffer (hot in the CPU cache); see :meth:`take_checksum`."""
+        self._hasher, self._hashed = new_hasher(), self._fill
 
     def take_checksum(self) -> int:
         """The checksum of the bytes written since :meth:`start_checksum`; stops hashing."""
+        self._hash_staged()
         digest = self._hasher.intdigest()
         self._hasher = None
         return digest
+
+    def _hash_staged(self) -> None:
+        """Hash the bytes copied into the current buffer since the last call."""
+        self._hasher.update(self._view[self._hashed:self._fill])
+        self._hashed = self._fill
 
     def writable(self) -> bool:
         return True
@@ -225,16 +233,15 @@ class StagedFileWriter(io.RawIOBase):
         if src.format != "B" or src.ndim != 1:
             src = src.cast("B")
         n = src.nbytes
-        hasher = self._hasher
         pos = 0
         size = len(self._view)
         while pos < n:
             k = min(size - self._fill, n - pos)
             self._view[self._fill : self._fill + k] = src[pos : pos + k]
-            if hasher is not None:
-                hasher.update(self._view[self._fill : self._fill + k])
             self._fill += k
             pos += k
+            if self._hasher is not None and (self._fill - self._hashed >= _HASH_BATCH or self._fill == size):
+                self._hash_staged()
             if self._fill == size:
                 self._hand_over(size)
         return n
@@ -246,7 +253,7 @@ class StagedFileWriter(io.RawIOBase):
         self._view.release()
         self._full.put((self._buf, nbytes))
         self._flushed += self._fill
-        self._fill = 0
+        self._fill = self._hashed = 0
         self._buf = self._free.get()
         _POOL.map_in(self._buf)
         self._view = memoryview(self._buf)

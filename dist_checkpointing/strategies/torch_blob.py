@@ -136,10 +136,10 @@ class _HeaderUnpickler(pickle.Unpickler):
 def _record_data_offset(fd: int, blob_offset: int, blob_length: int, info: zipfile.ZipInfo) -> int:
     """Where the payload of the zip record ``info`` starts, relative to the blob; the
     payload must lie inside the blob."""
-    raw = os.pread(fd, _LOCAL_HEADER.size, blob_offset + info.header_offset)
-    if len(raw) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(raw)[0] != _LOCAL_HEADER_SIG:
+    raw = os.pread(fd, _LOCAL_HEADER.size, blob_offset + info.header_offset) if info.header_offset >= 0 else b""
+    fields = _LOCAL_HEADER.unpack(raw) if len(raw) == _LOCAL_HEADER.size else None
+    if fields is None or fields[0] != _LOCAL_HEADER_SIG:
         raise ValueError(f"bad local header for record {info.filename}")
-    fields = _LOCAL_HEADER.unpack(raw)
     start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
     if start + info.file_size > blob_length:
         raise ValueError(f"record {info.filename} ({info.file_size} bytes at {start}) extends past the blob "
