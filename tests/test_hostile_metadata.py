@@ -239,3 +239,66 @@ def test_hidden_path_names_the_container():
     sh = ShardedTensor.from_rank_offsets("w", torch.ones(2))
     with pytest.raises(CheckpointingException, match=r"'w' at state_dict\['a'\]\[0\]\['b'\]\[1\] is inside a NT"):
         dc.save({"a": [{"b": NT(0, sh)}]}, "/nonexistent/never/written")
+
+
+# ----------------------------------------------------------------------------- any field, any junk
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=5),
+    st.lists(st.integers(-3, 2**41), max_size=3), st.tuples(st.integers(-3, 10)),
+    st.dictionaries(st.text(max_size=3), st.integers(-1, 3), max_size=2),
+    st.lists(st.integers(-2, 2**41), max_size=3).map(torch.Size),
+)
+
+
+def _set_index(m, value, field):
+    index = _w_storage(m)
+    info = m.storage_data.pop(index)
+    new = MetadataIndex("w", torch.Size([0, 0]))
+    object.__setattr__(new, field, value)
+    m.storage_data[new] = info
+
+
+_SITES = {
+    "state_dict_metadata": lambda m, v: setattr(m, "state_dict_metadata", v),
+    "storage_data": lambda m, v: setattr(m, "storage_data", v),
+    "entry of w": lambda m, v: m.state_dict_metadata.update(w=v),
+    "storage of w": lambda m, v: m.storage_data.update({_w_storage(m): v}),
+    "w.size": lambda m, v: setattr(_w(m), "size", v),
+    "w.chunks": lambda m, v: setattr(_w(m), "chunks", v),
+    "w.dtype": lambda m, v: setattr(_w(m).properties, "dtype", v),
+    "w.chunks[0].offsets": lambda m, v: object.__setattr__(_w(m).chunks[0], "offsets", v),
+    "w.chunks[0].sizes": lambda m, v: object.__setattr__(_w(m).chunks[0], "sizes", v),
+    "relative_path": lambda m, v: _set_storage(relative_path=v)(m),
+    "offset": lambda m, v: _set_storage(offset=v)(m),
+    "length": lambda m, v: _set_storage(length=v)(m),
+    "index.fqn": lambda m, v: _set_index(m, v, "fqn"),
+    "index.offset": lambda m, v: _set_index(m, v, "offset"),
+    "mcore_data": lambda m, v: setattr(m, "mcore_data", v),
+    "original shape": lambda m, v: m.mcore_data.update(w={"nd_reformulated_orig_global_shape": v}),
+    "checksums": lambda m, v: setattr(m, "checksums", v),
+    "checksum algorithm": lambda m, v: m.checksums.update(algorithm=v),
+    "checksum scope": lambda m, v: m.checksums.update(scope=v),
+    "checksum items": lambda m, v: m.checksums.update(items=v),
+    "one checksum": lambda m, v: m.checksums["items"].update({next(iter(m.checksums["items"])): v}),
+}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(site=st.sampled_from(sorted(_SITES)), junk=_JUNK)
+def test_any_field_with_any_junk_is_refused_or_harmless(site, junk, pristine, tmp_path_factory):
+    """Whatever value any field of ``.metadata`` holds, every reader either works or raises
+    ``CheckpointingException``; ``validate`` never raises and never says OK when ``load`` refuses."""
+    ckpt = _copy(pristine, tmp_path_factory.mktemp("junk") / "ckpt")
+    _rewrite_metadata(ckpt, lambda m: _SITES[site](m, junk))
+    refused = False
+    for name, read in _readers(ckpt).items():
+        try:
+            read()
+        except CheckpointingException:
+            refused = refused or name == "load"
+    report = validate_checkpoint(ckpt)
+    assert not (refused and report.ok), f"{site}={junk!r}: load refuses, validate says OK"

@@ -38,11 +38,16 @@ def _fail(path: Any, field: str, problem: str) -> CheckpointingException:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT
+    return type(value) is int and 0 <= value < _MAX_INT or (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT)
 
 
 def _int_tuple(value: Any, path: Any, field: str, ndim: Optional[int] = None) -> tuple:
-    if not isinstance(value, (tuple, list)) or not all(_is_int(v) for v in value):
+    if type(value) is torch.Size:  # holds ints only: their range is what is left to check
+        valid = not value or (min(value) >= 0 and max(value) < _MAX_INT)
+    else:
+        valid = isinstance(value, (tuple, list)) and all(_is_int(v) for v in value)
+    if not valid:
         raise _fail(path, field, f"must be a sequence of non-negative integers, not {value!r:.200}")
     if len(value) > _MAX_NDIM or (ndim is not None and len(value) != ndim):
         raise _fail(path, field, f"has {len(value)} dimensions" + (f", expected {ndim}" if ndim is not None else ""))
@@ -64,31 +69,39 @@ def _check_tensor(key: str, md: TensorStorageMetadata, path: Any, chunk_bytes: D
         chunk_bytes[(key, offsets)] = math.prod(sizes) * md.properties.dtype.itemsize
 
 
+def _storage_field(index: MetadataIndex) -> str:
+    return f"storage_data[{index.fqn!r}" + (f" at {tuple(index.offset)}" if index.offset is not None else "") + "]"
+
+
 def _check_storage(metadata: Metadata, path: Any, chunk_bytes: Dict[tuple, int]) -> None:
     if not isinstance(metadata.storage_data, dict):
         raise _fail(path, "storage_data", f"must be a mapping, not {type(metadata.storage_data).__name__}")
     sdm = metadata.state_dict_metadata
+    file_names = set()  # names already found to be plain names inside the checkpoint
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise _fail(path, "storage_data", f"has a key {index!r:.200} that is not a MetadataIndex")
-        field = f"storage_data[{index.fqn!r}" + (f" at {tuple(index.offset)}" if index.offset is not None else "") + "]"
-        if index.offset is not None:
-            _int_tuple(index.offset, path, f"{field} offset")
-        if not isinstance(info, _StorageInfo):
-            raise _fail(path, field, f"must be a _StorageInfo, not {type(info).__name__}")
-        if not isinstance(info.relative_path, str) or not info.relative_path \
-                or os.path.basename(info.relative_path) != info.relative_path or info.relative_path in (".", ".."):
-            raise _fail(path, f"{field}.relative_path", f"must name a file inside the checkpoint, not {info.relative_path!r:.200}")
-        if not _is_int(info.offset) or not _is_int(info.length):
-            raise _fail(path, field, f"has offset {info.offset!r:.50} and length {info.length!r:.50}: "
-                        "both must be non-negative integers")
         if index.fqn not in sdm:
-            raise _fail(path, field, "names a key that the metadata does not describe")
-        if index.offset is not None:
-            nbytes = chunk_bytes.get((index.fqn, tuple(index.offset)), 0)
-            if nbytes > info.length:
-                raise _fail(path, field, f"claims a chunk of {nbytes} bytes stored in {info.length} bytes "
-                            f"of {info.relative_path}")
+            raise _fail(path, _storage_field(index), "names a key that the metadata does not describe")
+        offsets = None if index.offset is None else tuple(index.offset)
+        nbytes = 0 if offsets is None else chunk_bytes.get((index.fqn, offsets))
+        if nbytes is None:  # not the offsets of a checked chunk: check them here
+            _int_tuple(index.offset, path, f"{_storage_field(index)} offset")
+            nbytes = 0
+        if type(info) is not _StorageInfo and not isinstance(info, _StorageInfo):
+            raise _fail(path, _storage_field(index), f"must be a _StorageInfo, not {type(info).__name__}")
+        name = info.relative_path
+        if type(name) is not str or name not in file_names:
+            if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+                raise _fail(path, f"{_storage_field(index)}.relative_path",
+                            f"must name a file inside the checkpoint, not {name!r:.200}")
+            file_names.add(name)
+        if not _is_int(info.offset) or not _is_int(info.length):
+            raise _fail(path, _storage_field(index), f"has offset {info.offset!r:.50} and length {info.length!r:.50}: "
+                        "both must be non-negative integers")
+        if nbytes > info.length:
+            raise _fail(path, _storage_field(index), f"claims a chunk of {nbytes} bytes stored in {info.length} bytes "
+                        f"of {name}")
 
 
 def _check_extras(metadata: Metadata, path: Any) -> None:
@@ -118,6 +131,15 @@ def check_dcp_metadata(metadata: Metadata, path: Any) -> None:
     is malformed: wrong types, negative or non-integer sizes and offsets, chunks outside
     their tensor or larger than the bytes they are stored in, data files outside the
     checkpoint directory, a malformed checksum table."""
+    try:
+        _check_all(metadata, path)
+    except CheckpointingException:
+        raise
+    except Exception as e:  # noqa: BLE001 - a value of a type no check expected (e.g. unhashable)
+        raise _fail(path, "a field", f"holds a value of an unexpected type ({type(e).__name__}: {e})") from e
+
+
+def _check_all(metadata: Metadata, path: Any) -> None:
     if not isinstance(metadata.state_dict_metadata, dict):
         raise _fail(path, "state_dict_metadata", f"must be a mapping, not {type(metadata.state_dict_metadata).__name__}")
     chunk_bytes: Dict[tuple, int] = {}  # (key, chunk offsets) -> bytes of the chunk's values
