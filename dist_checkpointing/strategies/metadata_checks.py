@@ -42,15 +42,20 @@ def _is_int(value: Any) -> bool:
         isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_INT)
 
 
-def _int_tuple(value: Any, path: Any, field: str, ndim: Optional[int] = None) -> tuple:
+def _dims_ok(value: Any, ndim: Optional[int] = None) -> bool:
+    """Whether ``value`` is a sequence of at most 64 non-negative integers (``ndim`` of them)."""
     if type(value) is torch.Size:  # holds ints only: their range is what is left to check
         valid = not value or (min(value) >= 0 and max(value) < _MAX_INT)
     else:
         valid = isinstance(value, (tuple, list)) and all(_is_int(v) for v in value)
-    if not valid:
+    return valid and len(value) <= _MAX_NDIM and (ndim is None or len(value) == ndim)
+
+
+def _int_tuple(value: Any, path: Any, field: str, ndim: Optional[int] = None) -> tuple:
+    if not _dims_ok(value, ndim):
+        if isinstance(value, (tuple, list)) and all(_is_int(v) for v in value):
+            raise _fail(path, field, f"has {len(value)} dimensions" + (f", expected {ndim}" if ndim is not None else ""))
         raise _fail(path, field, f"must be a sequence of non-negative integers, not {value!r:.200}")
-    if len(value) > _MAX_NDIM or (ndim is not None and len(value) != ndim):
-        raise _fail(path, field, f"has {len(value)} dimensions" + (f", expected {ndim}" if ndim is not None else ""))
     return tuple(value)
 
 
@@ -61,12 +66,16 @@ def _check_tensor(key: str, md: TensorStorageMetadata, path: Any, chunk_bytes: D
     shape = _int_tuple(md.size, path, f"{field}.size")
     if not isinstance(md.chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in md.chunks):
         raise _fail(path, f"{field}.chunks", "must be a list of ChunkStorageMetadata")
-    for n, chunk in enumerate(md.chunks):
-        offsets = _int_tuple(chunk.offsets, path, f"{field}.chunks[{n}].offsets", len(shape))
-        sizes = _int_tuple(chunk.sizes, path, f"{field}.chunks[{n}].sizes", len(shape))
+    ndim, itemsize = len(shape), md.properties.dtype.itemsize
+    for n, chunk in enumerate(md.chunks):  # field names are built only for a message
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if not (_dims_ok(offsets, ndim) and _dims_ok(sizes, ndim)):
+            _int_tuple(offsets, path, f"{field}.chunks[{n}].offsets", ndim)
+            _int_tuple(sizes, path, f"{field}.chunks[{n}].sizes", ndim)
+        offsets, sizes = tuple(offsets), tuple(sizes)
         if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise _fail(path, f"{field}.chunks[{n}]", f"at {offsets} of size {sizes} lies outside the shape {shape}")
-        chunk_bytes[(key, offsets)] = math.prod(sizes) * md.properties.dtype.itemsize
+        chunk_bytes[(key, offsets)] = math.prod(sizes) * itemsize
 
 
 def _storage_field(index: MetadataIndex) -> str:
@@ -111,8 +120,15 @@ def _check_extras(metadata: Metadata, path: Any) -> None:
             raise _fail(path, "mcore_data", "must map keys to dicts")
         for key, extras in mcore.items():
             orig = extras.get("nd_reformulated_orig_global_shape")
-            if orig is not None:
-                _int_tuple(orig, path, f"mcore_data[{key!r}].nd_reformulated_orig_global_shape")
+            if orig is None:
+                continue
+            field = f"mcore_data[{key!r}].nd_reformulated_orig_global_shape"
+            orig = _int_tuple(orig, path, field)
+            md = metadata.state_dict_metadata.get(key)
+            # stored as axis_fragmentations + (elements of a chunk,): as many elements as the original
+            if isinstance(md, TensorStorageMetadata) and (
+                    len(orig) + 1 != len(md.size) or math.prod(orig) != math.prod(md.size)):
+                raise _fail(path, field, f"is {orig}, which a tensor stored flattened as {tuple(md.size)} cannot have")
     table = getattr(metadata, "checksums", None)
     if table is None:
         return
