@@ -11,7 +11,8 @@ from .dist_pool import DistPool
 
 _POOLS: dict = {}
 
-FIXTURES = Path(os.environ.get("DIST_CKPT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+# Real checkpoints written by Megatron-Core 0.15 and 0.19, kept in the repository (see their README).
+FIXTURES = Path(os.environ.get("DIST_CKPT_FIXTURES", Path(__file__).resolve().parent / "fixtures"))
 
 
 def get_pool(world_size: int) -> DistPool:

@@ -11,9 +11,8 @@ What is executed:
   ``python -m torch.distributed.run --nproc-per-node N`` (N gloo ranks on CPU);
 * ``docs/coming_from_megatron.md``: every ```python block, in order, in one fresh
   interpreter;
-* ``README.md``: NOT executed — its only Python block (section "Use") is a schematic
-  sketch whose inputs (``local_embedding``, ``tp_rank``, …) are left undefined. The test
-  checks that it is still the only one, so that a runnable block added later is noticed.
+* ``README.md``: every ```python block, in order, in one fresh interpreter (the "Use"
+  example is a complete program).
 
 Each interpreter runs a script in which line N is line N of the Markdown file (the text
 around the code blocks is blanked out), so a traceback points at the page's line.
@@ -37,8 +36,6 @@ MEGATRON_PAGE = ROOT / "docs" / "coming_from_megatron.md"
 README = ROOT / "README.md"
 
 TORCHRUN_LINE = re.compile(r"# (\w+\.py) — run with: torchrun --nproc-per-node (\d+) ")
-# The README sections whose Python blocks are sketches, not programs.
-SCHEMATIC_README_SECTIONS = {"Use"}
 # The torchrun scripts the guide has today; more may be added, none may silently vanish.
 KNOWN_SCRIPTS = {"ddp_demo.py", "fp_demo.py", "recover_demo.py"}
 
@@ -162,10 +159,6 @@ def test_coming_from_megatron_examples_run_in_one_process(tmp_path):
     _run_page(MEGATRON_PAGE, tmp_path)
 
 
-def test_readme_python_blocks_are_schematic():
-    blocks = [b for b in _blocks(README) if b.lang == "python"]
-    runnable = [b for b in blocks if b.section not in SCHEMATIC_README_SECTIONS]
-    assert [b.section for b in blocks if b.section in SCHEMATIC_README_SECTIONS] == ["Use"]
-    assert not runnable, (
-        f"README.md has Python blocks outside the schematic sections {sorted(SCHEMATIC_README_SECTIONS)} "
-        f"(lines {[b.start for b in runnable]}): run them here like the user guide's")
+def test_readme_examples_run_as_written(tmp_path):
+    assert any(b.section == "Use" for b in _blocks(README) if b.lang == "python"), "README lost its Use example"
+    _run_page(README, tmp_path)

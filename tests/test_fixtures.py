@@ -1,4 +1,4 @@
-"""Checkpoints written by Megatron-Core (../shared/fixtures) load under other layouts."""
+"""Checkpoints written by Megatron-Core (tests/fixtures) load under other layouts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ NON_FLAT = [
 ]
 LAYOUTS = ["whole", "split_first", "split_last"]
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures not present")
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="tests/fixtures not present")
 
 
 def _expected(name: str) -> dict:

@@ -540,7 +540,7 @@ def _load_fixture_rank(rank: int, world: int, layout: str) -> int:
     return checked
 
 
-fixture_missing = pytest.mark.skipif(not (FIXTURES / FLAT_FIXTURE).is_dir(), reason="shared/fixtures not present")
+fixture_missing = pytest.mark.skipif(not (FIXTURES / FLAT_FIXTURE).is_dir(), reason="tests/fixtures not present")
 
 
 @fixture_missing

@@ -224,7 +224,7 @@ FIXTURE_NAMES = [
     "mcore_v0_15/distopt_flat", "mcore_v0_19/gpt_tp2_dp2", "mcore_v0_19/gpt_tp2_dp2_fpsave",
     "mcore_v0_19/tp1_single",
 ]
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures not present")
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="tests/fixtures not present")
 
 
 @needs_fixtures
