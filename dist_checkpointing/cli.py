@@ -7,12 +7,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, List, Optional
 
 from .core import CheckpointingException
-from .tools import export_checkpoint, format_info, import_checkpoint, inspect_checkpoint, validate_checkpoint
+from .tools import (
+    OutputExistsError, export_checkpoint, format_info, human_size, import_checkpoint, inspect_checkpoint,
+    validate_checkpoint,
+)
 
 logger = logging.getLogger("dist_checkpointing.cli")
 
@@ -39,10 +44,22 @@ def _progress(desc: str) -> Callable[[int, int, str], None]:
         fraction = done / total if total else 1.0
         if fraction >= state["next"] or done >= total:
             elapsed = time.perf_counter() - state["start"]
-            logger.info("%s: %3.0f%% (%d of %d bytes, %.1f s) %s", desc, 100 * fraction, done, total, elapsed, what)
+            logger.info("%s: %3.0f%% (%s of %s, %.1f s) %s", desc, 100 * fraction, human_size(done),
+                        human_size(total), elapsed, what)
             state["next"] = min(1.0, fraction + 0.1)
 
     return log
+
+
+def _positive_gib(text: str) -> float:
+    """``--max-shard-size``: a positive number of GiB (at least one byte)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value * 2**30 >= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="a directory (safetensors) or a file (torch)")
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     p.add_argument("--keys", metavar="PREFIX", help="only the tensors whose key starts with PREFIX")
-    p.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB",
+    p.add_argument("--max-shard-size", type=_positive_gib, default=5.0, metavar="GIB",
                    help="safetensors: split into files of at most this many GiB (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p = sub.add_parser("import", help="turn a torch.save or safetensors state dict into a checkpoint")
@@ -68,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the checkpoint directory to create")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return parser
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (tests): nothing to flush
+        pass
+    finally:
+        os.close(devnull)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -81,12 +109,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(json.dumps(info.as_dict(), indent=2) if args.json else format_info(info))
             return 0
         if args.command == "validate":
+            if not args.json and not Path(args.dir).exists():  # (--json reports it as a problem)
+                raise CheckpointingException(f"{args.dir} not found")
             report = validate_checkpoint(args.dir, progress=_progress("validate"))
             if args.json:
                 print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
             else:
                 print(f"{report.path}: {'OK' if report.ok else 'DAMAGED'} — {report.checked_tensors} tensors "
-                      f"({report.checked_bytes} bytes) and {report.checked_objects} objects checked")
+                      f"({human_size(report.checked_bytes)}) and {report.checked_objects} objects checked")
                 for problem in report.problems:
                     print(f"  problem: {problem}")
                 for note in report.notes:
@@ -101,9 +131,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         count = import_checkpoint(args.source, args.out, args.force)
         print(f"{args.out}: {count} tensors imported")
         return 0
+    except OutputExistsError as e:
+        print(f"error: {e.out} already exists (pass --force to replace it)", file=sys.stderr)
+        return 1
     except CheckpointingException as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of our output went away (`dist-ckpt inspect ... | head`)
+        _silence_stdout()
+        return 141  # as if killed by SIGPIPE, the shell convention
     except Exception as e:  # noqa: BLE001 - the tools raise CheckpointingException; never a traceback anyway
         logger.debug("unexpected error", exc_info=True)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import shutil
 import tempfile
 import time
+import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,7 +142,7 @@ def format_info(info: CheckpointInfo) -> str:
         f"backend      {info.sharded_backend} v{info.sharded_backend_version}"
         + (f" (common state: {info.common_backend})" if info.common_backend else " (common state inside)"),
         f"common state {', '.join(info.common_keys) or '-'}" + (f" (unreadable: {info.common_error})" if info.common_error else ""),
-        f"tensors      {len(info.tensors)}, {_human(info.tensor_bytes)}",
+        f"tensors      {len(info.tensors)}, {human_size(info.tensor_bytes)}",
     ]
     if info.tensors:
         width = max(len(t.key) for t in info.tensors)
@@ -148,20 +150,21 @@ def format_info(info: CheckpointInfo) -> str:
         for t in info.tensors:
             shape = "(" + ", ".join(map(str, t.shape)) + ")"
             lines.append(f"  {t.key.ljust(width)}  {shape:<22} {t.dtype.replace('torch.', ''):<16} {t.chunks:>6} "
-                         f"{_human(t.nbytes):>10}  {'yes' if t.flattened else 'no'}")
+                         f"{human_size(t.nbytes):>10}  {'yes' if t.flattened else 'no'}")
     lines.append(f"objects      {len(info.objects)}")
     for key, nbytes in sorted(info.objects.items()):
-        lines.append(f"  {key}  {_human(nbytes)}")
-    lines.append(f"files        {len(info.files)}, {_human(info.disk_bytes)} on disk")
+        lines.append(f"  {key}  {human_size(nbytes)}")
+    lines.append(f"files        {len(info.files)}, {human_size(info.disk_bytes)} on disk")
     return "\n".join(lines)
 
 
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
+def human_size(nbytes: int) -> str:
+    """A byte count as the tools print it (``512 B``, ``40.0 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
+    return ""  # not reached: the last unit takes any size
 
 
 # ----------------------------------------------------------------------------- validate
@@ -306,9 +309,25 @@ def _select_keys(checkpoint_dir: Path, key_prefix: Optional[str]) -> List[str]:
     return keys
 
 
+class OutputExistsError(CheckpointingException):
+    """The output of an export or import exists and replacing it was not asked for
+    (``force=True``; on the command line ``--force``)."""
+
+    def __init__(self, out: Path):
+        super().__init__(f"{out} already exists (pass force=True to replace it)")
+        self.out = out
+
+
+def _umask() -> int:
+    """The process's file mode creation mask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _refuse_existing(out: Path, force: bool) -> None:
     if out.exists() and not force:
-        raise CheckpointingException(f"{out} already exists (pass force=True / --force to replace it)")
+        raise OutputExistsError(out)
 
 
 def export_checkpoint(
@@ -339,6 +358,8 @@ def export_checkpoint(
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     if format not in ("safetensors", "torch"):
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise CheckpointingException(f"max_shard_bytes must be a positive number of bytes, not {max_shard_bytes!r}")
     refuse_overlap(checkpoint_dir, out, "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
@@ -356,6 +377,7 @@ def _export(checkpoint_dir: Path, out: Path, format: str, keys: List[str], max_s
     total = sum(sizes.values())
     start = time.perf_counter()
     tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output gets the usual mode
     try:
         done = 0
         if format == "torch":
@@ -456,10 +478,20 @@ def _read_source(source: Path) -> Any:
                 for key in f.keys():
                     state[key] = f.get_tensor(key)
         return state
+    archive = zipfile.is_zipfile(source)  # torch.save's format; mmap needs it (older files are plain pickles)
     try:
-        return torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+        return torch.load(source, map_location="cpu", mmap=archive, weights_only=True)
     except Exception as e:  # noqa: BLE001 - not a torch.save file, or unsafe content
-        raise CheckpointingException(f"Cannot read {source} as a torch.save state dict: {e}") from e
+        logger.debug("torch.load(%s) failed", source, exc_info=True)
+        if not archive:
+            reason = "neither a torch.save archive nor a plain pickle of tensors"
+        elif isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+            reason = "it holds objects outside the safe allow-list"
+        else:
+            reason = "a damaged torch.save archive"
+        raise CheckpointingException(
+            f"Cannot import {source}: it is not a torch.save file of a state dict ({reason}), "
+            "a .safetensors file or a directory of them") from e
 
 
 def _keyed_leaves(state: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:

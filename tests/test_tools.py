@@ -35,6 +35,7 @@ from dist_checkpointing.strategies.torch import read_metadata
 from dist_checkpointing.tools import (
     export_checkpoint,
     format_info,
+    human_size,
     import_checkpoint,
     inspect_checkpoint,
     validate_checkpoint,
@@ -271,7 +272,7 @@ def test_validate_ok(ckpt, capsys):
     rc, out, err = _run_cli(capsys, "validate", ckpt)
     assert rc == 0, out
     assert out.startswith(f"{ckpt}: OK")
-    assert f"{len(SPECS)} tensors ({TOTAL_BYTES} bytes) and 1 objects checked" in out
+    assert f"{len(SPECS)} tensors ({human_size(TOTAL_BYTES)}) and 1 objects checked" in out
     assert "problem" not in out
     rc, out, err = _run_cli(capsys, "validate", ckpt, "--json")
     report = json.loads(out)
@@ -678,7 +679,7 @@ def test_import_bad_sources(tmp_path, capsys):
     torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(3)}}, tmp_path / "clash.pt")
     cases = {
         "list.pt": "holds a list, not a state dict",
-        "text.pt": "as a torch.save state dict",
+        "text.pt": "is not a torch.save file of a state dict",
         "missing.pt": "does not exist",
         "nothing": "holds no .safetensors files",
         "clash.pt": "a.b",  # two paths flatten to the same key
@@ -706,7 +707,8 @@ def test_subprocess_export_logs_progress(ckpt, tmp_path):
     assert proc.stdout.split() == [str(out / "model.safetensors")]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("export: ")]
     assert lines, proc.stderr
-    assert re.match(rf"export: 100% \({TOTAL_BYTES} of {TOTAL_BYTES} bytes", lines[-1]), lines[-1]
+    size = re.escape(human_size(TOTAL_BYTES))
+    assert re.match(rf"export: 100% \({size} of {size}, ", lines[-1]), lines[-1]
     percents = [int(re.match(r"export:\s+(\d+)%", ln).group(1)) for ln in lines]
     assert percents == sorted(percents)
     assert f"Exported {len(SPECS)} tensors" in proc.stderr

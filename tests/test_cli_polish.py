@@ -1,0 +1,98 @@
+"""The command line as a newcomer meets it: quiet on a closed pipe, the umask's modes,
+"not found" for a missing path, one-line errors naming the CLI's flags (the API's
+arguments in the API), one way of printing sizes, positive shard sizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import CheckpointingException, ShardedTensor
+from dist_checkpointing.cli import main
+from dist_checkpointing.tools import export_checkpoint, human_size, inspect_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    dc.save({f"layer{i}.weight": ShardedTensor.from_rank_offsets(f"layer{i}.weight", torch.full((4,), float(i)))
+             for i in range(600)}, path)
+    return path
+
+
+def _cli(*args: str, stdin=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "dist_checkpointing", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_closed_pipe_exits_quietly(ckpt):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(f"{sys.executable} -m dist_checkpointing inspect --json {ckpt} | head -c 100 >/dev/null; "
+                          "echo status=${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert "status=141" in proc.stdout, proc.stdout  # the output really was cut short
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_export_directory_gets_the_umask_mode(ckpt, tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        export_checkpoint(ckpt, tmp_path / "out", key_prefix="layer1.")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_validate_of_a_missing_path_says_not_found(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope")]) == 1
+    out, err = capsys.readouterr()
+    assert "not found" in err and "DAMAGED" not in out
+
+
+@pytest.mark.parametrize("content", [b"hello, world\n", os.urandom(300), b"PK\x03\x04" + os.urandom(100)])
+def test_import_of_something_else_is_one_line(tmp_path, content):
+    source = tmp_path / "thing.pt"
+    source.write_bytes(content)
+    proc = _cli("import", str(source), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: Cannot import"), proc.stderr
+    assert "mmap" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_names_the_flag_in_the_cli_and_the_argument_in_the_api(ckpt, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "--force" in err and "force=True" not in err
+    with pytest.raises(CheckpointingException, match="force=True") as info:
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert "--force" not in str(info.value)
+
+
+@pytest.mark.parametrize("size", ["0", "nan", "abc"])
+def test_max_shard_size_must_be_positive(ckpt, tmp_path, size):
+    proc = _cli("export", str(ckpt), str(tmp_path / "out"), "--max-shard-size", size)
+    assert proc.returncode == 2 and "--max-shard-size" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(CheckpointingException, match="max_shard_bytes"):
+        export_checkpoint(ckpt, tmp_path / "out2", max_shard_bytes=0)
+
+
+def test_inspect_and_validate_print_sizes_alike(ckpt, capsys):
+    assert main(["validate", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    size = human_size(inspect_checkpoint(ckpt).tensor_bytes)
+    assert f"({size})" in out
+    assert main(["inspect", str(ckpt)]) == 0
+    assert size in capsys.readouterr().out
