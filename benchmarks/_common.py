@@ -36,7 +36,11 @@ def clean_dir(path: Path, rank: int) -> None:
 
 def closing_lines(summary: Dict[str, object]) -> List[str]:
     """The 'targets' and 'load average' lines of a summary table."""
-    lines = ["targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in summary["targets_met"].items())]
+    if summary.get("targets_not_judged"):  # e.g. a smoke run: too small for the targets to mean anything
+        lines = [f"targets: not judged ({summary['targets_not_judged']})"]
+    else:
+        lines = ["targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}"
+                                         for k, ok in summary["targets_met"].items())]
     if "loadavg_before_after" in summary:
         before, after = summary["loadavg_before_after"]
         lines.append(f"load average (1 min) before/after: {before[0]:.1f} / {after[0]:.1f}")
@@ -82,7 +86,10 @@ def run_world_sizes(name: str, args: argparse.Namespace, run_world: Callable, su
     """Run ``run_world(world, args)`` for each of ``args.world_sizes`` in a scratch dir under
     ``args.dir``, print each summary table, and write the JSON report."""
     worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    scratch = Path(args.dir) / f"{name}_{os.getpid()}"
+    base = Path(args.dir)
+    made_base = not base.exists()
+    base.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=base))  # removed at the end, whatever happens
     args.dir = str(scratch)
     started = datetime.datetime.now().astimezone()
     summaries = []
@@ -96,8 +103,9 @@ def run_world_sizes(name: str, args: argparse.Namespace, run_world: Callable, su
             print(format_table(summaries[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if made_base:
+            shutil.rmtree(base, ignore_errors=True)
     run_args = dict(run_args, world_sizes=worlds, dir=str(scratch))
     out = write_report(args.output, started, run_args, "results", summaries)
-    print("\n\n".join(format_table(s) for s in summaries))
-    print(f"JSON results: {out}")
+    print(f"JSON results: {out}")  # each table was printed once, as its world size finished
 
