@@ -170,14 +170,14 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
     def plan() -> Optional[List[Optional[Tuple[Dict[str, str], Share]]]]:
         if get_rank() != 0:
             return None
-        load_config(checkpoint_dir)  # a missing or incomplete checkpoint is reported as such
         files = read_manifest(checkpoint_dir)
+        if files is None and not required:
+            return [None] * world  # the load reports a missing or incomplete checkpoint itself
+        load_config(checkpoint_dir)  # a missing or incomplete checkpoint is reported as such
         if files is None:
-            if required:
-                raise CheckpointingException(
-                    f"{checkpoint_dir} has no integrity manifest {MANIFEST_FNAME} (verify_integrity=True needs one: "
-                    "save with verify_integrity=True)")
-            return [None] * world
+            raise CheckpointingException(
+                f"{checkpoint_dir} has no integrity manifest {MANIFEST_FNAME} (verify_integrity=True needs one: "
+                "save with verify_integrity=True)")
         problems, sizes = listing_problems(checkpoint_dir, files)
         _raise_problems(checkpoint_dir, problems)
         shares = _balanced_shares(sizes, world)

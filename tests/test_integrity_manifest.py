@@ -115,6 +115,11 @@ def _extra_file(ckpt: Path) -> str:
     return "notes.txt"
 
 
+def _uncommitted(ckpt: Path) -> str:
+    (ckpt / "metadata.json").unlink()  # killed between the manifest and metadata.json
+    return "incomplete checkpoint"
+
+
 def _malformed(mutate):
     def damage(ckpt: Path) -> str:
         raw = json.loads((ckpt / MANIFEST_FNAME).read_text())
@@ -128,6 +133,7 @@ _DAMAGE = {
     "wrong_hash": _wrong_hash,
     "file_changed": _changed_file,
     "extra_unlisted_file": _extra_file,
+    "uncommitted": _uncommitted,
     "not_json": _malformed(lambda raw: '{"algorithm": "sha256", "files": {'),
     "files_a_list": _malformed(lambda raw: json.dumps({"algorithm": "sha256", "files": list(raw["files"])})),
     "digest_an_int": _malformed(lambda raw: json.dumps({"files": {**raw["files"], "common.pt": 12}})),
