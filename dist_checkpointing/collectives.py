@@ -57,6 +57,17 @@ def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
     return box[0]
 
 
+def scatter_object(objs: Optional[List[Any]], group: Optional[Any] = None) -> Any:
+    """``objs[r]`` of the group's first rank, on each rank ``r`` (``objs`` is read on the
+    first rank only): each rank receives only its own object."""
+    if get_world_size(group) == 1:
+        return objs[0]  # type: ignore[index]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    box: List[Any] = [None]
+    dist.scatter_object_list(box, objs if get_rank(group) == 0 else None, src=src, group=group)
+    return box[0]
+
+
 def raise_if_any(errors: List[Optional[str]], what: str) -> None:
     """Raise one CheckpointingException listing every rank's error, if there is any."""
     failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]

@@ -134,7 +134,11 @@ def atomic_write_bytes(path: Union[str, Path], data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def config_bytes(config: CheckpointingConfig) -> bytes:
+    """The bytes of ``metadata.json`` for ``config``."""
+    return json.dumps({k: v for k, v in asdict(config).items() if v is not None}).encode()
+
+
 def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
     """Write ``metadata.json`` atomically; its presence marks a complete checkpoint."""
-    raw = {k: v for k, v in asdict(config).items() if v is not None}
-    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(raw).encode())
+    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))

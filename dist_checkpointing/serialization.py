@@ -26,6 +26,7 @@ from .core import (
     save_config,
 )
 from .integrity import recorded_save_id
+from .manifest import hash_written_files, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
@@ -217,6 +218,7 @@ def save(
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
     progress_callback: Optional[ProgressCallback] = None,
+    verify_integrity: bool = False,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
@@ -235,6 +237,10 @@ def save(
     ``AsyncRequest`` is returned: schedule it on an ``AsyncCallsQueue``; the checkpoint
     is complete (has ``metadata.json``) only once the queue has finalized it. The caller
     may modify its tensors as soon as ``save`` returns.
+
+    With ``verify_integrity=True`` (Megatron-Core's name) the commit also writes
+    Megatron-Core's integrity manifest ``integrity.json`` (a SHA-256 of every file; each
+    rank hashes the files it wrote), before ``metadata.json``; :func:`load` then verifies it.
 
     Each call logs one line at INFO (bytes this rank writes, seconds, GB/s, and the
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
@@ -294,13 +300,14 @@ def save(
     write_common = run_agreed(save_common, "Saving the common state")
 
     def commit():
+        digests = hash_written_files(checkpoint_dir) if verify_integrity else None  # collective
         if rank == 0:
             _check_written_by(save_id, checkpoint_dir)
-            save_config(
-                CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
-                                    common_strategy_.backend, common_strategy_.version),
-                checkpoint_dir,
-            )
+            config = CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
+                                         common_strategy_.backend, common_strategy_.version)
+            if digests is not None:  # before metadata.json: a committed checkpoint has all of it
+                write_manifest(checkpoint_dir, digests, config)
+            save_config(config, checkpoint_dir)
             release_claim(checkpoint_dir, save_id)
 
     if async_sharded_save:
@@ -354,6 +361,7 @@ def load(
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     progress_callback: Optional[ProgressCallback] = None,
+    verify_integrity: Optional[bool] = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -376,10 +384,18 @@ def load(
     Each call logs one line at INFO (bytes this rank requests, seconds, GB/s, phases
     ``plan``, ``read`` — split into ``plan``/``read``/``exchange`` by the fully parallel
     wrapper — and ``finalize``); ``progress_callback`` is called as in :func:`save`.
+
+    A checkpoint with Megatron-Core's integrity manifest ``integrity.json`` is first
+    verified against it (every file hashed once, split over the ranks; a listed file
+    missing, a wrong hash or an unlisted file is an error naming the file).
+    ``verify_integrity``: ``None`` (default) verifies when there is a manifest, ``True``
+    requires one (as Megatron-Core's ``verify_integrity=True``), ``False`` skips it.
     """
     strict = parse_strict_flag(strict)
     checkpoint_dir = Path(checkpoint_dir)
     phases = _Phases(progress_callback)
+    if verify_integrity is not False:
+        verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
 
     def prepare():
         config = load_config(checkpoint_dir)

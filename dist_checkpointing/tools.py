@@ -26,6 +26,7 @@ import torch
 
 from .core import CheckpointingException, fsync_dir, load_config
 from .dict_utils import dict_list_map_outplace, nested_values
+from .manifest import MANIFEST_FNAME, manifest_problems
 from .mapping import ShardedObject, ShardedTensor
 from .path_overlap import output_location, refuse_overlap
 from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
@@ -227,7 +228,8 @@ def _check_readable(report: ValidationReport, what: str, load: Callable[[], Any]
 
 
 def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
-    """Check a checkpoint completely: it is committed (``metadata.json``), the common state
+    """Check a checkpoint completely: it is committed (``metadata.json``), its files match
+    Megatron-Core's integrity manifest ``integrity.json`` if it has one, the common state
     and ``.metadata`` match their checksums, every tensor's chunks cover it exactly, every
     data file holds the byte ranges named for it, and every stored item can be read and
     matches its checksum (tensors are read whole, one at a time; objects are checked
@@ -241,6 +243,8 @@ def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] =
 
 def _validate(checkpoint_dir: Path, report: ValidationReport, progress: Optional[Progress]) -> None:
     config = load_config(checkpoint_dir)
+    with _reported(report, f"{checkpoint_dir / MANIFEST_FNAME}"):
+        report.problems += manifest_problems(checkpoint_dir)
     # What load would refuse (an unknown backend or version) is a problem here too.
     if not isinstance(get_default_load_sharded_strategy(checkpoint_dir), TorchDistLoadShardedStrategy):
         report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")

@@ -1,0 +1,228 @@
+"""Megatron-Core's integrity manifest ``integrity.json``: a SHA-256 of every file.
+
+The format is Megatron-Core 0.19's (``dist_checkpointing.validation.save_integrity_manifest``):
+``json.dumps({"algorithm": "sha256", "files": {name: hexdigest}}, indent=2)``, one entry per
+regular file directly in the checkpoint directory (``metadata.json`` included; the
+manifest itself and subdirectories not), sorted by name, lowercase hex digests.
+
+Writing (``save(..., verify_integrity=True)``): at commit every rank hashes the files it
+wrote (``*__{rank}_{n}.distcp``; rank 0 the rest) and only the digests travel to rank 0,
+which writes the manifest, listing ``metadata.json`` with the digest of the bytes it is
+about to write, *before* ``metadata.json``: a committed checkpoint always has its whole
+manifest (Megatron-Core writes it after ``metadata.json``; the contents are the same).
+
+Verifying (``load``, ``validate``): rank 0 reads the manifest and checks the directory's
+listing against it (a listed file missing, or a regular file not listed, is an error);
+then the listed files are hashed, split over the ranks by size, and every mismatch is
+raised on every rank, naming the files. Megatron-Core ignores unlisted files; we refuse
+them (the directory changed after the save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+from .collectives import gather_object, get_rank, get_world_size, run_agreed, scatter_object
+from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, atomic_write_bytes, config_bytes, load_config
+from .save_claim import CLAIM_FNAME
+
+MANIFEST_FNAME = "integrity.json"
+ALGORITHM = "sha256"
+_READ_CHUNK = 1 << 20
+_MAX_MANIFEST_BYTES = 64 << 20
+_MAX_REPORTED = 10
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+_WRITER_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
+
+PathLike = Union[str, Path]
+Share = List[str]
+
+
+def file_sha256(path: PathLike) -> str:
+    """The SHA-256 hex digest of a file, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_bytes(files: Dict[str, str]) -> bytes:
+    """The bytes of ``integrity.json`` for ``{file name: SHA-256 hex digest}``, exactly as
+    Megatron-Core writes them."""
+    return json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=2).encode()
+
+
+def read_manifest(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
+    """The ``{file name: digest}`` of a checkpoint's manifest; ``None`` without one.
+
+    A manifest that is not JSON, not of Megatron-Core's layout, of another algorithm,
+    names anything but a plain file name in the directory, or holds anything but a
+    SHA-256 hex digest is a :class:`CheckpointingException` naming the file."""
+    path = Path(checkpoint_dir) / MANIFEST_FNAME
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_MAX_MANIFEST_BYTES + 1)
+        if len(text) > _MAX_MANIFEST_BYTES:
+            raise ValueError(f"larger than {_MAX_MANIFEST_BYTES} bytes")
+        raw = json.loads(text)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointingException(f"Integrity manifest {path} is unreadable: {e}") from e
+
+    def malformed(what: str) -> CheckpointingException:
+        return CheckpointingException(f"Integrity manifest {path} is malformed: {what}")
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("files"), dict):
+        raise malformed('a JSON object with a "files" object is expected')
+    algorithm = raw.get("algorithm", ALGORITHM)
+    if algorithm != ALGORITHM:
+        raise CheckpointingException(
+            f"Integrity manifest {path} uses hash algorithm {algorithm!r:.100}; only {ALGORITHM!r} is supported")
+    files = raw["files"]
+    for name, digest in files.items():
+        if name in ("", ".", "..", MANIFEST_FNAME) or "/" in name or "\\" in name or "\0" in name:
+            raise malformed(f"{name!r:.200} is not the name of a file of the checkpoint")
+        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+            raise malformed(f"the digest of {name!r:.200} is not a SHA-256 hex digest: {digest!r:.100}")
+    return files
+
+
+def listing_problems(checkpoint_dir: Path, files: Dict[str, str]) -> Tuple[List[str], Dict[str, int]]:
+    """Listed files that are missing (or not regular files) and regular files that are not
+    listed; and the size of each listed file that is there."""
+    manifest = checkpoint_dir / MANIFEST_FNAME
+    problems, sizes = [], {}
+    for name in sorted(files):
+        path = checkpoint_dir / name
+        if path.is_file():
+            sizes[name] = path.stat().st_size
+        else:
+            problems.append(f"{path} is listed in {manifest} but {'is not a file' if path.exists() else 'missing'}")
+    for path in sorted(checkpoint_dir.iterdir()):
+        if path.name not in files and path.name != MANIFEST_FNAME and path.is_file():
+            problems.append(f"{path} is not listed in {manifest}: the directory was changed after the save")
+    return problems, sizes
+
+
+def hash_problems(checkpoint_dir: Path, files: Dict[str, str], names: Share) -> List[str]:
+    """The files of ``names`` whose SHA-256 is not the one ``files`` lists."""
+    problems = []
+    for name in names:
+        path = checkpoint_dir / name
+        try:
+            actual = file_sha256(path)
+        except OSError as e:
+            problems.append(f"{path} cannot be read: {e}")
+            continue
+        if actual != files[name]:
+            problems.append(f"{path} does not match its SHA-256 in {checkpoint_dir / MANIFEST_FNAME} (expected "
+                            f"{files[name][:16]}…, got {actual[:16]}…): the file is damaged or was changed")
+    return problems
+
+
+def manifest_problems(checkpoint_dir: PathLike) -> List[str]:
+    """Every way the checkpoint differs from its manifest (one process; ``[]`` without a
+    manifest). Raises only for a malformed manifest."""
+    checkpoint_dir = Path(checkpoint_dir)
+    files = read_manifest(checkpoint_dir)
+    if files is None:
+        return []
+    problems, sizes = listing_problems(checkpoint_dir, files)
+    return problems + hash_problems(checkpoint_dir, files, sorted(sizes))
+
+
+def _raise_problems(checkpoint_dir: Path, problems: List[str]) -> None:
+    if problems:
+        more = len(problems) - _MAX_REPORTED
+        raise CheckpointingException(
+            f"Integrity check of {checkpoint_dir} failed for {len(problems)} file(s): "
+            + "; ".join(problems[:_MAX_REPORTED]) + (f"; and {more} more" if more > 0 else ""))
+
+
+def _balanced_shares(sizes: Dict[str, int], world: int) -> List[Share]:
+    """Files split over ``world`` ranks: largest first, each to the least-loaded rank."""
+    shares: List[Share] = [[] for _ in range(world)]
+    loads = [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = loads.index(min(loads))
+        shares[r].append(name)
+        loads[r] += sizes[name]
+    return shares
+
+
+def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
+    """Verify a checkpoint against its ``integrity.json`` (collective over the default
+    group; one process without one). Returns whether there was a manifest.
+
+    Without a manifest: nothing to do, unless ``required`` (an error, as in Megatron-Core's
+    ``load(..., verify_integrity=True)``). Rank 0 checks the listing; the listed files are
+    then hashed once in all, split over the ranks by size. Any problem is raised on every
+    rank as one :class:`CheckpointingException` naming the files."""
+    checkpoint_dir = Path(checkpoint_dir)
+    world = get_world_size()
+
+    def plan() -> Optional[List[Optional[Tuple[Dict[str, str], Share]]]]:
+        if get_rank() != 0:
+            return None
+        files = read_manifest(checkpoint_dir)
+        if files is None and not required:
+            return [None] * world  # the load reports a missing or incomplete checkpoint itself
+        load_config(checkpoint_dir)  # a missing or incomplete checkpoint is reported as such
+        if files is None:
+            raise CheckpointingException(
+                f"{checkpoint_dir} has no integrity manifest {MANIFEST_FNAME} (verify_integrity=True needs one: "
+                "save with verify_integrity=True)")
+        problems, sizes = listing_problems(checkpoint_dir, files)
+        _raise_problems(checkpoint_dir, problems)
+        shares = _balanced_shares(sizes, world)
+        return [({n: files[n] for n in share}, share) for share in shares]
+
+    shares = run_agreed(plan, f"Reading the integrity manifest of {checkpoint_dir}")
+    mine = scatter_object(shares)
+    if mine is None:
+        return False
+    run_agreed(lambda: _raise_problems(checkpoint_dir, hash_problems(checkpoint_dir, *mine)),
+               f"Verifying {checkpoint_dir} against its {MANIFEST_FNAME}")
+    return True
+
+
+def hash_written_files(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
+    """At a save's commit: every file of the directory (but ``metadata.json``, the claim
+    and the manifest) hashed by the rank that wrote it; the digests on rank 0, ``None``
+    elsewhere (collective)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    world = get_world_size()
+    skip = {CONFIG_FNAME, CLAIM_FNAME, MANIFEST_FNAME}
+
+    def plan() -> Optional[List[Share]]:
+        if get_rank() != 0:
+            return None
+        shares: List[Share] = [[] for _ in range(world)]
+        for path in sorted(checkpoint_dir.iterdir()):
+            if path.name in skip or not path.is_file():
+                continue
+            writer = _WRITER_RANK.search(path.name)
+            rank = int(writer.group(1)) if writer is not None else 0
+            shares[rank if rank < world else 0].append(path.name)
+        return shares
+
+    mine = scatter_object(run_agreed(plan, f"Listing {checkpoint_dir} for its {MANIFEST_FNAME}"))
+    digests = run_agreed(lambda: {name: file_sha256(checkpoint_dir / name) for name in mine},
+                         f"Hashing the files of {checkpoint_dir} for its {MANIFEST_FNAME}")
+    gathered = gather_object(digests)
+    if gathered is None:
+        return None
+    return {name: digest for part in gathered for name, digest in part.items()}
+
+
+def write_manifest(checkpoint_dir: PathLike, digests: Dict[str, str], config: CheckpointingConfig) -> None:
+    """Write ``integrity.json`` (atomically) from the digests of :func:`hash_written_files`
+    and the ``metadata.json`` that ``config`` is about to be written as."""
+    files = {**digests, CONFIG_FNAME: hashlib.sha256(config_bytes(config)).hexdigest()}
+    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest_bytes(files))
