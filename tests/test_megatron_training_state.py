@@ -421,12 +421,14 @@ def test_stand_in_mismatch_is_refused(lookalikes, extra, build, message):
     assert message in str(e.value) and "common.pt" in str(e.value) and "allow_pickle" in str(e.value)
 
 
-def test_config_state_that_is_not_fields_is_refused(lookalikes):
+@pytest.mark.parametrize("state", [["lr", 1.0], {"lr": 1.0, "unknown_fields": []}, {"__class__": 1}],
+                         ids=["list", "method_name", "dunder"])
+def test_config_state_that_is_not_fields_is_refused(lookalikes, state):
     c = lookalikes()
-    c.OptimizerConfig.__getstate__ = lambda self: ["lr", 1.0]
+    c.OptimizerConfig.__getstate__ = lambda self: state
     data = _pickled(c.OptimizerConfig(lr=1.0))
     _remove_lookalikes()
-    with pytest.raises(CheckpointingException, match="OptimizerConfig: the stored state is not a dict"):
+    with pytest.raises(CheckpointingException, match="OptimizerConfig: the stored state is not a dict of field"):
         safe_torch_load(data, "x")
 
 

@@ -54,7 +54,7 @@ _STATIC: List[SafeGlobal] = [
 
 _REGISTERED: List[SafeGlobal] = []
 # torch keeps its allow-list in one global set: one load at a time may extend it
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 
 
 def register_safe_globals(*classes: SafeGlobal) -> None:

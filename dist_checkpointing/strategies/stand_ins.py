@@ -59,9 +59,9 @@ class StandInConfig:
         if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
             state = state[0]  # pickle's (dict, slots) form without slots
         if not isinstance(state, dict) or not all(
-                isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in state):
+                isinstance(k, str) and k.isidentifier() and not hasattr(type(self), k) for k in state):
             raise StandInMismatch(f"{full_name}: the stored state is not a dict of field names "
-                                  f"(got {type(state).__name__})")
+                                  f"(got {type(state).__name__}: {list(state)[:5] if isinstance(state, dict) else ''})")
         self.__dict__.update(state)
         unknown = self.unknown_fields()
         if unknown:
