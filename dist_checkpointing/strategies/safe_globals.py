@@ -17,13 +17,14 @@ torch's unpickler only calls what is listed (a listed class is instantiated with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import pathlib
 import signal
 import sys
 import threading
 import types
-from typing import Any, Callable, List, Tuple, Union
+from typing import Any, Callable, Iterator, List, Tuple, Union
 
 import numpy as np
 import torch
@@ -95,21 +96,8 @@ def allowed_globals() -> List[SafeGlobal]:
     return out
 
 
-class safe_globals_context:  # noqa: N801 - used like torch.serialization.safe_globals
+@contextlib.contextmanager
+def safe_globals_context() -> Iterator[None]:
     """Holds :data:`_LOCK` and extends torch's allow-list with :func:`allowed_globals`."""
-
-    def __enter__(self) -> None:
-        _LOCK.acquire()
-        try:
-            self._torch_ctx = torch.serialization.safe_globals(allowed_globals())
-            self._torch_ctx.__enter__()
-        except BaseException:
-            _LOCK.release()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._torch_ctx.__exit__(*exc)
-        finally:
-            _LOCK.release()
-
+    with _LOCK, torch.serialization.safe_globals(allowed_globals()):
+        yield
