@@ -31,6 +31,7 @@ from .serialization import (
     remove_sharded_tensors,
     save,
 )
+from .strategies.safe_globals import register_safe_globals
 from .validation import StrictHandling
 
 __version__ = "0.1.0"
@@ -40,5 +41,6 @@ __all__ = [
     "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "StrictHandling",
     "apply_factories", "apply_factory_merges", "check_is_distributed_checkpoint", "is_main_replica",
     "load", "load_common_state_dict", "load_content_metadata", "load_plain_tensors",
-    "load_sharded_metadata", "load_tensors_metadata", "remove_sharded_tensors", "save",
+    "load_sharded_metadata", "load_tensors_metadata", "register_safe_globals", "remove_sharded_tensors",
+    "save",
 ]

@@ -1,8 +1,9 @@
 """Loading pickled checkpoint content without executing arbitrary code.
 
-* :func:`safe_torch_load` wraps ``torch.load(weights_only=True)`` with an allow-list
-  extended by NumPy arrays (RNG states hold them); anything else needs the explicit
-  ``allow_pickle=True`` opt-in and fails with a message naming the blocked globals.
+* :func:`safe_torch_load` wraps ``torch.load(weights_only=True)`` with the allow-list of
+  :mod:`.safe_globals` (stdlib, NumPy, Megatron-Core / TE stand-ins, registered classes);
+  anything else needs the explicit ``allow_pickle=True`` opt-in and fails with a message
+  naming the blocked globals.
 * :func:`load_dcp_metadata` unpickles a DCP ``.metadata`` file with an allow-list of
   PyTorch DCP classes, mapping Megatron-Core's metadata classes to local stand-ins, so
   checkpoints written by Megatron-Core load without Megatron installed.
@@ -16,7 +17,6 @@ import pickle
 from pathlib import Path
 from typing import IO, Any, Union
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
@@ -24,45 +24,47 @@ from torch.distributed.checkpoint import planner as dcp_planner
 
 from ..core import CheckpointingException
 from ..integrity import read_file_verified
-
-try:  # NumPy >= 2
-    from numpy._core.multiarray import _reconstruct as _np_reconstruct
-    from numpy._core.multiarray import scalar as _np_scalar
-except ImportError:  # pragma: no cover - NumPy 1.x
-    from numpy.core.multiarray import _reconstruct as _np_reconstruct
-    from numpy.core.multiarray import scalar as _np_scalar
-
-_NUMPY_SAFE_GLOBALS = [np.ndarray, np.dtype, _np_reconstruct, _np_scalar] + [
-    type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
-                                np.uint16, np.uint32, np.uint64, np.float16, np.float32,
-                                np.float64, np.complex64, np.complex128)
-]
+from .safe_globals import safe_globals_context
+from .stand_ins import StandInMismatch
 
 
 def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = False) -> Any:
     """``torch.load`` of ``f`` (CPU) with the safe allow-list; ``what`` names it in errors."""
     if isinstance(f, (bytes, bytearray, memoryview)):
         f = io.BytesIO(f)
-    try:
-        if allow_pickle:
-            return torch.load(f, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(_NUMPY_SAFE_GLOBALS):
-            return torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    if allow_pickle:
         try:
-            f.seek(0)
-            blocked = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
-        except Exception:  # noqa: BLE001 - not even a readable torch.save archive
-            blocked = ""
-        if not blocked:  # nothing unsafe to name: the bytes themselves are broken
-            raise CheckpointingException(f"Cannot load {what}: the data is corrupted ({str(e).splitlines()[0]})") from e
-        raise CheckpointingException(
-            f"Refusing to unpickle {what}: it needs globals outside the safe allow-list "
-            f"({blocked}). If you trust this checkpoint, load it with allow_pickle=True on "
-            "the load strategy."
-        ) from e
-    except Exception as e:  # noqa: BLE001 - corrupted data of any kind
-        raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
+            return torch.load(f, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - corrupted data of any kind
+            raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
+    with safe_globals_context():
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except StandInMismatch as e:
+            raise CheckpointingException(
+                f"Refusing to unpickle {what}: {e}. If you trust this checkpoint, import the real "
+                "class before loading, or load it with allow_pickle=True on the load strategy.") from e
+        except pickle.UnpicklingError as e:
+            blocked = _blocked_globals(f)
+            if not blocked:  # nothing unsafe to name: the bytes themselves are broken
+                raise CheckpointingException(
+                    f"Cannot load {what}: the data is corrupted ({str(e).splitlines()[0]})") from e
+            raise CheckpointingException(
+                f"Refusing to unpickle {what}: it needs globals outside the safe allow-list "
+                f"({blocked}). If you trust this checkpoint, load it with allow_pickle=True on the "
+                "load strategy, or allow these classes with dist_checkpointing.register_safe_globals."
+            ) from e
+        except Exception as e:  # noqa: BLE001 - corrupted data of any kind
+            raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
+
+
+def _blocked_globals(f: IO[bytes]) -> str:
+    """The globals of the torch.save archive ``f`` that the allow-list lacks ("" if unreadable)."""
+    try:
+        f.seek(0)
+        return ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+    except Exception:  # noqa: BLE001 - not even a readable torch.save archive
+        return ""
 
 
 class MCoreMetadata(dcp_md.Metadata):

@@ -1,0 +1,103 @@
+"""What a checkpoint's pickled objects may hold by default: the safe allow-list.
+
+Objects (ShardedObjects, ``common.pt``) are read with ``torch.load(weights_only=True)``;
+:func:`allowed_globals` is what that unpickler may use on top of torch's own list:
+
+* stdlib and NumPy types found in Megatron-LM training checkpoints (``argparse.Namespace``,
+  ``types.SimpleNamespace``, ``pathlib`` paths, ``io.BytesIO``, ``signal.Signals``,
+  ``torch.Generator``, NumPy arrays / dtypes / scalars);
+* Megatron-Core and Transformer Engine classes, by name (:mod:`.stand_ins`): the real class
+  when the user's process has already imported its module, else an inert stand-in;
+* classes given to :func:`register_safe_globals` (and torch's own ``add_safe_globals``).
+
+torch's unpickler only calls what is listed (a listed class is instantiated with
+``__new__`` and filled by ``__setstate__`` or ``__dict__``); nothing is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import pathlib
+import signal
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterator, List, Tuple, Union
+
+import numpy as np
+import torch
+
+from ..core import CheckpointingException
+from .stand_ins import STAND_INS
+
+try:  # NumPy >= 2
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+    from numpy._core.multiarray import scalar as _np_scalar
+except ImportError:  # pragma: no cover - NumPy 1.x
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+    from numpy.core.multiarray import scalar as _np_scalar
+
+SafeGlobal = Union[Callable[..., Any], Tuple[Callable[..., Any], str]]
+
+_NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                 np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
+
+_STATIC: List[SafeGlobal] = [
+    argparse.Namespace, types.SimpleNamespace, io.BytesIO, signal.Signals, torch._C.Generator,
+    pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    (pathlib.PureWindowsPath, "pathlib.WindowsPath"),  # cannot be instantiated on POSIX
+    np.ndarray, np.dtype, _np_reconstruct, _np_scalar,
+    # checkpoints written with NumPy 1.x name the reconstructors under numpy.core
+    (_np_reconstruct, "numpy.core.multiarray._reconstruct"), (_np_scalar, "numpy.core.multiarray.scalar"),
+] + [type(np.dtype(t)) for t in _NUMPY_DTYPES]
+
+_REGISTERED: List[SafeGlobal] = []
+# torch keeps its allow-list in one global set: one load at a time may extend it
+_LOCK = threading.RLock()
+
+
+def register_safe_globals(*classes: SafeGlobal) -> None:
+    """Let the default (safe) loader unpickle these classes or functions.
+
+    Each entry is a class / function, or ``(obj, "module.Name")`` to map a name a pickle
+    uses onto ``obj`` (as ``torch.serialization.add_safe_globals`` accepts). Only register
+    what is safe to call with arguments a checkpoint chooses: a class is created with
+    ``__new__`` and filled by its ``__setstate__`` (or ``__dict__``).
+    """
+    for entry in classes:
+        obj = entry[0] if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str) else entry
+        if not callable(obj):
+            raise CheckpointingException(
+                f"register_safe_globals takes classes, functions or (obj, 'module.Name') pairs, got {entry!r}")
+        if entry not in _REGISTERED:
+            _REGISTERED.append(entry)
+
+
+def _name(entry: SafeGlobal) -> str:
+    return entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+
+
+def allowed_globals() -> List[SafeGlobal]:
+    """The allow-list for one load: static types, Megatron / TE classes, registered ones.
+
+    A Megatron / TE name resolves to the real class when its module is already imported
+    (never importing it), else to the stand-in; a name the user gave torch's
+    ``add_safe_globals`` keeps the user's class.
+    """
+    taken = {_name(e) for e in torch.serialization.get_safe_globals()} | {_name(e) for e in _REGISTERED}
+    out: List[SafeGlobal] = list(_STATIC) + list(_REGISTERED)
+    for full_name, stand_in in STAND_INS.items():
+        if full_name not in taken:
+            module, _, name = full_name.rpartition(".")
+            real = getattr(sys.modules.get(module), name, None)
+            out.append((real if isinstance(real, type) else stand_in, full_name))
+    return out
+
+
+@contextlib.contextmanager
+def safe_globals_context() -> Iterator[None]:
+    """Holds :data:`_LOCK` and extends torch's allow-list with :func:`allowed_globals`."""
+    with _LOCK, torch.serialization.safe_globals(allowed_globals()):
+        yield
