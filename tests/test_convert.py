@@ -267,3 +267,10 @@ def test_cli_convert(ckpts, tmp_path, capsys):
     assert cli_main(["convert", str(ckpts["flat"]), str(tmp_path / "out")]) == 1
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["convert", str(ckpts["flat"]), str(tmp_path / "out"), "--force"]) == 0
+
+
+def test_converting_a_019_layout_checkpoint_copies_its_common_state_object(ckpts, tmp_path):
+    result = convert_checkpoint(ckpts["ours19"], tmp_path / "again")
+    assert (result.tensors, result.flattened, result.objects) == (3, 0, 3)
+    assert dc.load_common_state_dict(tmp_path / "again") == COMMON
+    assert all(torch.equal(dc.load_plain_tensors(tmp_path / "again")[k], v) for k, v in _full(2).items())
