@@ -84,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a torch.save file, a .safetensors file or a directory of them")
     p.add_argument("out", help="the checkpoint directory to create")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p = sub.add_parser("convert", help="rewrite a checkpoint in Megatron-Core 0.19's layout (flattened keys "
+                       "whole, common.pt as the common_state object)")
+    p.add_argument("dir")
+    p.add_argument("out", help="the checkpoint directory to create")
+    p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return parser
 
 
@@ -127,6 +133,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                                       int(args.max_shard_size * 2**30), progress=_progress("export"))
             for f in files:
                 print(f)
+            return 0
+        if args.command == "convert":
+            from .convert import convert_checkpoint
+
+            result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"))
+            print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
+                  f"{result.objects} objects written in layout {args.layout}")
             return 0
         count = import_checkpoint(args.source, args.out, args.force)
         print(f"{args.out}: {count} tensors imported")

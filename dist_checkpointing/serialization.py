@@ -44,6 +44,8 @@ from .mapping import (
 )
 from .strategies.async_utils import AsyncRequest
 from .strategies.common import COMMON_STATE_FNAME
+from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
+from .strategies.common_object import CommonStateObjectSaveStrategy
 from .strategies.torch import METADATA_FNAME
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -72,7 +74,6 @@ __all__ = [
 ]
 
 CONTENT_METADATA_KEY = "content_metadata"
-COMMON_STATE_OBJECT_BASE_KEY = "common_state"  # Megatron-Core >= 0.19 keeps the common state here
 CkptDir = Union[str, os.PathLike]
 
 
@@ -231,6 +232,10 @@ def save(
     ``metadata.json`` last, so an interrupted save never looks complete. The caller's dict
     is not modified.
 
+    ``common_strategy=CommonStateObjectSaveStrategy()`` (``dist_checkpointing.strategies``)
+    writes Megatron-Core 0.19's layout: no ``common.pt``, the common state stored as the
+    ShardedObject ``common_state`` and ``metadata.json`` without a common backend.
+
     With ``async_sharded_save=True`` (the sharded strategy must be an
     ``AsyncSaveShardedStrategy``) the checks happen now, the common state is serialized
     and the sharded state snapshotted now, both are written in the background, and an
@@ -260,6 +265,8 @@ def save(
         sharded, common, _ = _split_state_dict(sharded_state_dict)
         if content_metadata is not None:
             common[CONTENT_METADATA_KEY] = content_metadata
+        if isinstance(common_strategy_, CommonStateObjectSaveStrategy):  # Megatron-Core 0.19 layout
+            common_strategy_.add_common_object(sharded, common, rank)
         for sh in nested_values(sharded):
             sh.validate_metadata_integrity()
             if isinstance(sh, ShardedTensor) and sh.data is None:

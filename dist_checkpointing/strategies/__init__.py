@@ -12,9 +12,10 @@ from .base import (
     get_default_strategy,
     register_default_strategy,
 )
+from .common_object import CommonStateObjectSaveStrategy
 
 __all__ = [
-    "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
+    "AsyncSaveShardedStrategy", "CommonStateObjectSaveStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase",
     "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
     "get_default_strategy", "register_default_strategy",
 ]

@@ -1,0 +1,180 @@
+"""Rewriting a checkpoint into Megatron-Core 0.19's layout (``dist-ckpt convert``).
+
+Megatron-Core 0.19 reads the common state from the ShardedObject ``common_state`` (it
+reads ``common.pt`` only through a deprecated path) and has no code path for tensors
+stored flattened in 0.15's N-D reformulated layout (distributed-optimizer state).
+:func:`convert_checkpoint` writes a new checkpoint in which
+
+* every tensor is one whole global tensor in its original shape (one chunk, written
+  with its checksum), read one at a time: memory stays near the largest tensor;
+* every ShardedObject is copied byte for byte;
+* ``common.pt`` becomes the ``common_state`` object, without unpickling it (its pickle is
+  wrapped into the one-element list Megatron-Core stores objects as), and
+  ``metadata.json`` records no common backend.
+
+The result loads in this library and in Megatron-Core 0.19 under any layout.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
+
+from .core import CheckpointingConfig, CheckpointingException, load_config, save_config
+from .integrity import read_file_verified
+from .path_overlap import output_location, refuse_overlap
+from .strategies.common import COMMON_STATE_FNAME
+from .strategies.filesystem_async import write_file
+from .strategies.torch import (
+    COMMON_STATE_OBJECT_KEY, _build_metadata, _write_metadata, data_file_path, original_global_shape, read_metadata,
+)
+from .tools import Progress, _move_into_place, _refuse_existing
+from .whole_tensors import TensorReader, malformed, nbytes, range_problem
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("mcore-0.19",)
+DATA_FNAME = "__0_0.distcp"
+
+
+@dataclass
+class ConvertResult:
+    """What :func:`convert_checkpoint` wrote."""
+
+    tensors: int  # tensors written whole
+    flattened: int  # of those, tensors the source stored flattened (N-D reformulated)
+    objects: int  # ShardedObjects copied, the common state included
+    nbytes: int  # tensor bytes
+
+
+def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], layout: str = "mcore-0.19",
+                       force: bool = False, progress: Optional[Progress] = None) -> ConvertResult:
+    """Write ``src`` to ``dst`` in ``layout`` (only ``"mcore-0.19"``: see the module doc).
+
+    An existing ``dst`` is replaced only with ``force``; the new checkpoint is written
+    next to it and moved into place at the end, so a failed conversion leaves ``dst`` as
+    it was. A ``dst`` that is ``src``, holds it or lies inside it is refused before
+    anything is read. ``progress(done_bytes, total_bytes, key)`` is called after each
+    tensor. Raises only CheckpointingException.
+    """
+    src, dst = Path(src), Path(dst)
+    if layout not in LAYOUTS:
+        raise CheckpointingException(f"Unknown checkpoint layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    refuse_overlap(src, dst, "convert")
+    with malformed(f"Cannot convert {src} to {dst}"):
+        config = load_config(src)
+        if config.sharded_backend != "torch_dist":
+            raise CheckpointingException(f"{src} is a {config.sharded_backend!r} checkpoint: only torch_dist converts")
+        _refuse_existing(dst, force)
+        return _convert(src, dst, config, progress)
+
+
+def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Optional[Progress]) -> ConvertResult:
+    start = time.perf_counter()
+    metadata = read_metadata(src)
+    keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
+    objects = _object_payloads(src, config, sorted(
+        k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)))
+    location = output_location(dst)  # the temporary output goes next to it, never inside the source
+    location.parent.mkdir(parents=True, exist_ok=True)
+    reader = TensorReader(src, keys)
+    sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
+    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # a directory like any other, not mkdtemp's 0700
+
+        def payloads() -> Iterator[Union[torch.Tensor, bytes]]:
+            done = 0
+            for key in keys:  # one tensor in memory at a time: the reader's buffer, reused
+                yield reader.read(key)
+                done += sizes[key]
+                if progress is not None:
+                    progress(done, sum(sizes.values()), key)
+            yield from (payload for _, payload in objects)
+
+        spans = write_file(tmp / DATA_FNAME, payloads())  # type: ignore[arg-type] - iterated once
+        metas: List[Optional[tuple]] = [_whole_tensor_meta(reader, k) for k in keys] + [None] * len(objects)
+        names = keys + [key for key, _ in objects]
+        locations = [(key, meta, DATA_FNAME, off, length, cs)
+                     for key, meta, (off, length, cs) in zip(names, metas, spans)]
+        new_metadata = _build_metadata([locations], tmp)
+        new_metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
+        _write_metadata(new_metadata, tmp)
+        save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
+        _move_into_place(tmp, location)
+        tmp = None
+    finally:
+        reader.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
+                           objects=len(objects), nbytes=sum(sizes.values()))
+    logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",
+                src, dst, LAYOUTS[0], time.perf_counter() - start, result.tensors, result.flattened,
+                result.nbytes / 2**20, result.objects)
+    return result
+
+
+def _whole_tensor_meta(reader: TensorReader, key: str) -> tuple:
+    """The location metadata of ``key`` stored as one chunk: the whole tensor, not reformulated."""
+    shape = tuple(reader.meta[key].global_shape)
+    return shape, reader.meta[key].dtype, (0,) * len(shape), shape, None
+
+
+def _object_payloads(src: Path, config: CheckpointingConfig, keys: List[str]) -> List[Tuple[str, bytes]]:
+    """Every ShardedObject's stored bytes, and the common state as the ``common_state`` object."""
+    metadata = read_metadata(src)
+    file_sizes: dict = {}
+    out = []
+    for key in keys:
+        index = MetadataIndex(key)
+        storage = metadata.storage_data.get(index)
+        if storage is None:
+            raise CheckpointingException(f"{src / '.metadata'} has no storage entry for object {key!r}")
+        problem = range_problem(src, index, storage, file_sizes)
+        if problem is not None:
+            raise CheckpointingException(f"{src}: {problem}")
+        with open(data_file_path(src, storage.relative_path), "rb") as f:
+            f.seek(storage.offset)
+            out.append((key, f.read(storage.length)))
+    if config.common_backend is not None:
+        if COMMON_STATE_OBJECT_KEY in keys:
+            raise CheckpointingException(f"{src} has both {COMMON_STATE_FNAME} and a {COMMON_STATE_OBJECT_KEY!r} object")
+        out.append((COMMON_STATE_OBJECT_KEY, _as_object_payload(src / COMMON_STATE_FNAME)))
+    return out
+
+
+def _as_object_payload(common_file: Path) -> bytes:
+    """``torch.save([state])`` from the bytes of ``torch.save(state)``, without unpickling:
+    the pickle is wrapped into a one-element list (EMPTY_LIST before it, APPEND after it;
+    memo indices are unchanged) and the other records of the archive are copied."""
+    data = read_file_verified(common_file)
+    with malformed(f"{common_file} is not a torch.save file"):
+        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+        records = reader.get_all_records()
+        pickled = reader.get_record("data.pkl")
+        if len(pickled) < 3 or pickled[0] != 0x80 or pickled[-1:] != b".":
+            raise CheckpointingException(f"{common_file}: data.pkl is not a pickle (protocol 2 or later)")
+        out = io.BytesIO()
+        writer = torch._C.PyTorchFileWriter(out)
+        for name in records:
+            record = reader.get_record(name)
+            if name == "data.pkl":
+                record = pickled[:2] + b"]" + pickled[2:-1] + b"a."
+            writer.write_record(name, record, len(record))
+        writer.write_end_of_file()
+        return out.getvalue()
+
