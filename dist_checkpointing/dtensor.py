@@ -12,17 +12,17 @@ several mesh dims included; ``_StridedShard``, FSDP2 + TP on one dim, when the l
 is one block of the global tensor) and ``Replicate()``, whose mesh coordinates form the
 ``replica_id`` (the coordinate 0 of every replicated mesh dim is the main replica).
 Anything else (``Partial``) is refused naming the key. A rank whose shard is empty
-saves nothing and loads nothing for it.
+(uneven sharding) holds a non-main replica of an empty chunk: nothing is written or read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from .core import CheckpointingException
-from .mapping import LocalNonpersistentObject, ShardedTensor
+from .mapping import ShardedTensor
 
 try:  # DTensor is optional (older or stripped-down torch builds)
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -55,9 +55,9 @@ def _strided_block_ok(dt: "DTensor", dim: int, coordinate: Sequence[int], offset
     return index.numel() == size and torch.equal(index.reshape(-1), torch.arange(offset, offset + size))
 
 
-def dtensor_to_sharded_tensor(key: str, dt: "DTensor") -> Optional[ShardedTensor]:
-    """The ShardedTensor ``key`` of this rank's shard of ``dt`` (``None`` for an empty
-    shard). Raises :class:`CheckpointingException` naming ``key`` for placements that a
+def dtensor_to_sharded_tensor(key: str, dt: "DTensor") -> ShardedTensor:
+    """The ShardedTensor ``key`` of this rank's shard of ``dt`` (an empty shard is never a
+    main replica: nothing is written or read for it). Raises :class:`CheckpointingException` naming ``key`` for placements that a
     ShardedTensor cannot express."""
     mesh, placements = dt.device_mesh, tuple(dt.placements)
     coordinate = mesh.get_coordinate()
@@ -93,8 +93,8 @@ def dtensor_to_sharded_tensor(key: str, dt: "DTensor") -> Optional[ShardedTensor
                 f"DTensor {key!r}: placements {placements} leave this rank's shard scattered along dim {dim}, "
                 "not one block of the global tensor; redistribute it to Shard/Replicate placements first"
             )
-    if local.numel() == 0:
-        return None
+    if local.numel() == 0:  # nothing to write or read: never a main replica
+        replica.append(1)
     even = all(g % n == 0 for g, n in zip(global_shape, shard_counts))
     return ShardedTensor(
         key, local, local.dtype, tuple(local_shape), global_shape, tuple(offset),
@@ -108,8 +108,7 @@ def _dotted(path: Tuple[Any, ...]) -> str:
 
 def dtensors_to_sharded(state_dict: Dict[str, Any]) -> None:
     """Replace, in place, every DTensor leaf of the nested dicts and lists of ``state_dict``
-    by the ShardedTensor of its local shard keyed by its dotted path; a DTensor whose shard
-    here is empty becomes a :class:`LocalNonpersistentObject` (nothing to save or read)."""
+    by the ShardedTensor of its local shard keyed by its dotted path."""
 
     def walk(node: Any, path: Tuple[Any, ...]) -> None:
         items = node.items() if isinstance(node, dict) else enumerate(node)
@@ -117,8 +116,7 @@ def dtensors_to_sharded(state_dict: Dict[str, Any]) -> None:
             if isinstance(v, (dict, list)):
                 walk(v, path + (k,))
             elif is_dtensor(v):
-                sh = dtensor_to_sharded_tensor(_dotted(path + (k,)), v)
-                node[k] = LocalNonpersistentObject(v) if sh is None else sh
+                node[k] = dtensor_to_sharded_tensor(_dotted(path + (k,)), v)
 
     if DTensor is not None:
         walk(state_dict, ())
@@ -126,14 +124,17 @@ def dtensors_to_sharded(state_dict: Dict[str, Any]) -> None:
 
 def restore_dtensors(result: Any, request: Any) -> Any:
     """Put the request's DTensors back into the loaded ``result`` where it holds their
-    loaded local tensors (filled in place; copied in if not). Returns ``result``."""
+    loaded local tensors (filled in place; copied in when a strategy returned new tensors
+    of the local shape and dtype). Returns ``result``."""
     if is_dtensor(request):
-        if isinstance(result, torch.Tensor) and result is not request:
-            local = request.to_local().detach()
-            if result.data_ptr() != local.data_ptr() or result.shape != local.shape:
-                local.copy_(result)
-            return request
-        return result
+        if not isinstance(result, torch.Tensor) or result is request:
+            return result
+        local = request.to_local().detach()
+        if (result.shape, result.dtype) != (local.shape, local.dtype):
+            return result
+        if result.data_ptr() != local.data_ptr():
+            local.copy_(result)
+        return request
     if isinstance(request, dict) and isinstance(result, dict):
         for k, v in request.items():
             if k in result:

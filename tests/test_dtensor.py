@@ -38,28 +38,32 @@ def _full(key: str, shape) -> torch.Tensor:
 
 
 # Global shapes: 5 and 7 rows do not split evenly over 2 or 4 ranks (the last rank's shard is
-# short or empty).
-SHAPES = {"s0": (8, 3), "s1": (3, 8), "rep": (4, 2), "uneven": (5, 3),
+# short or empty); "stack" is a list.
+SHAPES = {"s0": (8, 3), "s1": (3, 8), "rep": (4, 2), "uneven": (5, 3), "stack.0": (2, 3), "stack.1": (3,),
           "m2.rs": (6, 4), "m2.ss": (6, 5), "m2.same": (7, 2), "m2.strided": (8, 2)}
 
 # key -> (mesh shape, placements) per layout; the 2-D keys use a (2, 2) mesh at world 4.
 LAYOUTS = {
     "a4": {"s0": ((4,), [Shard(0)]), "s1": ((4,), [Shard(1)]), "rep": ((4,), [Replicate()]),
-           "uneven": ((4,), [Shard(0)]), "m2.rs": ((2, 2), [Replicate(), Shard(0)]),
+           "uneven": ((4,), [Shard(0)]), "stack.0": ((4,), [Shard(0)]), "stack.1": ((2, 2), [Shard(0), Shard(0)]),
+           "m2.rs": ((2, 2), [Replicate(), Shard(0)]),
            "m2.ss": ((2, 2), [Shard(0), Shard(1)]), "m2.same": ((2, 2), [Shard(0), Shard(0)]),
            "m2.strided": ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)])},
     "b4": {"s0": ((2, 2), [Shard(1), Replicate()]), "s1": ((4,), [Shard(0)]), "rep": ((2, 2), [Shard(0), Shard(1)]),
-           "uneven": ((2, 2), [Shard(1), Shard(0)]), "m2.rs": ((4,), [Shard(1)]),
+           "uneven": ((2, 2), [Shard(1), Shard(0)]), "stack.0": ((4,), [Shard(1)]), "stack.1": ((4,), [Shard(0)]),
+           "m2.rs": ((4,), [Shard(1)]),
            "m2.ss": ((2, 2), [Shard(1), Shard(0)]), "m2.same": ((4,), [Replicate()]),
            "m2.strided": ((2, 2), [Shard(0), Shard(0)])},
     "c2": {"s0": ((2,), [Shard(1)]), "s1": ((2,), [Replicate()]), "rep": ((2,), [Shard(0)]),
-           "uneven": ((2,), [Shard(0)]), "m2.rs": ((2,), [Shard(0)]),
+           "uneven": ((2,), [Shard(0)]), "stack.0": ((2,), [Shard(0)]), "stack.1": ((2,), [Replicate()]),
+           "m2.rs": ((2,), [Shard(0)]),
            "m2.ss": ((2,), [Shard(1)]), "m2.same": ((2,), [Shard(0)]), "m2.strided": ((2,), [Shard(1)])},
 }
 
 
 def _nest(flat: dict) -> dict:
-    """``{"m2.rs": v}`` -> ``{"m2": {"rs": v}}``: the dotted path is the checkpoint key."""
+    """``{"m2.rs": v, "stack.0": w}`` -> ``{"m2": {"rs": v}, "stack": [w]}``: the dotted path
+    is the checkpoint key."""
     out: dict = {}
     for key, value in flat.items():
         node = out
@@ -67,7 +71,14 @@ def _nest(flat: dict) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = value
+    out["stack"] = [out["stack"][i] for i in sorted(out["stack"])]
     return out
+
+
+def _get(tree, key: str):
+    for p in key.split("."):
+        tree = tree[int(p)] if isinstance(tree, list) else tree[p]
+    return tree
 
 
 def _dtensors(layout: str, fill: bool) -> dict:
@@ -86,13 +97,13 @@ def _save_layout(rank, world, ckpt, layout):
 
 def _load_layout(rank, world, ckpt, layout):
     request = _dtensors(layout, fill=False)
-    locals_before = {k: request["m2"][k[3:]] if k.startswith("m2.") else request[k] for k in SHAPES}
+    before = {key: _get(request, key) for key in SHAPES}
     loaded = dc.load(request, ckpt)
     assert loaded["step"] == 7
     for key, (mesh_shape, placements) in LAYOUTS[layout].items():
-        node = loaded["m2"][key[3:]] if key.startswith("m2.") else loaded[key]
+        node = _get(loaded, key)
         assert isinstance(node, DTensor) and tuple(node.placements) == tuple(placements), key
-        assert node is locals_before[key], key  # the request's own DTensor, filled in place
+        assert node is before[key], key  # the request's own DTensor, filled in place
         expected = distribute_tensor(_full(key, SHAPES[key]), _mesh(mesh_shape), placements, src_data_rank=None)
         assert torch.equal(node.to_local(), expected.to_local()), (key, rank)
     return True
