@@ -45,20 +45,24 @@ def is_dtensor(value: Any) -> bool:
 def _strided_block_ok(dt: "DTensor", dim: int, coordinate: Sequence[int], offset: int, size: int) -> bool:
     """Whether this rank's shard along tensor ``dim`` is the block ``[offset, offset + size)``:
     the global indices are sharded the way ``distribute_tensor`` shards data (placements
-    left to right), which a ``_StridedShard`` may leave scattered."""
+    left to right), which a ``_StridedShard`` may leave scattered. ``False`` also when this
+    torch's placements cannot be asked (``_split_tensor`` is private)."""
     mesh_shape = dt.device_mesh.shape
     index = torch.arange(dt.shape[dim]).view([-1 if d == dim else 1 for d in range(dt.ndim)])
-    for mesh_dim, placement in enumerate(dt.placements):
-        if getattr(placement, "dim", None) == dim:
-            chunks = placement._split_tensor(index, mesh_shape[mesh_dim], with_padding=False)[0]
-            index = chunks[coordinate[mesh_dim]]
+    try:
+        for mesh_dim, placement in enumerate(dt.placements):
+            if getattr(placement, "dim", None) == dim:
+                chunks = placement._split_tensor(index, mesh_shape[mesh_dim], with_padding=False)[0]
+                index = chunks[coordinate[mesh_dim]]
+    except (AttributeError, TypeError, IndexError):
+        return False
     return index.numel() == size and torch.equal(index.reshape(-1), torch.arange(offset, offset + size))
 
 
 def dtensor_to_sharded_tensor(key: str, dt: "DTensor") -> ShardedTensor:
     """The ShardedTensor ``key`` of this rank's shard of ``dt`` (an empty shard is never a
-    main replica: nothing is written or read for it). Raises :class:`CheckpointingException` naming ``key`` for placements that a
-    ShardedTensor cannot express."""
+    main replica: nothing is written or read for it). Raises :class:`CheckpointingException`
+    naming ``key`` for placements that a ShardedTensor cannot express."""
     mesh, placements = dt.device_mesh, tuple(dt.placements)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -90,8 +94,9 @@ def dtensor_to_sharded_tensor(key: str, dt: "DTensor") -> ShardedTensor:
     for dim in sorted(strided_dims):
         if not _strided_block_ok(dt, dim, coordinate, offset[dim], local_shape[dim]):
             raise CheckpointingException(
-                f"DTensor {key!r}: placements {placements} leave this rank's shard scattered along dim {dim}, "
-                "not one block of the global tensor; redistribute it to Shard/Replicate placements first"
+                f"DTensor {key!r}: placements {placements} leave this rank's shard scattered along dim {dim} "
+                "(or this torch cannot tell), not one block of the global tensor; redistribute it to "
+                "Shard/Replicate placements first"
             )
     if local.numel() == 0:  # nothing to write or read: never a main replica
         replica.append(1)

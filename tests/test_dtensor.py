@@ -17,7 +17,7 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, To
 
 from .conftest import get_pool
 
-dtensor = pytest.importorskip("torch.distributed.tensor")
+pytest.importorskip("torch.distributed.tensor")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
