@@ -25,6 +25,7 @@ from .core import (
     load_config,
     save_config,
 )
+from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
 from .integrity import recorded_save_id
 from .manifest import hash_written_files, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
@@ -173,20 +174,22 @@ def _resolve_save_strategy(strategy: Any, action: StrategyAction, default: Tuple
 
 
 def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, StateDict]:
-    """Copy the structure, build factories, and split into (sharded, common, non-persistent)."""
+    """Copy the structure, turn DTensor leaves into ShardedTensors, build factories, and split
+    into (sharded, common, non-persistent)."""
     if not isinstance(sharded_state_dict, dict):
         raise CheckpointingException(f"A sharded state dict must be a dict, got {type(sharded_state_dict).__name__}")
     sd = copy_structure(sharded_state_dict)
+    dtensors_to_sharded(sd)
     apply_factories(sd)
     nonpersistent, rest = extract_matching_values(sd, lambda v: isinstance(v, LocalNonpersistentObject))
     sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase))
-    hidden = find_anywhere(common, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
+    hidden = find_anywhere(common, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)) or is_dtensor(v))
     if hidden is not None:
         path, value, container = hidden
         key = getattr(value, "key", None)
         raise CheckpointingException(
             f"{type(value).__name__}{'' if key is None else f' {key!r}'} at {path} is inside a "
-            f"{container.__name__}: sharded items and LocalNonpersistentObjects may only be nested in dicts "
+            f"{container.__name__}: sharded items, DTensors and LocalNonpersistentObjects may only be nested in dicts "
             "and lists (anywhere else they would be pickled into the common state by rank 0 alone, and the "
             "other ranks' data lost). Use a dict or a list there."
         )
@@ -443,7 +446,7 @@ def load(
         result = apply_factory_merges(loaded, request)
         dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, nonpersistent)
         merge(result, nonpersistent)
-        return merge(common, result)
+        return restore_dtensors(merge(common, result), sharded_state_dict)
 
     result = run_agreed(finish, "Merging the loaded state")
     phases.end("finalize")
