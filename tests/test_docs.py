@@ -37,7 +37,7 @@ README = ROOT / "README.md"
 
 TORCHRUN_LINE = re.compile(r"# (\w+\.py) — run with: torchrun --nproc-per-node (\d+) ")
 # The torchrun scripts the guide has today; more may be added, none may silently vanish.
-KNOWN_SCRIPTS = {"ddp_demo.py", "fp_demo.py", "recover_demo.py"}
+KNOWN_SCRIPTS = {"ddp_demo.py", "fp_demo.py", "recover_demo.py", "fsdp_demo.py"}
 
 
 class Block:
