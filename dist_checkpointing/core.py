@@ -31,19 +31,26 @@ class CheckpointingConfig:
     common_backend_version: Optional[int] = 1
 
 
+def read_small_json(path: Union[str, Path], max_bytes: int, what: str) -> Any:
+    """The JSON value in ``path``, which must hold at most ``max_bytes``; anything else
+    (unreadable, too large, not JSON, nested too deep) is a :class:`CheckpointingException`
+    starting with ``what``."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(max_bytes + 1)
+        if len(text) > max_bytes:
+            raise ValueError(f"larger than {max_bytes} bytes")
+        return json.loads(text)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointingException(f"{what} {path}: {e}") from e
+
+
 def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
     """Return the config of ``checkpoint_dir``, or ``None`` if it is not a complete checkpoint."""
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     if not config_path.is_file():
         return None
-    try:
-        with open(config_path, "rb") as f:
-            text = f.read(_MAX_CONFIG_BYTES + 1)
-        if len(text) > _MAX_CONFIG_BYTES:
-            raise ValueError(f"larger than {_MAX_CONFIG_BYTES} bytes")
-        raw = json.loads(text)
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointingException(f"Invalid checkpoint config file {config_path}: {e}") from e
+    raw = read_small_json(config_path, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
     if not isinstance(raw, dict):
         raise CheckpointingException(f"Invalid checkpoint config file {config_path}: a JSON object is expected, "
                                      f"not {type(raw).__name__}")

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from .collectives import gather_object, get_rank, get_world_size, run_agreed, scatter_object
-from .core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException, atomic_write_bytes, config_bytes, load_config
+from .core import (
+    CONFIG_FNAME, CheckpointingConfig, CheckpointingException, atomic_write_bytes, config_bytes, load_config,
+    read_small_json,
+)
 from .save_claim import CLAIM_FNAME
 
 MANIFEST_FNAME = "integrity.json"
@@ -66,14 +69,7 @@ def read_manifest(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
     path = Path(checkpoint_dir) / MANIFEST_FNAME
     if not path.is_file():
         return None
-    try:
-        with open(path, "rb") as f:
-            text = f.read(_MAX_MANIFEST_BYTES + 1)
-        if len(text) > _MAX_MANIFEST_BYTES:
-            raise ValueError(f"larger than {_MAX_MANIFEST_BYTES} bytes")
-        raw = json.loads(text)
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointingException(f"Integrity manifest {path} is unreadable: {e}") from e
+    raw = read_small_json(path, _MAX_MANIFEST_BYTES, "Unreadable integrity manifest")
 
     def malformed(what: str) -> CheckpointingException:
         return CheckpointingException(f"Integrity manifest {path} is malformed: {what}")
