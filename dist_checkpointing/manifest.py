@@ -222,3 +222,15 @@ def write_manifest(checkpoint_dir: PathLike, digests: Dict[str, str], config: Ch
     and the ``metadata.json`` that ``config`` is about to be written as."""
     files = {**digests, CONFIG_FNAME: hashlib.sha256(config_bytes(config)).hexdigest()}
     atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest_bytes(files))
+
+
+def refresh_manifest(checkpoint_dir: PathLike, changed: List[str]) -> None:
+    """After an offline edit of a checkpoint (one process): if it has a manifest, drop the
+    files that are gone and re-hash the ``changed`` ones, so it keeps verifying."""
+    checkpoint_dir = Path(checkpoint_dir)
+    files = read_manifest(checkpoint_dir)
+    if files is None:
+        return
+    files = {name: digest for name, digest in files.items() if (checkpoint_dir / name).is_file()}
+    files.update({name: file_sha256(checkpoint_dir / name) for name in changed if (checkpoint_dir / name).is_file()})
+    atomic_write_bytes(checkpoint_dir / MANIFEST_FNAME, manifest_bytes(files))

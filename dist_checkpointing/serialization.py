@@ -26,8 +26,8 @@ from .core import (
     save_config,
 )
 from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
-from .integrity import recorded_save_id
-from .manifest import hash_written_files, verify_manifest, write_manifest
+from .integrity import SIDECAR_SUFFIX, recorded_save_id
+from .manifest import hash_written_files, refresh_manifest, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
@@ -504,3 +504,5 @@ def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` from a checkpoint (one process)."""
     config = load_config(checkpoint_dir)
     _sharded_load_strategy(config, None).remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
+    # the strategy rewrote its metadata and deleted data files: an integrity.json follows
+    refresh_manifest(checkpoint_dir, [METADATA_FNAME, METADATA_FNAME + SIDECAR_SUFFIX])

@@ -204,3 +204,14 @@ def test_megatron_core_019_manifest_format(saved, tmp_path):
     _wrong_hash(theirs)
     with pytest.raises(RuntimeError, match="__1_0.distcp"):
         mcore["_verify_integrity_manifest_impl"](str(theirs))
+
+
+def test_remove_sharded_tensors_keeps_the_manifest_matching(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    dc.save({"keep": ShardedTensor.from_rank_offsets("keep", torch.arange(6.0)),
+             "optimizer.m": ShardedTensor.from_rank_offsets("optimizer.m", torch.ones(3))}, ckpt,
+            verify_integrity=True)
+    dc.remove_sharded_tensors(ckpt, "optimizer.")
+    assert validate_checkpoint(ckpt).ok
+    loaded = dc.load({"keep": ShardedTensor.from_rank_offsets("keep", torch.zeros(6))}, ckpt, verify_integrity=True)
+    assert torch.equal(loaded["keep"], torch.arange(6.0))
