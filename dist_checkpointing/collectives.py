@@ -3,6 +3,7 @@ on errors so that a problem found on one rank is raised on every rank (never a h
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, List, Optional, TypeVar
 
 import torch
@@ -38,13 +39,35 @@ def all_gather_object(obj: Any, group: Optional[Any] = None) -> List[Any]:
 
 
 def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[List[Any]]:
-    """Every rank's ``obj`` on the group's first rank; ``None`` elsewhere."""
-    if get_world_size(group) == 1:
+    """Every rank's ``obj`` on the group's first rank; ``None`` elsewhere.
+
+    The first rank receives exactly the pickled objects (one ``gather`` of their 8-byte
+    sizes, then one message from each rank) — not ``torch.distributed.gather_object``'s
+    world size × the largest object; the other ranks receive nothing."""
+    world = get_world_size(group)
+    if world == 1:
         return [obj]
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    out = [None] * get_world_size(group) if get_rank(group) == 0 else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
+    device = _collective_device(group)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    payload = pickle.dumps(obj)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    if get_rank(group) != 0:
+        dist.gather(size, None, dst=first, group=group)
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), dst=first, group=group)
+        return None
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.gather(size, sizes, dst=first, group=group)
+    buffers = [torch.empty(int(n.item()), dtype=torch.uint8, device=device) for n in sizes[1:]]
+    works = [dist.irecv(buf, src=dist.get_global_rank(group, r) if group is not None else r, group=group)
+             for r, buf in enumerate(buffers, start=1)]
+    for work in works:
+        work.wait()
+    return [obj] + [pickle.loads(buf.cpu().numpy().tobytes()) for buf in buffers]
+
+
+def _collective_device(group: Optional[Any]) -> torch.device:
+    """Where tensors of this library's small collectives live: the current GPU with NCCL."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
@@ -116,7 +139,6 @@ def all_reduce_max_uint8(flags: List[int], group: Optional[Any] = None) -> List[
     """Element-wise max of a list of small ints (0..255) over the group's ranks."""
     if get_world_size(group) == 1 or not flags:
         return list(flags)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor(flags, dtype=torch.uint8, device=device)
+    t = torch.tensor(flags, dtype=torch.uint8, device=_collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu().tolist()

@@ -120,6 +120,26 @@ def test_cached_metadata_repeated_saves(pool2, tmp_path):
     assert set(dc.load_plain_tensors(tmp_path / "s3")) == {"w", "v"}
 
 
+def _cached_saves_one_rank_changes(rank, world, root):
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    for step in range(3):
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.full((3,), float(step)), (0, rank, world))}
+        if step == 1 and rank == world - 1:  # only the last rank's layout changes
+            sd["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((2,), 7.0))
+        dc.save(sd, f"{root}/s{step}", sharded_strategy=strategy)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world{w}")
+def test_cached_metadata_notices_a_change_on_one_rank(world, tmp_path):
+    get_pool(world).run(_cached_saves_one_rank_changes, str(tmp_path))
+    for step in range(3):
+        plain = dc.load_plain_tensors(tmp_path / f"s{step}")
+        assert torch.equal(plain["w"], torch.full((3 * world,), float(step)))
+        assert ("extra" in plain) == (step == 1), step
+    assert torch.equal(dc.load_plain_tensors(tmp_path / "s1")["extra"], torch.full((2,), 7.0))
+
+
 def _save_for_dcp(rank, world, ckpt):
     w = torch.arange(8.0 * world).reshape(world * 2, 4)
     dc.save({"w": ShardedTensor.from_rank_offsets("w", w[rank * 2:(rank + 1) * 2].clone(), (0, rank, world)),

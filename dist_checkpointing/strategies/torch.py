@@ -8,8 +8,8 @@ read and write; the machinery is this library's own:
 
 * save writes each rank's items with ``thread_count`` threads through reused staging
   buffers (no planning round trip before writing), then gathers the per-rank byte ranges
-  to rank 0, which writes ``.metadata``: one ``all_gather_object`` of a status/digest and
-  one ``gather_object`` of item locations per save;
+  to rank 0, which writes ``.metadata``: one 2-byte ``all_reduce`` of the outcome and
+  one gather of item locations to rank 0 alone per save;
 * load parses each blob's small header and reads the tensor bytes straight into the
   request's own tensors (or just the needed span when resharding).
 """
@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..collectives import (
     all_gather_object,
+    all_reduce_max_uint8,
     broadcast_object,
     error_message,
     gather_object,
@@ -408,16 +409,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return _assign_files(items, get_rank(), self.thread_count, self.separation_hint)
 
     def _publish(self, locations: List[_Location], error: Optional[str], checkpoint_dir: Path) -> None:
-        """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective)."""
+        """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective).
+
+        One 2-byte ``all_reduce`` (did any rank fail? did any rank's layout change since the
+        last save with ``cached_metadata``?), then the item locations — or, for an unchanged
+        layout, only their checksums — gathered to rank 0 alone, then rank 0's outcome
+        broadcast. Error messages travel only after a failure."""
         rank = get_rank()
         layout = sorted((loc[:5] for loc in locations), key=lambda loc: (loc[2], loc[3]))
         digest = hashlib.sha256(pickle.dumps(layout)).hexdigest()
-        statuses = all_gather_object((error, digest))
-        raise_if_any([s[0] for s in statuses], "Writing the checkpoint data")
-        digests = [s[1] for s in statuses]
+        unchanged = self._cache is not None and self._cache[0] == digest and (rank != 0 or self._cache[1] is not None)
+        failed, changed = all_reduce_max_uint8([int(error is not None), int(not unchanged)])
+        if failed:
+            raise_if_any(all_gather_object(error), "Writing the checkpoint data")
 
         metadata_error: Optional[str] = None
-        reuse = self.cached_metadata and self._cache is not None and self._cache[0] == digests
+        reuse = self.cached_metadata and not changed
         # Same layout as last time: only the checksums (8 bytes per item) travel.
         per_rank = gather_object([(loc[2], loc[3], loc[5]) for loc in locations] if reuse else locations)
         if rank == 0:
@@ -430,11 +437,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     metadata = _build_metadata(per_rank, checkpoint_dir)
                 _write_metadata(metadata, checkpoint_dir)
                 if self.cached_metadata:
-                    self._cache = (digests, metadata)
+                    self._cache = (digest, metadata)
             except Exception as e:  # noqa: BLE001 - broadcast below
                 metadata_error = error_message(e)
         elif self.cached_metadata:
-            self._cache = (digests, None)  # only rank 0 needs the metadata itself
+            self._cache = (digest, None)  # only rank 0 needs the metadata itself
         metadata_error = broadcast_object(metadata_error)
         if metadata_error is not None:
             raise CheckpointingException(f"Writing the checkpoint metadata failed on rank 0: {metadata_error}")
