@@ -3,6 +3,7 @@ on errors so that a problem found on one rank is raised on every rank (never a h
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from typing import Any, Callable, List, Optional, TypeVar
 
@@ -47,7 +48,7 @@ def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[List[Any]]:
     world = get_world_size(group)
     if world == 1:
         return [obj]
-    device = _collective_device(group)
+    device = _device(group)
     first = dist.get_global_rank(group, 0) if group is not None else 0
     payload = pickle.dumps(obj)
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
@@ -63,11 +64,6 @@ def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[List[Any]]:
     for work in works:
         work.wait()
     return [obj] + [pickle.loads(buf.cpu().numpy().tobytes()) for buf in buffers]
-
-
-def _collective_device(group: Optional[Any]) -> torch.device:
-    """Where tensors of this library's small collectives live: the current GPU with NCCL."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
@@ -135,10 +131,48 @@ def run_agreed(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T
     return result  # type: ignore[return-value]
 
 
+def _device(group: Optional[Any]) -> torch.device:
+    """Where the group's collectives take their tensors (the current CUDA device for NCCL)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def exchange_objects(per_destination: List[Any], group: Optional[Any] = None) -> List[Any]:
+    """Send ``per_destination[r]`` to each rank ``r``; return what each rank sent to this one.
+
+    Each rank receives only its own objects: one ``all_to_all_single`` of the byte counts
+    (8 bytes per rank), then one of the pickled payloads. A rank whose objects cannot be
+    pickled sends count -1, so every rank raises (naming it) instead of waiting.
+    """
+    world = get_world_size(group)
+    if world == 1:
+        return [per_destination[0]]
+    error = None
+    try:
+        payloads = [pickle.dumps(obj) for obj in per_destination]
+    except Exception as e:  # noqa: BLE001 - announced to every rank through the counts
+        payloads, error = [b""] * world, error_message(e)
+    device = _device(group)
+    send_counts = torch.tensor([-1 if error else len(p) for p in payloads], dtype=torch.int64, device=device)
+    recv_counts = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    counts = recv_counts.cpu().tolist()
+    failed = [r for r, n in enumerate(counts) if n < 0]
+    if failed:
+        raise CheckpointingException(
+            f"Exchanging objects failed: rank(s) {failed} could not pickle theirs" + (f" ({error})" if error else ""))
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
+    recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[len(p) for p in payloads],
+                           group=group)
+    data = recv.cpu().numpy().tobytes()
+    ends = list(itertools.accumulate(counts))
+    return [pickle.loads(data[end - n:end]) for end, n in zip(ends, counts)]
+
+
 def all_reduce_max_uint8(flags: List[int], group: Optional[Any] = None) -> List[int]:
     """Element-wise max of a list of small ints (0..255) over the group's ranks."""
     if get_world_size(group) == 1 or not flags:
         return list(flags)
-    t = torch.tensor(flags, dtype=torch.uint8, device=_collective_device(group))
+    t = torch.tensor(flags, dtype=torch.uint8, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu().tolist()

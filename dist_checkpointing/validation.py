@@ -7,7 +7,7 @@ import hashlib
 import logging
 import math
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -15,7 +15,8 @@ import torch
 
 from .bytes_view import as_bytes
 from .collectives import (
-    all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, get_rank, get_world_size, run_agreed,
+    all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, exchange_objects, get_rank,
+    get_world_size, run_agreed,
 )
 from .core import CheckpointingException
 from .dict_utils import diff
@@ -137,26 +138,43 @@ def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
     return out
 
 
-def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: bool) -> Optional[str]:
+@dataclass
+class _Combined:
+    """Every rank's summary of one key, combined on the rank that judges it: the sums, and
+    the rank lists that the messages name."""
+
+    layouts: Dict[Tuple, List[int]] = field(default_factory=dict)  # layout -> ranks holding the key so
+    mixed: List[Tuple[int, Tuple, Tuple]] = field(default_factory=list)  # (rank, layout, other layout)
+    holders: List[int] = field(default_factory=list)  # ranks holding main replicas
+    volume: int = 0
+    fingerprint: int = 0
+
+    def add(self, rank: int, summary: _KeySummary) -> None:
+        self.layouts.setdefault(summary.meta, []).append(rank)
+        if summary.other_meta is not None:
+            self.mixed.append((rank, summary.meta, summary.other_meta))
+        if summary.n_main:
+            self.holders.append(rank)
+        self.volume += summary.volume
+        self.fingerprint = (self.fingerprint + summary.fingerprint) % _P
+
+
+def _verdict(name: str, combined: _Combined, allow_gaps: bool) -> Optional[str]:
     kind, key = name.split(":", 1)
     label = "ShardedTensor" if kind == "tensor" else "ShardedObject"
-    mixed = [(r, s) for r, s in per_rank if s.other_meta is not None]
-    if mixed:
-        detail = ", ".join(f"rank {r}: {s.meta} and {s.other_meta}" for r, s in mixed)
+    if combined.mixed:
+        detail = ", ".join(f"rank {r}: {meta} and {other}" for r, meta, other in combined.mixed)
         return f"{label} {key!r}: a rank holds it in two different layouts ({detail})"
-    metas = {s.meta for _, s in per_rank}
-    if len(metas) > 1:
+    if len(combined.layouts) > 1:
         what = "global shape/dtype" if kind == "tensor" else "grid shape"
-        detail = ", ".join(f"rank {r}: {s.meta}" for r, s in per_rank)
+        per_rank = sorted(((r, meta) for meta, ranks in combined.layouts.items() for r in ranks), key=lambda x: x[0])
+        detail = ", ".join(f"rank {r}: {meta}" for r, meta in per_rank)
         return f"{label} {key!r}: ranks disagree on the {what} ({detail})"
-    meta = per_rank[0][1].meta
-    grid = meta[0]
+    grid = next(iter(combined.layouts))[0]
     total = math.prod(grid)
-    volume = sum(s.volume for _, s in per_rank)
-    fingerprint = sum(s.fingerprint for _, s in per_rank) % _P
-    holders = [r for r, s in per_rank if s.n_main]
+    volume, holders = combined.volume, combined.holders
     unit = "elements" if kind == "tensor" else "pieces"
-    if volume == total and fingerprint == region_fingerprint((0,) * len(grid), grid) % _P:
+    if volume == total and combined.fingerprint == region_fingerprint((0,) * len(grid), grid) % _P:
         return None
     if allow_gaps and volume <= total:
         return None  # a partial request; overlaps that hide in it are not detectable here
@@ -173,6 +191,11 @@ def _verdict(name: str, per_rank: List[Tuple[int, _KeySummary]], allow_gaps: boo
     return f"{label} {key!r} of shape {grid}: {problem}; main replicas on ranks {holders}"
 
 
+def _judge_of(name: str, world: int) -> int:
+    """The rank that judges a key (spreads the keys evenly, the same on every rank)."""
+    return int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world
+
+
 def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[Any] = None,
                                 allow_gaps: bool = False) -> None:
     """Check, collectively, that the main replicas of every global tensor cover it exactly
@@ -180,32 +203,34 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     all ranks agree on each key's global shape and dtype. Raises
     :class:`CheckpointingException` on every rank if any key fails.
 
-    Cost: two ``all_gather_object`` calls. The first carries, per rank, one small summary
-    per local key (key name + ~50 bytes: shape, dtype, count, volume, fingerprint) — never
-    the chunk lists; the second carries only the problems found (empty when all is well).
-    Each rank judges the keys whose hash maps to it, so the work is split across ranks.
-    ``allow_gaps`` (load requests may be partial) only rejects disagreeing shapes/dtypes
-    and more main replicas than elements.
+    Each key is judged by one rank (hash of its name). Cost per rank, flat in the world
+    size: a 1-byte ``all_reduce`` (summarising agreed), the ``exchange_objects`` pair of
+    ``all_to_all_single`` (8 bytes per rank of counts, then each rank receives only the
+    summaries of the keys it judges: key name + ~50 bytes per holding rank — never the
+    chunk lists), and a 1-byte ``all_reduce`` of the verdict. Only when some key fails,
+    one ``all_gather_object`` of the problem messages follows. ``allow_gaps`` (load
+    requests may be partial) only rejects disagreeing shapes/dtypes and more main
+    replicas than elements.
     """
     local = run_agreed(lambda: _summaries(sharded_items), "Summarizing the sharded items", group)
-    gathered = all_gather_object(local, group)
-    rank, world = get_rank(group), get_world_size(group)
-    by_key: Dict[str, List[Tuple[int, _KeySummary]]] = {}
-    for r, summaries in enumerate(gathered):
+    world = get_world_size(group)
+    outgoing: List[Dict[str, _KeySummary]] = [{} for _ in range(world)]
+    for name, summary in local.items():
+        outgoing[_judge_of(name, world)][name] = summary
+    combined: Dict[str, _Combined] = {}
+    for source, summaries in enumerate(exchange_objects(outgoing, group)):
         for name, summary in summaries.items():
-            by_key.setdefault(name, []).append((r, summary))
+            combined.setdefault(name, _Combined()).add(source, summary)
     problems = []
-    for name in sorted(by_key):
-        if int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world != rank:
-            continue
+    for name in sorted(combined):
         try:
-            verdict = _verdict(name, by_key[name], allow_gaps)
+            verdict = _verdict(name, combined[name], allow_gaps)
         except Exception as e:  # noqa: BLE001 - every rank must reach the next collective
             verdict = f"{name}: cannot be validated ({type(e).__name__}: {e})"
         if verdict is not None:
             problems.append(verdict)
-    everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]
-    if everyone:
+    if all_reduce_max_uint8([int(bool(problems))], group)[0]:
+        everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]
         raise CheckpointingException("Sharding validation failed: " + "; ".join(sorted(everyone)))
 
 
@@ -245,7 +270,9 @@ def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected
         if missing or unexpected:
             logger.warning("Loading %s with key mismatches: %s", checkpoint_dir, describe(missing, unexpected))
     elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-        per_rank = all_gather_object(sorted(unexpected), group)
+        # the key lists travel only when some rank has unexpected keys (a 1-byte flag otherwise)
+        any_unexpected = all_reduce_max_uint8([int(bool(unexpected))], group)[0]
+        per_rank = all_gather_object(sorted(unexpected), group) if any_unexpected else []
         details = [f"rank {r}: unexpected keys {keys}" for r, keys in enumerate(per_rank) if keys]
         if missing:
             details.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(missing)}")
@@ -287,14 +314,16 @@ def common_state_digest(common: Any) -> str:
 def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> Optional[str]:
     """Compare every rank's common state with rank 0's (which is the one saved).
 
-    Costs one ``all_gather_object`` of a 16-byte digest; only when digests differ, rank 0's
-    state is broadcast so that each differing rank can name the keys. Returns (and logs as
+    Costs one 32-byte ``all_reduce`` (MAX of the 16-byte digest and of its complement: all
+    digests are equal iff both agree); only when digests differ, rank 0's digest and state
+    are broadcast so that each differing rank can name the keys. Returns (and logs as
     a warning) this rank's difference report, or ``None``. A digest that cannot be
     computed on some rank raises on every rank.
     """
     digest = run_agreed(lambda: common_state_digest(common), "Digesting the common state", group)
-    digests = all_gather_object(digest, group)
-    if all(d == digests[0] for d in digests):
+    mine = list(bytes.fromhex(digest))
+    agreed = all_reduce_max_uint8(mine + [255 - b for b in mine], group)
+    if agreed[:len(mine)] == [255 - b for b in agreed[len(mine):]]:  # max == min: one digest everywhere
         return None
     payload = None
     if get_rank(group) == 0:
@@ -302,8 +331,8 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
             payload = pickle.dumps(common)
         except Exception:  # noqa: BLE001 - the others then report without key details
             payload = None
-    payload = broadcast_object(payload, group)
-    if digests[get_rank(group)] == digests[0]:
+    digest0, payload = broadcast_object((digest, payload), group)
+    if digest == digest0:
         return None
     prefix = f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved"
     try:  # nothing collective follows: a failure here must not leave this rank behind
