@@ -38,6 +38,7 @@ _RECEIVED: Dict[str, Callable[..., int]] = {
     "all_reduce": lambda t, *a, **k: _tensor_bytes(t),
     "broadcast": lambda t, *a, **k: _tensor_bytes(t),
     "recv": lambda t, *a, **k: _tensor_bytes(t),
+    "irecv": lambda t, *a, **k: _tensor_bytes(t),  # counted when posted: its size is known then
     "all_gather": lambda out, *a, **k: sum(_tensor_bytes(t) for t in out),
     "gather": lambda t, gather_list=None, *a, **k: sum(_tensor_bytes(x) for x in gather_list or []),
     "send": lambda *a, **k: 0,
