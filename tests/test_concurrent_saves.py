@@ -10,6 +10,7 @@ commits fails on every rank.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -145,7 +146,9 @@ def test_directory_taken_over_before_commit_fails_everywhere(takeover, tmp_path)
     pool.run(_start_async, str(ckpt), 0, timeout=_TIMEOUT)
     claim = ckpt / CLAIM_FNAME
     if takeover == "claim replaced":
-        claim.write_text(json.dumps({"save_id": "someone-else", "host": "h", "pid": 1, "time": 0}))
+        other = claim.with_name("other_claim")  # replaced whole, as a save that recreated it would
+        other.write_text(json.dumps({"save_id": "someone-else", "host": "h", "pid": 1, "time": 0}))
+        os.replace(other, claim)
     elif takeover == "claim removed":
         claim.unlink()
     else:

@@ -1,0 +1,98 @@
+"""What one save / repeated save / load costs each rank in collective traffic, at several
+world sizes with constant per-rank state (real gloo processes).
+
+Every rank holds ``--keys`` tensors, each split over the world along its first axis, plus
+a few replicated ones and one ShardedObject piece. For each world size the script counts,
+on every rank, the calls of ``torch.distributed`` functions and the bytes they deliver to
+that rank (``tests/collective_counter.py``) during: a first ``save``, a second ``save`` of
+the same layout with a ``cached_metadata`` strategy, and a ``load``. Flat per-rank cost
+means the median rank's bytes and calls do not grow with the world size; rank 0 also
+receives the item locations it writes into ``.metadata``.
+
+    python benchmarks/bench_scale.py                      # --world-sizes 2,4,8,16 --keys 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+import dist_checkpointing as dc  # noqa: E402
+from dist_checkpointing import ShardedObject, ShardedTensor  # noqa: E402
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
+from tests.collective_counter import count_collectives  # noqa: E402
+from tests.dist_pool import DistPool  # noqa: E402
+
+RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_scale.json"
+PHASES = ("save", "repeated save", "load")
+
+
+def _state(rank: int, world: int, keys: int, fill: bool = True) -> dict:
+    def data(*shape):
+        return torch.ones(*shape) if fill else torch.zeros(*shape)
+
+    sd = {f"layers.{k}.weight": ShardedTensor.from_rank_offsets(f"layers.{k}.weight", data(2, 8), (0, rank, world))
+          for k in range(keys)}
+    sd.update({f"norm.{k}": ShardedTensor.from_rank_offsets(f"norm.{k}", data(8), replica_id=rank) for k in range(4)})
+    sd["rng"] = ShardedObject("rng", {"rank": rank} if fill else None, (world,), (rank,))
+    sd["iteration"] = 100
+    return sd
+
+
+def _measure(rank: int, world: int, root: str, keys: int) -> dict:
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    out = {}
+    for phase, target in (("save", "a"), ("repeated save", "b")):
+        state = _state(rank, world, keys)
+        with count_collectives() as count:
+            dc.save(state, f"{root}/{target}", sharded_strategy=strategy)
+        out[phase] = (count.received, count.n_calls)
+    request = _state(rank, world, keys, fill=False)
+    with count_collectives() as count:
+        dc.load(request, f"{root}/b")
+    out["load"] = (count.received, count.n_calls)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", default="2,4,8,16")
+    ap.add_argument("--keys", type=int, default=200, help="sharded tensors per rank (default 200)")
+    ap.add_argument("--output", default=str(RESULTS_PATH))
+    args = ap.parse_args()
+    results = []
+    print(f"{'world':>5}  {'phase':<14}{'median kB':>10}{'rank 0 kB':>10}{'max kB':>8}  calls (median rank / rank 0)")
+    for world in [int(w) for w in args.world_sizes.split(",") if w.strip()]:
+        pool = DistPool(world)
+        try:
+            with tempfile.TemporaryDirectory() as root:
+                per_rank = pool.run(_measure, root, args.keys, timeout=600)
+        finally:
+            pool.close()
+        for phase in PHASES:
+            received = [r[phase][0] for r in per_rank]
+            calls = [r[phase][1] for r in per_rank]
+            row = {"world": world, "phase": phase, "median_received": statistics.median(received),
+                   "rank0_received": received[0], "max_received": max(received),
+                   "median_calls": statistics.median(calls), "rank0_calls": calls[0]}
+            results.append(row)
+            print(f"{world:>5}  {phase:<14}{row['median_received'] / 1e3:>10.1f}{row['rank0_received'] / 1e3:>10.1f}"
+                  f"{row['max_received'] / 1e3:>8.1f}  {row['median_calls']:.0f} / {row['rank0_calls']}", flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"keys_per_rank": args.keys, "loadavg": os.getloadavg(), "results": results}, indent=1))
+    print(f"JSON results: {out}")
+
+
+if __name__ == "__main__":
+    main()
