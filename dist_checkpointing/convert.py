@@ -17,11 +17,10 @@ The result loads in this library and in Megatron-Core 0.19 under any layout.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
-import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,13 +32,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .core import CheckpointingConfig, CheckpointingException, load_config, save_config
 from .integrity import read_file_verified
-from .path_overlap import output_location, refuse_overlap
+from .path_overlap import refuse_overlap
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
 from .strategies.torch import (
     COMMON_STATE_OBJECT_KEY, _build_metadata, _write_metadata, data_file_path, original_global_shape, read_metadata,
 )
-from .tools import Progress, _move_into_place, _refuse_existing
+from .tools import Progress, _move_into_place, _refuse_existing, staging_dir
 from .whole_tensors import TensorReader, malformed, nbytes, range_problem
 
 logger = logging.getLogger(__name__)
@@ -86,15 +85,9 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
     keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
     objects = _object_payloads(src, config, sorted(
         k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)))
-    location = output_location(dst)  # the temporary output goes next to it, never inside the source
-    location.parent.mkdir(parents=True, exist_ok=True)
     reader = TensorReader(src, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
-    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # a directory like any other, not mkdtemp's 0700
+    with staging_dir(dst) as (tmp, location), contextlib.closing(reader):
 
         def payloads() -> Iterator[Union[torch.Tensor, bytes]]:
             done = 0
@@ -115,11 +108,6 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
         _write_metadata(new_metadata, tmp)
         save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
         _move_into_place(tmp, location)
-        tmp = None
-    finally:
-        reader.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
                            objects=len(objects), nbytes=sum(sizes.values()))
     logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",

@@ -9,6 +9,7 @@ validated and exported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -374,15 +375,11 @@ def export_checkpoint(
 
 def _export(checkpoint_dir: Path, out: Path, format: str, keys: List[str], max_shard_bytes: int,
             progress: Optional[Progress]) -> List[Path]:
-    location = output_location(out)  # the temporary output goes next to it, never inside the source
-    location.parent.mkdir(parents=True, exist_ok=True)
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())
     start = time.perf_counter()
-    tmp: Optional[Path] = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the output gets the usual mode
-    try:
+    with staging_dir(out) as (tmp, location), contextlib.closing(reader):
         done = 0
         if format == "torch":
             state = {}
@@ -427,15 +424,27 @@ def _export(checkpoint_dir: Path, out: Path, format: str, keys: List[str], max_s
                 write_index(tmp, {k: name for name, shard in zip(names, shards) for k in shard}, total)
             written = [out / p.name for p in sorted(tmp.iterdir())]
             _move_into_place(tmp, location)
-            tmp = None
-    finally:
-        reader.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start
     logger.info("Exported %d tensors (%.1f MiB) of %s to %s in %.2f s (%.2f GB/s)", len(keys), total / 2**20,
                 checkpoint_dir, out, seconds, total / max(seconds, 1e-9) / 1e9)
     return written
+
+
+@contextmanager
+def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
+    """``(tmp, location)``: a new directory to write an output in, next to ``location``
+    (where ``out`` goes: :func:`~dist_checkpointing.path_overlap.output_location`, never
+    inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
+    ``0700``). The block moves what it wrote into place (:func:`_move_into_place`);
+    whatever is left of ``tmp`` afterwards is removed, also when the block fails."""
+    location = output_location(out)
+    location.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp, location
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _move_into_place(src: Path, out: Path) -> None:
