@@ -46,7 +46,6 @@ from .mapping import (
 from .strategies.async_utils import AsyncRequest
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
-from .strategies.common_object import CommonStateObjectSaveStrategy
 from .strategies.torch import METADATA_FNAME
 from .strategies.base import (
     AsyncSaveShardedStrategy,
@@ -268,8 +267,7 @@ def save(
         sharded, common, _ = _split_state_dict(sharded_state_dict)
         if content_metadata is not None:
             common[CONTENT_METADATA_KEY] = content_metadata
-        if isinstance(common_strategy_, CommonStateObjectSaveStrategy):  # Megatron-Core 0.19 layout
-            common_strategy_.add_common_object(sharded, common, rank)
+        common_strategy_.add_to_sharded(sharded, common, rank)  # e.g. Megatron-Core 0.19's common_state object
         for sh in nested_values(sharded):
             sh.validate_metadata_integrity()
             if isinstance(sh, ShardedTensor) and sh.data is None:

@@ -139,6 +139,11 @@ class SaveCommonStrategy(SaveStrategyBase):
         self.save_common(common_state_dict, checkpoint_dir)
         return _written_already
 
+    def add_to_sharded(self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict, rank: int) -> None:
+        """Called on every rank before the save is validated: a strategy that stores the
+        common state inside the sharded state adds it to ``sharded_state_dict`` here. The
+        default stores it separately (:meth:`save_common`) and adds nothing."""
+
 
 def _written_already() -> None:
     """The writer :meth:`SaveCommonStrategy.stage_common` returns when it wrote at once."""

@@ -6,7 +6,7 @@ written by rank 0 with the sharded state, and ``metadata.json`` records no commo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Union
+from typing import Union
 
 from ..core import CheckpointingException
 from ..dict_utils import nested_values
@@ -27,8 +27,8 @@ class CommonStateObjectSaveStrategy(SaveCommonStrategy):
     def __init__(self) -> None:
         super().__init__(None, None)  # type: ignore[arg-type] - recorded as absent in metadata.json
 
-    def add_common_object(self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict,
-                          rank: int) -> None:
+    def add_to_sharded(self, sharded_state_dict: ShardedStateDict, common_state_dict: StateDict,
+                       rank: int) -> None:
         """Put the common state into ``sharded_state_dict`` as the ``common_state`` object."""
         for sh in nested_values(sharded_state_dict):
             if sh.key == COMMON_STATE_OBJECT_NAME:
@@ -39,8 +39,4 @@ class CommonStateObjectSaveStrategy(SaveCommonStrategy):
             COMMON_STATE_OBJECT_NAME, common_state_dict, (1,), (0,), replica_id=rank)
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
-        """Nothing: the sharded strategy writes the common state (see :meth:`add_common_object`)."""
-
-    def stage_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> Callable[[], None]:
-        """Nothing to write later either."""
-        return lambda: None
+        """Nothing: the sharded strategy writes the common state (see :meth:`add_to_sharded`)."""
