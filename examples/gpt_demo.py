@@ -447,6 +447,10 @@ def run_demo(cfg: ModelConfig, root: Path, keep: bool) -> None:
     check_config(cfg, world_size)
     save_layout = Layout.of_world(save_tp, world_size, rank)
     ckpt_dir = root / f"gpt_demo_{save_layout.name}"
+    if rank == 0 and dist_checkpointing.check_is_distributed_checkpoint(ckpt_dir):
+        print(f"replacing the checkpoint an earlier run kept in {ckpt_dir}")
+        shutil.rmtree(ckpt_dir)  # the demo's own, complete checkpoint: run it again with --keep
+    dist.barrier()
     warm_up()
     rows = [save_phase(cfg, save_layout, world_size, ckpt_dir)]
     for tp in load_tps:
