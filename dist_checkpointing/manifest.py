@@ -26,7 +26,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from .collectives import gather_object, get_rank, get_world_size, run_agreed, scatter_object
+from .collectives import (
+    all_gather_object, all_reduce_max_uint8, error_message, gather_object, get_rank, get_world_size, raise_if_any,
+    run_agreed, scatter_object,
+)
 from .core import (
     CONFIG_FNAME, CheckpointingConfig, CheckpointingException, atomic_write_bytes, config_bytes, load_config,
     read_small_json,
@@ -162,6 +165,10 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
     rank as one :class:`CheckpointingException` naming the files."""
     checkpoint_dir = Path(checkpoint_dir)
     world = get_world_size()
+    if not required and not (checkpoint_dir / MANIFEST_FNAME).is_file():
+        # Every rank looks for itself, as every rank reads metadata.json itself: no collective
+        # at all in the common case.
+        return False
 
     def plan() -> Optional[List[Optional[Tuple[Dict[str, str], Share]]]]:
         if get_rank() != 0:
@@ -179,10 +186,19 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
         shares = _balanced_shares(sizes, world)
         return [({n: files[n] for n in share}, share) for share in shares]
 
-    shares = run_agreed(plan, f"Reading the integrity manifest of {checkpoint_dir}")
-    mine = scatter_object(shares)
-    if mine is None:
+    # One 2-byte all_reduce says whether rank 0 failed and whether there is anything to verify;
+    # the shares travel only when there is.
+    shares, error = None, None
+    try:
+        shares = plan()
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        error = error_message(e)
+    failed, found = all_reduce_max_uint8([int(error is not None), int(shares is not None and shares[0] is not None)])
+    if failed:
+        raise_if_any(all_gather_object(error), f"Reading the integrity manifest of {checkpoint_dir}")
+    if not found:
         return False
+    mine = scatter_object(shares)
     run_agreed(lambda: _raise_problems(checkpoint_dir, hash_problems(checkpoint_dir, *mine)),
                f"Verifying {checkpoint_dir} against its {MANIFEST_FNAME}")
     return True
