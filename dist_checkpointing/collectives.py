@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -116,19 +116,31 @@ def run_agreed(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T
     Costs one 1-byte ``all_reduce`` (nothing without a group); only when some rank failed,
     one ``all_gather_object`` of the error messages follows.
     """
+    return run_agreed_with_flags(fn, lambda _: [], what, group)[0]
+
+
+def run_agreed_with_flags(fn: Callable[[], T], flags: Callable[[T], List[int]], what: str,
+                          group: Optional[Any] = None) -> Tuple[T, List[int]]:
+    """:func:`run_agreed`, also agreeing on a few small flags (0..255) of its result: returns
+    the result and the element-wise max of every rank's ``flags(result)`` (which must have
+    the same length on every rank), in the same ``all_reduce``."""
     result: Optional[T] = None
     error: Optional[str] = None
+    mine: List[int] = []
     try:
         result = fn()
+        mine = list(flags(result))
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if get_world_size(group) == 1:
             if isinstance(e, CheckpointingException):
                 raise
             raise CheckpointingException(f"{what} failed: {error_message(e)}") from e
         error = error_message(e)
-    if all_reduce_max_uint8([int(error is not None)], group)[0]:
+        mine = list(flags(None))  # type: ignore[arg-type]
+    agreed = all_reduce_max_uint8([int(error is not None)] + mine, group)
+    if agreed[0]:
         raise_if_any(all_gather_object(error, group), what)
-    return result  # type: ignore[return-value]
+    return result, agreed[1:]  # type: ignore[return-value]
 
 
 def _device(group: Optional[Any]) -> torch.device:
@@ -140,7 +152,8 @@ def exchange_objects(per_destination: List[Any], group: Optional[Any] = None) ->
     """Send ``per_destination[r]`` to each rank ``r``; return what each rank sent to this one.
 
     Each rank receives only its own objects: one ``all_to_all_single`` of the byte counts
-    (8 bytes per rank), then one of the pickled payloads. A rank whose objects cannot be
+    (8 bytes per rank), then one of the pickled payloads; ``None`` travels as zero bytes,
+    so sparse exchanges cost little more than the counts. A rank whose objects cannot be
     pickled sends count -1, so every rank raises (naming it) instead of waiting.
     """
     world = get_world_size(group)
@@ -148,7 +161,7 @@ def exchange_objects(per_destination: List[Any], group: Optional[Any] = None) ->
         return [per_destination[0]]
     error = None
     try:
-        payloads = [pickle.dumps(obj) for obj in per_destination]
+        payloads = [b"" if obj is None else pickle.dumps(obj) for obj in per_destination]
     except Exception as e:  # noqa: BLE001 - announced to every rank through the counts
         payloads, error = [b""] * world, error_message(e)
     device = _device(group)
@@ -160,13 +173,15 @@ def exchange_objects(per_destination: List[Any], group: Optional[Any] = None) ->
     if failed:
         raise CheckpointingException(
             f"Exchanging objects failed: rank(s) {failed} could not pickle theirs" + (f" ({error})" if error else ""))
-    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
+    joined = b"".join(payloads)  # (frombuffer refuses an empty buffer)
+    send = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8))
+    send = send.to(device)
     recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[len(p) for p in payloads],
                            group=group)
     data = recv.cpu().numpy().tobytes()
     ends = list(itertools.accumulate(counts))
-    return [pickle.loads(data[end - n:end]) for end, n in zip(ends, counts)]
+    return [pickle.loads(data[end - n:end]) if n else None for end, n in zip(ends, counts)]
 
 
 def all_reduce_max_uint8(flags: List[int], group: Optional[Any] = None) -> List[int]:

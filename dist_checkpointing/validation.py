@@ -12,11 +12,12 @@ from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from .bytes_view import as_bytes
 from .collectives import (
     all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, exchange_objects, get_rank,
-    get_world_size, run_agreed,
+    get_world_size, run_agreed, run_agreed_with_flags,
 )
 from .core import CheckpointingException
 from .dict_utils import diff
@@ -196,6 +197,21 @@ def _judge_of(name: str, world: int) -> int:
     return int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world
 
 
+# This rank's layout digest (its summaries, rank and world size) at the last validation
+# that passed, per group and mode: when no rank's digest changed since, the verdict is the
+# same (it is a function of every rank's summaries), so the exchange is skipped.
+_LAST_VALID: Dict[Tuple[Any, bool], bytes] = {}
+
+
+def _memo_key(group: Optional[Any], allow_gaps: bool) -> Tuple[Any, bool]:
+    return (None if group is None else tuple(dist.get_process_group_ranks(group))), allow_gaps
+
+
+def _layout_digest(local: Dict[str, _KeySummary], group: Optional[Any]) -> bytes:
+    listed = (get_rank(group), get_world_size(group), sorted(local.items()))
+    return hashlib.blake2b(pickle.dumps(listed), digest_size=16).digest()
+
+
 def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[Any] = None,
                                 allow_gaps: bool = False) -> None:
     """Check, collectively, that the main replicas of every global tensor cover it exactly
@@ -204,22 +220,35 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     :class:`CheckpointingException` on every rank if any key fails.
 
     Each key is judged by one rank (hash of its name). Cost per rank, flat in the world
-    size: a 1-byte ``all_reduce`` (summarising agreed), the ``exchange_objects`` pair of
+    size: a 2-byte ``all_reduce`` (summarising agreed; did any rank's layout change since
+    the last validation that passed?). When one did: the ``exchange_objects`` pair of
     ``all_to_all_single`` (8 bytes per rank of counts, then each rank receives only the
     summaries of the keys it judges: key name + ~50 bytes per holding rank — never the
-    chunk lists), and a 1-byte ``all_reduce`` of the verdict. Only when some key fails,
-    one ``all_gather_object`` of the problem messages follows. ``allow_gaps`` (load
-    requests may be partial) only rejects disagreeing shapes/dtypes and more main
-    replicas than elements.
+    chunk lists), and a 1-byte ``all_reduce`` of the verdict; otherwise nothing more (a
+    repeated save of an unchanged layout). Only when some key fails, one
+    ``all_gather_object`` of the problem messages follows. ``allow_gaps`` (load requests
+    may be partial) only rejects disagreeing shapes/dtypes and more main replicas than
+    elements.
     """
-    local = run_agreed(lambda: _summaries(sharded_items), "Summarizing the sharded items", group)
+    key = _memo_key(group, allow_gaps)
+
+    def summarize() -> Tuple[Dict[str, _KeySummary], bytes]:
+        local = _summaries(sharded_items)
+        return local, _layout_digest(local, group)
+
+    (local, digest), (changed,) = run_agreed_with_flags(
+        summarize, lambda result: [int(result is None or _LAST_VALID.get(key) != result[1])],
+        "Summarizing the sharded items", group)
+    if not changed:
+        return
+    _LAST_VALID.pop(key, None)
     world = get_world_size(group)
     outgoing: List[Dict[str, _KeySummary]] = [{} for _ in range(world)]
     for name, summary in local.items():
         outgoing[_judge_of(name, world)][name] = summary
     combined: Dict[str, _Combined] = {}
-    for source, summaries in enumerate(exchange_objects(outgoing, group)):
-        for name, summary in summaries.items():
+    for source, summaries in enumerate(exchange_objects([out or None for out in outgoing], group)):
+        for name, summary in (summaries or {}).items():
             combined.setdefault(name, _Combined()).add(source, summary)
     problems = []
     for name in sorted(combined):
@@ -232,6 +261,7 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     if all_reduce_max_uint8([int(bool(problems))], group)[0]:
         everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]
         raise CheckpointingException("Sharding validation failed: " + "; ".join(sorted(everyone)))
+    _LAST_VALID[key] = digest
 
 
 # ----------------------------------------------------------------------------- strict loading

@@ -12,6 +12,7 @@ import torch
 
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.collectives import exchange_objects
+from dist_checkpointing import validation
 from dist_checkpointing.validation import check_common_state_consistency, validate_sharding_integrity
 
 from .collective_counter import count_collectives
@@ -36,6 +37,7 @@ def _counted(fn: Callable[[], Any]) -> Tuple[int, Dict[str, int]]:
 
 def _count_validation(rank: int, world: int) -> Tuple[int, Dict[str, int]]:
     items = _constant_state(rank, world)
+    validation._LAST_VALID.clear()  # a first validation, whatever ran before in this process
     return _counted(lambda: validate_sharding_integrity(items))
 
 
@@ -82,3 +84,45 @@ def test_exchange_objects_delivers_each_rank_its_own_objects():
 def test_exchange_objects_with_an_unpicklable_object_raises_on_every_rank():
     for e in get_pool(4).run_expect_error(_exchange, 3):
         assert isinstance(e, CheckpointingException) and "rank(s) [3]" in str(e), repr(e)
+
+
+def _changing_layouts(rank: int, world: int) -> List[Any]:
+    """Validate one layout twice, then an invalid change of it on one rank, then the first
+    layout again; the counts of each call, or the exception it raised."""
+    validation._LAST_VALID.clear()
+    good = _constant_state(rank, world)
+    bad = _constant_state(rank, world)
+    if rank == world - 1:  # its chunk of layer7.weight moves onto rank 0's: an overlap and a gap
+        bad[7] = ShardedTensor.from_rank_offsets("layer7.weight", torch.zeros(2, 3), (0, 0, world))
+    out: List[Any] = []
+    for items in (good, good, bad, good):
+        try:
+            out.append(_counted(lambda: validate_sharding_integrity(items)))
+        except CheckpointingException as e:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_repeated_layout_reuses_the_verdict_and_a_change_is_validated(world):
+    for rank, (first, again, bad, good) in enumerate(get_pool(world).run(_changing_layouts)):
+        assert again[1] == {"all_reduce": 1} and again[0] == 2, (rank, again)  # the 2-byte flag only
+        assert "all_to_all_single" in first[1], (rank, first)
+        assert isinstance(bad, CheckpointingException), (rank, bad)
+        assert "'layer7.weight'" in str(bad) and "overlap" in str(bad), str(bad)
+        assert f"main replicas on ranks {list(range(world))}" in str(bad), str(bad)
+        assert "all_to_all_single" in good[1], (rank, good)  # validated again after the failure
+
+
+def _summary_raises_on_last(rank: int, world: int) -> None:
+    items = _constant_state(rank, world)
+    if rank == world - 1:
+        items[3].global_offset = ("not an offset",) + tuple(items[3].global_offset[1:])
+    validation._LAST_VALID.clear()
+    validate_sharding_integrity(items)
+
+
+def test_a_rank_whose_state_cannot_be_summarised_is_named_on_every_rank():
+    for e in get_pool(4).run_expect_error(_summary_raises_on_last):
+        assert isinstance(e, CheckpointingException), repr(e)
+        assert "Summarizing the sharded items failed on 1 rank(s): rank 3" in str(e), str(e)

@@ -9,7 +9,8 @@ the ranks of a parallelization group (typically the data-parallel group).
   save time) and sends it to the other ranks that need it with one of three exchange
   algorithms (see :mod:`dist_checkpointing.exchange_utils`).
 
-Both plan with one ``all_gather_object`` of shard summaries inside the group. Each call
+Both plan with :func:`~dist_checkpointing.shard_plans.plan_shards` (a per-rank cost flat in
+the group size: nothing is gathered). Each call
 also agrees over the whole world, with a 2-byte ``all_reduce``, whether any rank has a
 problem or needs a new plan, so an error is raised on every rank and never leaves ranks
 in different collectives. With ``do_cache_distribution=True`` a call whose state dict
@@ -20,6 +21,7 @@ has the same structure as the previous call's on every rank reuses the plan: tha
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -31,6 +33,7 @@ from ..collectives import (
     all_gather_object,
     all_reduce_max_uint8,
     error_message,
+    exchange_objects,
     get_rank,
     get_world_size,
     is_distributed,
@@ -43,16 +46,13 @@ from ..exchange_utils import (
     ShardDistribution,
     ShardId,
     check_exchange_algo,
-    distribution_from_summaries,
     exchange_by_distribution,
-    exchange_loaded_objects_gather_object,
-    local_object_keys,
     local_tensor_summary,
-    object_loaders,
     shard_id,
 )
 from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..shard_plans import ShardPlan, exchange_point_to_point, plan_shards
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 
 
@@ -69,25 +69,35 @@ def _structure(sharded_state_dict: ShardedStateDict) -> List[tuple]:
 
 def _check_group(group: Optional[Any]) -> None:
     """Collectively (over the world) check that every rank is a member of the group it
-    passed and that the members of each group passed the same group."""
+    passed and that the members of each group passed the same group.
+
+    Each rank sends a 16-byte digest of its group's member list to each member
+    (``exchange_objects`` over the world: 8 bytes of counts per rank, then one digest per
+    member) and compares what it receives with its own; the verdict is agreed with a
+    1-byte ``all_reduce``, the messages travel only when something is wrong."""
+    me, world = dist.get_rank(), dist.get_world_size()
     try:
-        ranks: Optional[Tuple[int, ...]] = tuple(
-            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group))
+        members: Tuple[int, ...] = tuple(range(world) if group is None else dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - not a group this rank belongs to
-        ranks = None
-    everyone = all_gather_object(ranks)
-    problems = []
-    for rank, members in enumerate(everyone):
-        if members is None or rank not in members:
-            problems.append(f"rank {rank} is not a member of the parallelization group it passed")
-            continue
-        for other in members:
-            if everyone[other] != members:
-                problems.append(f"rank {rank} passed group {list(members)} but its member rank {other} passed "
-                                f"{list(everyone[other]) if everyone[other] is not None else 'a group without it'}")
-                break
-    if problems:
-        raise CheckpointingException("Invalid parallelization group: " + "; ".join(problems))
+        members = ()
+    digest = hashlib.blake2b(repr(members).encode(), digest_size=16).digest()
+    outgoing: List[Optional[bytes]] = [None] * world
+    for member in members:
+        outgoing[member] = digest
+    received = exchange_objects(outgoing)
+
+    def verdict() -> None:
+        if me not in members:
+            raise CheckpointingException(f"rank {me} is not a member of the parallelization group it passed")
+        others = sorted(r for r, d in enumerate(received) if d is not None and d != digest)
+        absent = sorted(r for r in members if received[r] is None)
+        if others or absent:
+            raise CheckpointingException(
+                f"rank {me} passed group {list(members)} but "
+                + "; ".join(([f"rank(s) {others} passed another group that contains it"] if others else [])
+                            + ([f"its member rank(s) {absent} passed a group without it"] if absent else [])))
+
+    run_agreed(verdict, "Invalid parallelization group: checking it")
 
 
 class _Planner:
@@ -207,7 +217,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         def compute(summary: Any) -> Optional[ShardDistribution]:
             if get_world_size(group) <= 1:
                 return None
-            return distribution_from_summaries(all_gather_object(summary, group))
+            return plan_shards(summary, group).distribution()
 
         distribution = self._planner.plan(
             sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict), compute,
@@ -233,24 +243,24 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         return request
 
 
-def _assign_reads(sharded_state_dict: ShardedStateDict, distribution: ShardDistribution, obj_loader: Dict[str, int],
+def _assign_reads(sharded_state_dict: ShardedStateDict, plan: ShardPlan,
                   me: int) -> Tuple[List[Tuple[Any, Any]], Dict[Any, Any]]:
-    """The shards and objects this rank reads (``(id, item)``) and those it receives (by id)."""
+    """The shards and objects this rank reads (``(id, item)``) and the shards it receives (by id)."""
     # FP8 requests are read and exchanged as their nominal-dtype values; each rank
     # quantizes them with its own scale when ``load`` fills the result, never twice.
     work = dict_list_map_outplace(_nominal_stand_in, sharded_state_dict)
 
-    # This rank reads the shards and objects assigned to it; the rest arrive by exchange.
-    reads: List[Tuple[Any, ShardedTensor]] = []
+    # This rank reads the shards assigned to it and every object it requests; the rest
+    # of the shards arrive by exchange.
+    reads: List[Tuple[Any, Any]] = []
     unloaded: Dict[ShardId, ShardedTensor] = {}
     seen = set()
     for sh in nested_values(work):
         if isinstance(sh, ShardedTensor):
             ident: Any = shard_id(sh)
-            mine = distribution.main_rank_for_shard[ident] == me
+            mine = plan.reader[ident] == me
         elif isinstance(sh, ShardedObject):
-            ident = sh.unique_key
-            mine = obj_loader[ident] == me
+            ident, mine = sh.unique_key, True
         else:
             continue
         if ident in seen:
@@ -261,9 +271,6 @@ def _assign_reads(sharded_state_dict: ShardedStateDict, distribution: ShardDistr
         else:
             unloaded[ident] = sh
     return reads, unloaded
-
-
-_LoadPlan = Tuple[Optional[ShardDistribution], Dict[str, int], Dict[str, List[int]]]
 
 
 class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
@@ -280,8 +287,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             ``'gather_rounds'`` (equal-sized all_gather rounds) or ``'gather_object'``
             (pickled, for debugging).
 
-    ShardedObjects are read by one needing rank of the group each and shared with one
-    ``all_gather_object`` inside the group (only when another rank needs them).
+    Shards that every rank of the group requests travel with ``exchange_algo``; shards
+    that only some ranks request travel point to point from their reader to those ranks.
+    Each rank reads the ShardedObjects it requests itself (they are small; nothing about
+    them is gathered).
     """
 
     def __init__(self, strategy: LoadShardedStrategy, parallelization_group: Optional[Any] = None,
@@ -320,42 +329,37 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             raise CheckpointingException(f"{type(self.base_strategy).__name__} cannot read a common state")
         return self.base_strategy.load_common(checkpoint_dir)
 
-    def _compute_plan(self, summary: Tuple[list, List[str]]) -> _LoadPlan:
+    def _compute_plan(self, summary: list) -> Optional[ShardPlan]:
         group = self.parallelization_group
         if get_world_size(group) <= 1:
-            return None, {}, {}
-        per_rank = all_gather_object(summary, group)
-        distribution = distribution_from_summaries([p[0] for p in per_rank], ignore_groups=True)
-        loader, needers = object_loaders([p[1] for p in per_rank])
-        return distribution, loader, needers
+            return None
+        return plan_shards(summary, group)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         start = time.perf_counter()
-        distribution, obj_loader, obj_needers = self._planner.plan(
-            sharded_state_dict,
-            lambda: (local_tensor_summary(sharded_state_dict), local_object_keys(sharded_state_dict)),
-            self._compute_plan, "Planning the fully parallel load")
-        if distribution is None:
+        plan = self._planner.plan(sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict),
+                                  self._compute_plan, "Planning the fully parallel load")
+        if plan is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group
         me = get_rank(group)
-        reads, unloaded = run_agreed(lambda: _assign_reads(sharded_state_dict, distribution, obj_loader, me),
+        reads, unloaded = run_agreed(lambda: _assign_reads(sharded_state_dict, plan, me),
                                      "Assigning the fully parallel reads")
         planned = time.perf_counter()
         loaded = self.base_strategy.load({str(i): sh for i, (_, sh) in enumerate(reads)}, checkpoint_dir)
         read = time.perf_counter()
         loaded_tensors = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedTensor)}
-        loaded_objects = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedObject)}
+        objects = {ident: loaded[str(i)] for i, (ident, sh) in enumerate(reads) if isinstance(sh, ShardedObject)}
 
+        whole = plan.whole_group
         tensors = exchange_by_distribution(
-            loaded_tensors, {k: v for k, v in unloaded.items() if isinstance(v, ShardedTensor)}, distribution,
-            group, self.exchange_algo)
-        objects = loaded_objects
-        if any(len(ranks) > 1 for ranks in obj_needers.values()):
-            shared = {k: v for k, v in loaded_objects.items() if len(obj_needers[k]) > 1}
-            objects = {**exchange_loaded_objects_gather_object(shared, group), **loaded_objects}
+            {k: v for k, v in loaded_tensors.items() if k in whole},
+            {k: v for k, v in unloaded.items() if k in whole}, plan.distribution(whole), group, self.exchange_algo)
+        tensors.update(exchange_point_to_point(
+            loaded_tensors, {k: v for k, v in unloaded.items() if k not in whole}, plan, group))
+        tensors.update({k: v for k, v in loaded_tensors.items() if k not in whole})
 
         #: seconds of the last load's phases (logged by ``load``)
         self.last_timings = {"plan": planned - start, "read": read - planned, "exchange": time.perf_counter() - read}
