@@ -11,13 +11,17 @@ Each rank knows only its own shards. Two cases:
   (:func:`~dist_checkpointing.exchange_utils.distribute_shards_to_ranks`) on the same input
   — the assignment of :func:`~dist_checkpointing.exchange_utils.distribution_from_summaries`,
   without gathering anything.
-* **Otherwise** each shard is planned by one rank of the group, its *judge* (a hash of
-  the shard id): every rank sends the summary of each shard it holds to that shard's judge
-  (``exchange_objects``), the judge checks that the holders agree on shape and dtype and
-  assigns the shard to one holder (the same greedy rule over its own shards, ties broken
-  from a different rank on each judge so the judges do not all pick the same rank), and
-  answers each holder about its shards (a second ``exchange_objects``). A rank receives
-  about as many summaries as it holds shards, whatever the group size.
+* **Otherwise** each shard is first looked at by one rank of the group, its *judge* (a
+  hash of the shard id): every rank sends the summary of each shard it holds to that
+  shard's judge (``exchange_objects``); the judge checks that the holders agree on shape
+  and dtype, assigns the shards with one holder to it, and sends the shards held by
+  several ranks — id, size and holders (``None`` for the whole group) — to group rank 0,
+  which also receives the bytes per rank of the one-holder shards (one ``reduce`` of 16
+  bytes per rank). Group rank 0 balances those shards with the same greedy rule — the
+  assignment is exactly the one-step assignment of the first case — and answers the
+  judges, who answer each holder about its shards. A rank receives about as many
+  summaries as it holds shards, whatever the group size; group rank 0 also receives the
+  shards held by several ranks (at most the group's distinct shards).
 
 On load, shards that every rank of the group requests travel with the chosen exchange
 algorithm (:func:`~dist_checkpointing.exchange_utils.exchange_by_distribution`); shards
@@ -125,7 +129,15 @@ def _plan_identical(summary: Summary, group: Optional[Any], size: int) -> ShardP
     return ShardPlan(reader, with_main, {sid: info for sid, info, _ in ordered}, set(reader), {}, size)
 
 
+# What a judge sends the balancer about a shard held by several ranks:
+# (shard, bytes, holders — None for the whole group —, main replica outside the group)
+_Multi = Tuple[ShardId, int, Optional[List[int]], bool]
+
+
 def _plan_by_judges(summary: Summary, group: Optional[Any], size: int) -> ShardPlan:
+    """Holders -> judges (who holds each shard) -> group rank 0 (balances the shards held by
+    several ranks) -> judges -> holders. Every step runs on every rank even after an error
+    (so none waits); the first error is raised at the end."""
     me = get_rank(group)
     outgoing: List[Optional[Summary]] = [None] * size
     for entry in summary:
@@ -134,17 +146,41 @@ def _plan_by_judges(summary: Summary, group: Optional[Any], size: int) -> ShardP
             outgoing[judge] = []
         outgoing[judge].append(entry)
     judged = exchange_objects(outgoing, group)
-    error: Optional[BaseException] = None
+    errors: List[BaseException] = []
+    holders: Dict[ShardId, List[int]] = {}
+    with_main: Set[ShardId] = set()
+    multi: List[_Multi] = []
+    forced = [0] * (2 * size)  # bytes of the shards with one holder: main replica in / outside the group
     try:
-        answers = _judge(judged, size, me)
-    except Exception as e:  # noqa: BLE001 - raised after the answers went out, so no rank waits
-        error, answers = e, {}
-    replies: List[Optional[list]] = [answers.get(holder) for holder in range(size)]
-    received = exchange_objects(replies, group)
-    if error is not None:
-        if isinstance(error, CheckpointingException):
-            raise error
-        raise CheckpointingException(f"Planning the shards failed on group rank {me}: {error_message(error)}")
+        holders, sizes, with_main = _holders(judged)
+        for sid, ranks in holders.items():
+            cross = sid not in with_main
+            if len(ranks) == 1:
+                forced[ranks[0] + size * cross] += sizes[sid]
+            else:
+                multi.append((sid, sizes[sid], None if len(ranks) == size else ranks, cross))
+    except Exception as e:  # noqa: BLE001 - raised once every step is done
+        errors.append(e)
+    to_balancer = exchange_objects([multi or None] + [None] * (size - 1), group)
+    loads = torch.tensor(forced, dtype=torch.int64, device=comm_device(group))
+    dist.reduce(loads, dst=_global_rank(group, 0), op=dist.ReduceOp.SUM, group=group)
+    decided: List[Optional[Dict[ShardId, int]]] = [None] * size
+    if me == 0:
+        try:
+            decided = _balance(to_balancer, loads.cpu().tolist(), size)
+        except Exception as e:  # noqa: BLE001 - raised once every step is done
+            errors.append(e)
+    assignment = exchange_objects(decided, group)[0] or {}
+    answers: Dict[int, list] = {}
+    try:
+        answers = _answers(holders, with_main, assignment, size)
+    except Exception as e:  # noqa: BLE001 - raised once every step is done
+        errors.append(e)
+    received = exchange_objects([answers.get(holder) for holder in range(size)], group)
+    if errors:
+        if isinstance(errors[0], CheckpointingException):
+            raise errors[0]
+        raise CheckpointingException(f"Planning the shards failed on group rank {me}: {error_message(errors[0])}")
     reader: Dict[ShardId, int] = {}
     in_group: Set[ShardId] = set()
     whole: Set[ShardId] = set()
@@ -163,13 +199,12 @@ def _plan_by_judges(summary: Summary, group: Optional[Any], size: int) -> ShardP
     if missing:
         sid = min(missing)
         raise CheckpointingException(f"Shard {_describe(sid)} was not planned: group rank {_judge_of(sid, size)}, "
-                                     "which plans it, failed")
+                                     "which plans it, or group rank 0, which balances, failed")
     return ShardPlan(reader, in_group, infos, whole, send_to, size)
 
 
-def _judge(judged: List[Optional[Summary]], size: int, me: int) -> Dict[int, list]:
-    """Assign the shards this rank judges; per holder, ``(shard, reader, flags, other
-    holders the reader sends it to)`` (flags: 1 main replica in the group, 2 whole group)."""
+def _holders(judged: List[Optional[Summary]]) -> Tuple[Dict[ShardId, List[int]], Dict[ShardId, int], Set[ShardId]]:
+    """On a judge: the holders, size and main-replica presence of each shard it judges."""
     holders: Dict[ShardId, List[int]] = {}
     infos: Dict[ShardId, Tuple[int, ShardInfo]] = {}
     with_main: Set[ShardId] = set()
@@ -188,15 +223,46 @@ def _judge(judged: List[Optional[Summary]], size: int, me: int) -> Dict[int, lis
                 holders[sid].append(rank)
             if main:
                 with_main.add(sid)
-    # Rotate the ranks so that this judge breaks ties from rank ``me`` on (see module doc).
-    rotated = {sid: [(r - me) % size for r in ranks] for sid, ranks in holders.items()}
+    return holders, {sid: info.nbytes for sid, (_, info) in infos.items()}, with_main
+
+
+def _balance(from_judges: List[Optional[List[_Multi]]], forced: List[int], size: int) -> List[Optional[Dict[ShardId, int]]]:
+    """On group rank 0: assign the shards held by several ranks, given the bytes of the
+    shards with one holder, exactly as the greedy assignment of every shard at once would
+    (those come first in its order: shards with the main replica in the group, then the
+    others). Returns, per judge, the reader of each shard it sent."""
+    everyone = list(range(size))
     canonical: Dict[Tuple[int, ...], List[int]] = {}
-    rotated = {sid: canonical.setdefault(tuple(ranks), ranks) for sid, ranks in rotated.items()}
-    assignment = distribute_shards_to_ranks(rotated, {sid: info.nbytes for sid, (_, info) in infos.items()}, size,
-                                            set(holders) - with_main)
+    phases: Tuple[Dict[ShardId, List[int]], Dict[ShardId, List[int]]] = ({}, {})
+    sizes: Dict[ShardId, int] = {}
+    judge_of: Dict[ShardId, int] = {}
+    for judge, entries in enumerate(from_judges):
+        for sid, nbytes, ranks, cross in entries or ():
+            phases[cross][sid] = everyone if ranks is None else canonical.setdefault(tuple(ranks), ranks)
+            sizes[sid] = nbytes
+            judge_of[sid] = judge
+    loads = forced[:size]
+    assignment = distribute_shards_to_ranks(phases[0], sizes, size, loads=loads)
+    loads = [a + b for a, b in zip(loads, forced[size:])]
+    assignment.update(distribute_shards_to_ranks(phases[1], sizes, size, loads=loads))
+    out: List[Optional[Dict[ShardId, int]]] = [None] * size
+    for sid, rank in assignment.items():
+        judge = judge_of[sid]
+        if out[judge] is None:
+            out[judge] = {}
+        out[judge][sid] = rank  # type: ignore[index]
+    return out
+
+
+def _answers(holders: Dict[ShardId, List[int]], with_main: Set[ShardId], assignment: Dict[ShardId, int],
+             size: int) -> Dict[int, list]:
+    """On a judge: per holder, ``(shard, reader, flags, other holders the reader sends it
+    to)`` for the shards it holds (flags: 1 main replica in the group, 2 whole group)."""
     answers: Dict[int, list] = {}
     for sid, ranks in holders.items():
-        reader = (assignment[sid] + me) % size
+        reader = ranks[0] if len(ranks) == 1 else assignment.get(sid)
+        if reader is None:
+            continue  # the balancer failed: the holders report the shard as not planned
         whole = len(ranks) == size
         flags = int(sid in with_main) | (2 * whole)
         for holder in ranks:

@@ -41,6 +41,7 @@ _RECEIVED: Dict[str, Callable[..., int]] = {
     "irecv": lambda t, *a, **k: _tensor_bytes(t),  # counted when posted: its size is known then
     "all_gather": lambda out, *a, **k: sum(_tensor_bytes(t) for t in out),
     "gather": lambda t, gather_list=None, *a, **k: sum(_tensor_bytes(x) for x in gather_list or []),
+    "reduce": lambda t, dst=0, *a, **k: _tensor_bytes(t) if dist.get_rank() == dst else 0,
     "send": lambda *a, **k: 0,
     "all_gather_object": lambda out, *a, **k: _objects_bytes(out),
     "gather_object": lambda obj, object_gather_list=None, *a, **k: _objects_bytes(object_gather_list),

@@ -1,6 +1,7 @@
 """``shard_plans.plan_shards`` on real gloo groups: every rank's part of the plan is
-consistent with the others', the identical-lists case gives the old global assignment, and
-the bytes a rank receives while planning do not grow with the group size."""
+consistent with the others' and equal to the greedy assignment over every rank's summary
+at once (what the fully parallel wrappers computed from an all-gather before), and the
+bytes a rank receives while planning do not grow with the group size."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def _check_plans(layout: Layout, plans: list, world: int) -> None:
             assert sid not in plans[r][3], (sid, r)
     for rank, (reader, _, _, _) in enumerate(plans):
         assert set(reader) == {_sid(i) for i, (h, _, _) in layout.items() if rank in h}, rank
+    # the same assignment as the greedy over every rank's summary at once (the old all-gather plan)
+    everything = distribution_from_summaries([_summary(r, layout) for r in range(world)])
+    for rank, (reader, _, _, _) in enumerate(plans):
+        assert reader == {sid: everything.main_rank_for_shard[sid] for sid in reader}, rank
 
 
 @st.composite
