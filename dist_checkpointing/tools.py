@@ -34,7 +34,9 @@ from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, 
 from .serialization import get_default_load_sharded_strategy, load_common_state_dict, load_tensors_metadata, save
 from .strategies.base import StrategyAction, get_default_strategy
 from .strategies.common import TorchCommonLoadStrategy
-from .strategies.torch import TorchDistLoadShardedStrategy, original_global_shape, read_metadata
+from .strategies.torch_dist.format import original_global_shape
+from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from .strategies.torch_dist.metadata import read_metadata
 from .whole_tensors import TensorReader, malformed, nbytes, range_problem
 
 logger = logging.getLogger(__name__)

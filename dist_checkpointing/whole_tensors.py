@@ -17,7 +17,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .core import CheckpointingException
 from .serialization import load_tensors_metadata
-from .strategies.torch import TorchDistLoadShardedStrategy, data_file_path, original_global_shape, read_metadata
+from .strategies.torch_dist.format import data_file_path, original_global_shape
+from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from .strategies.torch_dist.metadata import read_metadata
 
 
 def nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
