@@ -30,7 +30,8 @@ from typing import Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
 
-from .core import CheckpointingConfig, CheckpointingException, load_config, save_config
+from .bytes_view import nbytes
+from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, save_config
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
 from .strategies.common import COMMON_STATE_FNAME
@@ -38,7 +39,7 @@ from .strategies.filesystem_async import write_file
 from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, data_file_path, original_global_shape
 from .strategies.torch_dist.metadata import build_metadata, read_metadata, write_metadata
 from .tools import Progress, _move_into_place, _refuse_existing, staging_dir
-from .whole_tensors import TensorReader, malformed, nbytes, range_problem
+from .whole_tensors import TensorReader, range_problem
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 CONFIG_FNAME = "metadata.json"
 _MAX_CONFIG_BYTES = 1 << 16
@@ -18,6 +19,18 @@ _checkpoint_file_checks: List[Callable[[str], bool]] = []
 
 class CheckpointingException(Exception):
     """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O)."""
+
+
+@contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn any error but a CheckpointingException into one naming ``what``: a damaged or
+    hostile checkpoint can make reading it fail in any way (wrong types, absurd sizes)."""
+    try:
+        yield
+    except CheckpointingException:
+        raise
+    except Exception as e:  # noqa: BLE001 - MemoryError, TypeError, OSError, ... all mean "unusable"
+        raise CheckpointingException(f"{what}: {type(e).__name__}: {e}") from e
 
 
 @dataclass

@@ -8,18 +8,42 @@ Megatron-Core has them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import torch
+
+from ..bytes_view import nbytes
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
 from .registry import StrategyAction, default_strategies, get_default_strategy, register_default_strategy
 
 __all__ = [
     "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase", "SaveCommonStrategy",
-    "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction", "default_strategies", "get_default_strategy",
-    "register_default_strategy",
+    "SaveShardedStrategy", "SaveStrategyBase", "StoredItems", "StoredTensor", "StrategyAction", "default_strategies",
+    "get_default_strategy", "register_default_strategy",
 ]
+
+
+@dataclass
+class StoredTensor:
+    """One global tensor as a checkpoint stores it."""
+
+    key: str
+    shape: Tuple[int, ...]  # the original global shape (also for flattened keys)
+    dtype: torch.dtype
+    chunks: int  # stored chunks (0: the strategy does not say)
+    nbytes: int  # bytes of the global tensor's values
+    flattened: bool  # stored N-D reformulated (distributed-optimizer slices)
+
+
+@dataclass
+class StoredItems:
+    """What a checkpoint stores (:meth:`LoadShardedStrategy.stored_items`)."""
+
+    tensors: List[StoredTensor] = field(default_factory=list)  # sorted by key
+    objects: Dict[str, int] = field(default_factory=dict)  # ShardedObject unique key -> stored bytes
 
 
 class LoadStrategyBase(ABC):
@@ -91,6 +115,14 @@ class LoadShardedStrategy(LoadStrategyBase):
         if self.can_handle_sharded_objects:
             raise NotImplementedError
         return self.load_tensors_metadata(checkpoint_dir)
+
+    def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
+        """Every stored tensor and object, from the metadata alone (for inspection tools).
+        The default describes the tensors of :meth:`load_tensors_metadata` (chunks not
+        counted) and no objects."""
+        return StoredItems([StoredTensor(key, tuple(sh.global_shape), sh.dtype, 0,
+                                         nbytes(tuple(sh.global_shape), sh.dtype), False)
+                            for key, sh in sorted(self.load_tensors_metadata(checkpoint_dir).items())])
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Load in this process alone, with no collectives (for the offline readers). The

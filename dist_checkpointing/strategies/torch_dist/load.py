@@ -16,12 +16,12 @@ from ...core import CheckpointingException
 from ...dict_utils import dict_list_map_outplace, nested_values
 from ...integrity import SCOPE_RECORD, item_checksum_scope
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from ..base import LoadShardedStrategy
+from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
-from .metadata import read_metadata
+from .metadata import read_metadata, stored_items
 from .reader import Reader
 
 
@@ -137,6 +137,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 except CheckpointingException:
                     continue  # a bytes item that is not a ShardedObject
         return result
+
+    def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
+        """Every tensor and object of ``.metadata`` (chunks counted; flattened keys marked)."""
+        return stored_items(Path(checkpoint_dir))
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         """The common state of checkpoints that store it as the ``common_state`` object."""

@@ -24,12 +24,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...core import CheckpointingException
+from ...bytes_view import nbytes
+from ...core import CheckpointingException, malformed
 from ...integrity import item_checksum_table, write_file_with_checksum
 from ...save_claim import current_save_id
+from ..base import StoredItems, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
-from .format import DCP_VERSION, METADATA_FNAME
+from .format import DCP_VERSION, METADATA_FNAME, original_global_shape
 
 
 # One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
@@ -151,3 +153,26 @@ def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
         _metadata_cache.clear()
         _metadata_cache[str(path)] = (stamp, metadata)
     return metadata
+
+
+def stored_items(checkpoint_dir: Path) -> StoredItems:
+    """Every tensor (chunks counted, flattened keys in their original shape) and the stored
+    bytes of every object, from ``.metadata``; a malformed entry is an error naming it."""
+    metadata = read_metadata(checkpoint_dir)
+    where = checkpoint_dir / METADATA_FNAME
+    stored: Dict[str, int] = {}
+    with malformed(f"{where} is malformed"):
+        for index, storage in metadata.storage_data.items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
+        entries = sorted(metadata.state_dict_metadata.items())
+    items = StoredItems()
+    for key, md in entries:
+        with malformed(f"{where}: the entry of {key!r} is malformed"):
+            if hasattr(md, "chunks"):
+                orig = original_global_shape(metadata, key)
+                shape = tuple(orig if orig is not None else md.size)
+                items.tensors.append(StoredTensor(key, shape, md.properties.dtype, len(md.chunks),
+                                                  nbytes(shape, md.properties.dtype), orig is not None))
+            else:
+                items.objects[key] = stored.get(key, 0)
+    return items
