@@ -9,7 +9,7 @@ import ctypes
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
