@@ -37,18 +37,15 @@ class _WholeTensorSave(SaveShardedStrategy):
 
 
 class _WholeTensorLoad(LoadShardedStrategy):
+    supported_backends = ("mybackend",)
+    supported_versions = (1,)
+
     def load(self, sharded_state_dict, checkpoint_dir):
         return dict_list_map_outplace(
             lambda sh: torch.load(Path(checkpoint_dir) / f"{sh.key}.pt", weights_only=True), sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir):
         return {}
-
-    def check_backend_compatibility(self, loaded_backend):
-        pass
-
-    def check_version_compatibility(self, loaded_version):
-        pass
 
 
 def test_builtin_strategies_need_no_import_side_effects():
@@ -401,12 +398,9 @@ def test_read_compatibility_is_declared_as_data():
 
 
 class _WholeTensorLoadDescribed(_WholeTensorLoad):
-    """The toy backend's loader, describing its tensors; the compatibility as data."""
+    """The toy backend's loader, describing its tensors."""
 
     supported_backends = ("describedbackend",)
-    supported_versions = (1,)
-    check_backend_compatibility = LoadShardedStrategy.check_backend_compatibility
-    check_version_compatibility = LoadShardedStrategy.check_version_compatibility
 
     def load_tensors_metadata(self, checkpoint_dir):
         return {p.stem: ShardedTensor.from_rank_offsets(p.stem, torch.load(p, weights_only=True))
