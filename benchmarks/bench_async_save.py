@@ -77,7 +77,7 @@ import dist_checkpointing
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing import serialization as ser
 from dist_checkpointing.integrity import checksum
-from dist_checkpointing.strategies import torch as torch_strategy
+from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, ForkedCall
 from dist_checkpointing.strategies.filesystem_async import tensor_bytes
 
@@ -124,7 +124,7 @@ class _TimedForkedCall(ForkedCall):
 
 
 _orig_validate = ser.validate_sharding_integrity
-_orig_wait_for_writer = torch_strategy._wait_for_writer
+_orig_wait_for_writer = torch_dist_save._wait_for_writer
 
 
 def _timed_validate(*args, **kwargs):
@@ -142,8 +142,8 @@ def _timed_wait_for_writer(writer, written):
 
 def install_probes() -> None:
     """Wrap the library's validation, fork and writer wait with timers (module globals)."""
-    torch_strategy.ForkedCall = _TimedForkedCall
-    torch_strategy._wait_for_writer = _timed_wait_for_writer
+    torch_dist_save.ForkedCall = _TimedForkedCall
+    torch_dist_save._wait_for_writer = _timed_wait_for_writer
     ser.validate_sharding_integrity = _timed_validate
 
 
@@ -223,7 +223,7 @@ class Bench:
         self.tensors = [p.tensor for p in params]
         self.queue = AsyncCallsQueue()  # created once, reused by every async save
         self.default_threads = torch.get_num_threads()
-        self.copy_strategy = torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="copy")
+        self.copy_strategy = torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot="copy")
         write_files = self.copy_strategy._write_files
 
         def timed_write_files(*args, **kwargs):  # runs on the queue's thread in copy mode

@@ -3,6 +3,9 @@ dtype can be hashed, written, sent and received bit-exact."""
 
 from __future__ import annotations
 
+import math
+from typing import Tuple
+
 import torch
 
 
@@ -15,3 +18,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return torch.as_strided(t, (t.numel(),), (1,)).view(torch.uint8)
+
+
+def nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize

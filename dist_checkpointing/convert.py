@@ -30,21 +30,21 @@ from typing import Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
 
-from .core import CheckpointingConfig, CheckpointingException, load_config, save_config
+from .bytes_view import nbytes
+from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, save_config
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
-from .strategies.torch import (
-    COMMON_STATE_OBJECT_KEY, _build_metadata, _write_metadata, data_file_path, original_global_shape, read_metadata,
-)
+from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, data_file_path, original_global_shape
+from .strategies.torch_dist.metadata import build_metadata, read_metadata, write_metadata
 from .tools import Progress, _move_into_place, _refuse_existing, staging_dir
-from .whole_tensors import TensorReader, malformed, nbytes, range_problem
+from .whole_tensors import TensorReader, range_problem
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("mcore-0.19",)
-DATA_FNAME = "__0_0.distcp"
+DATA_FNAME = data_file_name(0, 0)
 
 
 @dataclass
@@ -103,9 +103,9 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
         names = keys + [key for key, _ in objects]
         locations = [(key, meta, DATA_FNAME, off, length, cs)
                      for key, meta, (off, length, cs) in zip(names, metas, spans)]
-        new_metadata = _build_metadata([locations], tmp)
+        new_metadata = build_metadata([locations], tmp)
         new_metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
-        _write_metadata(new_metadata, tmp)
+        write_metadata(new_metadata, tmp)
         save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
         _move_into_place(tmp, location)
     result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),

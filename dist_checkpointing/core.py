@@ -5,16 +5,32 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 CONFIG_FNAME = "metadata.json"
 _MAX_CONFIG_BYTES = 1 << 16
+# Tell whether a file name is one a strategy writes into a checkpoint directory: registered
+# by the strategy registry (``strategies/registry.py``), which knows the formats' file names.
+_checkpoint_file_checks: List[Callable[[str], bool]] = []
 
 
 class CheckpointingException(Exception):
     """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O)."""
+
+
+@contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn any error but a CheckpointingException into one naming ``what``: a damaged or
+    hostile checkpoint can make reading it fail in any way (wrong types, absurd sizes)."""
+    try:
+        yield
+    except CheckpointingException:
+        raise
+    except Exception as e:  # noqa: BLE001 - MemoryError, TypeError, OSError, ... all mean "unusable"
+        raise CheckpointingException(f"{what}: {type(e).__name__}: {e}") from e
 
 
 @dataclass
@@ -89,6 +105,12 @@ def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
         return False  # an unreadable metadata.json
 
 
+def register_checkpoint_files(is_checkpoint_file: Callable[[str], bool]) -> None:
+    """Declare the files a strategy writes (``is_checkpoint_file(name)``): a directory that
+    holds one but no ``metadata.json`` is an incomplete checkpoint (:func:`load_config`)."""
+    _checkpoint_file_checks.append(is_checkpoint_file)
+
+
 def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
     """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
@@ -98,7 +120,7 @@ def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
         raise CheckpointingException(f"Checkpoint path {checkpoint_dir} is not a directory")
     config = maybe_load_config(checkpoint_dir)
     if config is None:
-        partial = any(p.name in (".metadata", "common.pt") or p.suffix == ".distcp" for p in checkpoint_dir.iterdir())
+        partial = any(check(p.name) for p in checkpoint_dir.iterdir() for check in _checkpoint_file_checks)
         if partial:
             raise CheckpointingException(
                 f"{checkpoint_dir} is an incomplete checkpoint: it has data files but no "

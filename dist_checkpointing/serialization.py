@@ -46,7 +46,7 @@ from .mapping import (
 from .strategies.async_utils import AsyncRequest
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
-from .strategies.torch import METADATA_FNAME
+from .strategies.torch_dist.format import METADATA_FNAME
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -324,15 +324,15 @@ def save(
         if write_common is not None:
             request.add_async_step(write_common)
         request.add_finalize_fn(commit)
-        phases.nbytes = getattr(sharded_strategy_, "last_written_bytes", None) or phases.nbytes
+        phases.nbytes = sharded_strategy_.last_written_bytes or phases.nbytes
         phases.end("snapshot")
         phases.log("Started async save of", checkpoint_dir)
         return request
     run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
     # The strategy knows what this rank wrote (a fully parallel save moves main replicas).
-    written = getattr(sharded_strategy_, "last_written_bytes", None)
+    written = sharded_strategy_.last_written_bytes
     phases.nbytes = written if written is not None else phases.nbytes
-    phases.end("write", getattr(sharded_strategy_, "last_timings", None))
+    phases.end("write", sharded_strategy_.last_timings)
     run_agreed(commit, "Committing the checkpoint")
     phases.end("finalize")
     phases.log("Saved", checkpoint_dir)
@@ -347,11 +347,6 @@ def _load_common(config: CheckpointingConfig, checkpoint_dir: Path,
                  sharded_strategy: LoadShardedStrategy) -> StateDict:
     if config.common_backend is None:
         # Megatron-Core >= 0.19: the common state is the ShardedObject `common_state`.
-        if not hasattr(sharded_strategy, "load_common"):
-            raise CheckpointingException(
-                f"{checkpoint_dir} keeps its common state in the sharded backend, which "
-                f"{type(sharded_strategy).__name__} cannot read"
-            )
         return sharded_strategy.load_common(checkpoint_dir)
     if common_strategy is None:
         common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
@@ -432,7 +427,7 @@ def load(
             sharded, _ = extract_matching_values(sharded, lambda sh: sh.key not in unexpected)
     phases.end("plan")
     loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
-    phases.end("read", getattr(sharded_strategy_, "last_timings", None))
+    phases.end("read", sharded_strategy_.last_timings)
 
     def finish():
         request = sharded_state_dict
@@ -483,9 +478,7 @@ def load_plain_tensors(checkpoint_dir: CkptDir) -> StateDict:
     config = load_config(checkpoint_dir)
     strategy = _sharded_load_strategy(config, None)
     request = strategy.load_tensors_metadata(checkpoint_dir)
-    if hasattr(strategy, "load_local"):
-        return strategy.load_local(request, checkpoint_dir)
-    return strategy.load(request, checkpoint_dir)
+    return strategy.load_local(request, checkpoint_dir)
 
 
 def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,

@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from .core import CheckpointingException, fsync_dir, load_config
+from .bytes_view import nbytes
+from .core import CheckpointingException, fsync_dir, load_config, malformed
 from .dict_utils import dict_list_map_outplace, nested_values
 from .manifest import MANIFEST_FNAME, manifest_problems
 from .mapping import ShardedObject, ShardedTensor
@@ -34,8 +35,9 @@ from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, 
 from .serialization import get_default_load_sharded_strategy, load_common_state_dict, load_tensors_metadata, save
 from .strategies.base import StrategyAction, get_default_strategy
 from .strategies.common import TorchCommonLoadStrategy
-from .strategies.torch import TorchDistLoadShardedStrategy, original_global_shape, read_metadata
-from .whole_tensors import TensorReader, malformed, nbytes, range_problem
+from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from .strategies.torch_dist.metadata import read_metadata
+from .whole_tensors import TensorReader, range_problem
 
 logger = logging.getLogger(__name__)
 
@@ -113,27 +115,9 @@ def _inspect(checkpoint_dir: Path) -> CheckpointInfo:
     info = CheckpointInfo(str(checkpoint_dir), config.sharded_backend, config.sharded_backend_version,
                           config.common_backend, common_keys, common_error)
     info.files = {p.name: p.stat().st_size for p in sorted(checkpoint_dir.iterdir()) if p.is_file()}
-    if config.sharded_backend != "torch_dist":
-        for key, sh in sorted(load_tensors_metadata(checkpoint_dir).items()):
-            info.tensors.append(TensorInfo(key, tuple(sh.global_shape), str(sh.dtype), 0,
-                                           nbytes(tuple(sh.global_shape), sh.dtype), False))
-        return info
-    metadata = read_metadata(checkpoint_dir)
-    where = checkpoint_dir / ".metadata"
-    stored: Dict[str, int] = {}
-    with malformed(f"{where} is malformed"):
-        for index, storage in metadata.storage_data.items():
-            stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
-        entries = sorted(metadata.state_dict_metadata.items())
-    for key, md in entries:
-        with malformed(f"{where}: the entry of {key!r} is malformed"):
-            if hasattr(md, "chunks"):
-                orig = original_global_shape(metadata, key)
-                shape = orig if orig is not None else tuple(md.size)
-                info.tensors.append(TensorInfo(key, tuple(shape), str(md.properties.dtype), len(md.chunks),
-                                               nbytes(tuple(shape), md.properties.dtype), orig is not None))
-            else:
-                info.objects[key] = stored.get(key, 0)
+    stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
+    info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), t.chunks, t.nbytes, t.flattened) for t in stored.tensors]
+    info.objects = stored.objects
     return info
 
 

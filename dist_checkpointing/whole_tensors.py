@@ -7,34 +7,19 @@ from __future__ import annotations
 
 import ctypes
 import math
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .core import CheckpointingException
+from .bytes_view import nbytes
+from .core import CheckpointingException, malformed
 from .serialization import load_tensors_metadata
-from .strategies.torch import TorchDistLoadShardedStrategy, data_file_path, original_global_shape, read_metadata
-
-
-def nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
-    """The bytes of a tensor of ``shape`` and ``dtype``."""
-    return math.prod(shape) * dtype.itemsize
-
-
-@contextmanager
-def malformed(what: str) -> Iterator[None]:
-    """Turn any error but a CheckpointingException into one naming ``what``: a damaged or
-    hostile checkpoint can make reading it fail in any way (wrong types, absurd sizes)."""
-    try:
-        yield
-    except CheckpointingException:
-        raise
-    except Exception as e:  # noqa: BLE001 - MemoryError, TypeError, OSError, ... all mean "unusable"
-        raise CheckpointingException(f"{what}: {type(e).__name__}: {e}") from e
+from .strategies.torch_dist.format import data_file_path, original_global_shape
+from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from .strategies.torch_dist.metadata import read_metadata
 
 
 def _return_freed_memory() -> None:

@@ -27,7 +27,7 @@ from dist_checkpointing import serialization
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.strategies import async_utils
-from dist_checkpointing.strategies import torch as torch_strategy
+from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
 from dist_checkpointing.strategies.base import SaveCommonStrategy, SaveShardedStrategy
 from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
@@ -213,17 +213,17 @@ def _writer(request: AsyncRequest) -> ForkedCall:
 @contextlib.contextmanager
 def _slow_writes(delay: float):
     """The forked writer sleeps ``delay`` s before each data file (it inherits this patch)."""
-    orig = torch_strategy.write_file
+    orig = torch_dist_save.write_file
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return orig(*args, **kwargs)
 
-    torch_strategy.write_file = slow
+    torch_dist_save.write_file = slow
     try:
         yield
     finally:
-        torch_strategy.write_file = orig
+        torch_dist_save.write_file = orig
 
 
 def _assert_all_raise(excs, world, *fragments):
@@ -920,15 +920,15 @@ _SCRIPT = textwrap.dedent("""
     import dist_checkpointing as dc
     from dist_checkpointing import ShardedTensor
     from dist_checkpointing.strategies import async_utils
-    from dist_checkpointing.strategies import torch as torch_strategy
+    from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     ckpt, mode = sys.argv[1], sys.argv[2]
     if mode != "exit":  # a writer that is still busy when the parent goes away
-        orig = torch_strategy.write_file
+        orig = torch_dist_save.write_file
         def slow(*args, **kwargs):
             time.sleep(60)
             return orig(*args, **kwargs)
-        torch_strategy.write_file = slow
+        torch_dist_save.write_file = slow
     state = {{"t": ShardedTensor.from_rank_offsets("t", torch.arange(1 << 20, dtype=torch.float32))}}
     request = dc.save(state, ckpt, async_sharded_save=True)
     queue = AsyncCallsQueue()
@@ -1199,7 +1199,7 @@ def test_forked_call_reports_before_exiting_and_is_reaped():
 
 
 def _copy_strategy():
-    return torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="copy")
+    return torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot="copy")
 
 
 def _copy_snapshot(rank, world, root):
@@ -1266,7 +1266,7 @@ def test_copy_snapshot(pool, tmp_path):
 
 def test_async_snapshot_must_be_known():
     with pytest.raises(CheckpointingException, match="async_snapshot"):
-        torch_strategy.TorchDistSaveShardedStrategy(async_snapshot="spawn")
+        torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot="spawn")
 
 
 def test_host_staging_does_not_reuse_buffers_in_flight():

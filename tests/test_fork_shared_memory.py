@@ -20,7 +20,7 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.strategies import torch as torch_strategy
+from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.memory_maps import UnisolatedMemory, byte_extent, not_isolated_by_fork
 
@@ -171,7 +171,7 @@ KINDS = {f.__name__.lstrip("_"): f for f in (
 def _writes_wait_for(gate: str):
     """A context in which the forked writer (which inherits it) waits for ``gate`` to exist
     before it writes anything, so the caller's changes made before the gate are seen by it."""
-    orig = torch_strategy.write_file
+    orig = torch_dist_save.write_file
 
     def gated(*args, **kwargs):
         deadline = time.monotonic() + 30
@@ -179,7 +179,7 @@ def _writes_wait_for(gate: str):
             time.sleep(0.002)
         return orig(*args, **kwargs)
 
-    return mock.patch.object(torch_strategy, "write_file", gated)
+    return mock.patch.object(torch_dist_save, "write_file", gated)
 
 
 def _change(t: torch.Tensor, rewrite) -> None:
@@ -199,7 +199,7 @@ def _save_change_load(rank, world, root, kind):
     expected = torch.arange(N, dtype=torch.float32) + 1000 * rank
     t, rewrite = KINDS[kind](path, expected)
     assert torch.equal(t, expected)
-    assert torch_strategy._needs_staging([t]) == [kind != "ordinary"]
+    assert torch_dist_save._needs_staging([t]) == [kind != "ordinary"]
     ckpt, gate = os.path.join(root, "ckpt"), os.path.join(root, f"gate_{rank}")
     queue = AsyncCallsQueue()
     try:

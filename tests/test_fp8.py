@@ -36,7 +36,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing.fp8 import is_float8tensor
-from dist_checkpointing.strategies import torch as torch_strategy
+from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
@@ -135,17 +135,17 @@ def _st(key: str, data: torch.Tensor, *offs, **kw) -> ShardedTensor:
 def _slow_writes(delay: float):
     """The forked async writer sleeps before each data file (it inherits this patch), so
     mutations right after ``save`` returns happen while it writes."""
-    orig = torch_strategy.write_file
+    orig = torch_dist_save.write_file
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return orig(*args, **kwargs)
 
-    torch_strategy.write_file = slow
+    torch_dist_save.write_file = slow
     try:
         yield
     finally:
-        torch_strategy.write_file = orig
+        torch_dist_save.write_file = orig
 
 
 class _RecordingLoad(TorchDistLoadShardedStrategy):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,18 +37,15 @@ class _WholeTensorSave(SaveShardedStrategy):
 
 
 class _WholeTensorLoad(LoadShardedStrategy):
+    supported_backends = ("mybackend",)
+    supported_versions = (1,)
+
     def load(self, sharded_state_dict, checkpoint_dir):
         return dict_list_map_outplace(
             lambda sh: torch.load(Path(checkpoint_dir) / f"{sh.key}.pt", weights_only=True), sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir):
         return {}
-
-    def check_backend_compatibility(self, loaded_backend):
-        pass
-
-    def check_version_compatibility(self, loaded_version):
-        pass
 
 
 def test_builtin_strategies_need_no_import_side_effects():
@@ -359,3 +357,112 @@ def test_zip_crc_switch_kept_process_wide(monkeypatch):
     seen.append(switch["on"])
     assert fa._crc_switch_per_thread is False, "a fresh thread saw the switch off: process-wide"
     assert seen == [False, True]
+
+
+_FRESH_REGISTRY = """
+from dist_checkpointing.strategies.registry import (StrategyAction, default_strategies, get_default_strategy,
+                                                    register_default_strategy)
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+assert ("torch_dist", 1) not in default_strategies["load_sharded"], "registered at import"
+first = get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
+assert type(first) is TorchDistLoadShardedStrategy
+assert get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1) is first, "created once"
+mine = TorchDistLoadShardedStrategy(thread_count=1)
+register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, mine)
+assert get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1) is mine, "a user registration wins"
+print("ok")
+"""
+
+
+def test_builtin_strategies_created_on_first_lookup_and_overridable():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRESH_REGISTRY], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_read_compatibility_is_declared_as_data():
+    from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    for strategy, backend in ((TorchDistLoadShardedStrategy(), "torch_dist"), (TorchCommonLoadStrategy(), "torch")):
+        assert strategy.supported_backends == (backend,) and strategy.supported_versions == (1,)
+        strategy.check_backend_compatibility(backend)
+        strategy.check_version_compatibility(1)
+        with pytest.raises(CheckpointingException, match=f"{type(strategy).__name__} cannot read backend 'other'"):
+            strategy.check_backend_compatibility("other")
+        with pytest.raises(CheckpointingException, match="cannot read version 2"):
+            strategy.check_version_compatibility(2)
+
+
+class _WholeTensorLoadDescribed(_WholeTensorLoad):
+    """The toy backend's loader, describing its tensors."""
+
+    supported_backends = ("describedbackend",)
+
+    def load_tensors_metadata(self, checkpoint_dir):
+        return {p.stem: ShardedTensor.from_rank_offsets(p.stem, torch.load(p, weights_only=True))
+                for p in Path(checkpoint_dir).glob("*.pt") if p.name != "common.pt"}
+
+
+def test_tools_ask_the_strategy_of_another_backend(tmp_path):
+    from dist_checkpointing.tools import inspect_checkpoint, validate_checkpoint
+
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "describedbackend", 1, _WholeTensorSave("describedbackend", 1))
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "describedbackend", 1, _WholeTensorLoadDescribed())
+    ckpt = tmp_path / "ckpt"
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3)), "step": 3}, ckpt,
+            sharded_strategy=("describedbackend", 1))
+    info = inspect_checkpoint(ckpt)
+    assert info.sharded_backend == "describedbackend" and info.common_keys == ["step"] and info.objects == {}
+    assert [(t.key, t.shape, t.dtype, t.chunks, t.nbytes, t.flattened) for t in info.tensors] == [
+        ("w", (2, 3), "torch.float32", 0, 24, False)]
+    report = validate_checkpoint(ckpt)
+    assert not report.ok and "cannot be validated by this tool" in report.problems[0]
+    with pytest.raises(CheckpointingException, match="_WholeTensorLoadDescribed cannot read backend 'torch_dist'"):
+        dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, _torch_dist_checkpoint(tmp_path / "td"),
+                sharded_strategy=_WholeTensorLoadDescribed())
+
+
+def _torch_dist_checkpoint(ckpt: Path) -> Path:
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, ckpt)
+    return ckpt
+
+
+def test_strategies_have_no_import_cycle():
+    """No module of the package imports, directly or through others, a module that
+    imports it back (imports inside functions included)."""
+    import ast
+
+    root = Path(dc.__file__).resolve().parent
+    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    state: dict = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in graph[module]:
+            assert state.get(target) != "open", f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])

@@ -1,4 +1,4 @@
-"""Save/load strategies. Built-in ones register themselves on first lookup."""
+"""Save/load strategies. The registry resolves the built-in ones on their first lookup."""
 
 from .base import (
     AsyncSaveShardedStrategy,

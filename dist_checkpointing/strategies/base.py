@@ -1,78 +1,70 @@
-"""Strategy base classes and the registry of default strategies.
+"""Strategy base classes: the members ``serialization`` uses on strategies are declared here.
 
-A strategy is selected by ``(action, backend, version)``. Built-in strategies register
-themselves lazily on the first lookup, so users never have to import anything to make
-``torch_dist`` available; user strategies are added with :func:`register_default_strategy`.
+The registry (``StrategyAction``, ``register_default_strategy``, ``get_default_strategy``,
+``default_strategies``) lives in :mod:`.registry`; its names are re-exported here, where
+Megatron-Core has them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
-from enum import Enum
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, DefaultDict, Dict, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import torch
+
+from ..bytes_view import nbytes
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
+from .registry import StrategyAction, default_strategies, get_default_strategy, register_default_strategy
+
+__all__ = [
+    "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase", "SaveCommonStrategy",
+    "SaveShardedStrategy", "SaveStrategyBase", "StoredItems", "StoredTensor", "StrategyAction", "default_strategies",
+    "get_default_strategy", "register_default_strategy",
+]
 
 
-class StrategyAction(Enum):
-    """What a strategy does."""
+@dataclass
+class StoredTensor:
+    """One global tensor as a checkpoint stores it."""
 
-    LOAD_COMMON = "load_common"
-    LOAD_SHARDED = "load_sharded"
-    SAVE_COMMON = "save_common"
-    SAVE_SHARDED = "save_sharded"
-
-
-default_strategies: DefaultDict[str, Dict[Tuple[str, int], Any]] = defaultdict(dict)
-_builtins_registered = False
-
-
-def _register_builtins() -> None:
-    global _builtins_registered
-    if _builtins_registered:
-        return
-    _builtins_registered = True
-    from .common import register_default_common_strategies
-    from .torch import register_default_torch_strategies
-
-    register_default_common_strategies()
-    register_default_torch_strategies()
+    key: str
+    shape: Tuple[int, ...]  # the original global shape (also for flattened keys)
+    dtype: torch.dtype
+    chunks: int  # stored chunks (0: the strategy does not say)
+    nbytes: int  # bytes of the global tensor's values
+    flattened: bool  # stored N-D reformulated (distributed-optimizer slices)
 
 
-def register_default_strategy(
-    action: StrategyAction, backend: str, version: int, strategy: Any
-) -> None:
-    """Make ``strategy`` the default for ``(action, backend, version)``."""
-    _register_builtins()
-    default_strategies[action.value][(backend, int(version))] = strategy
+@dataclass
+class StoredItems:
+    """What a checkpoint stores (:meth:`LoadShardedStrategy.stored_items`)."""
 
-
-def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
-    """The strategy registered for ``(action, backend, version)``."""
-    _register_builtins()
-    try:
-        return default_strategies[action.value][(backend, int(version))]
-    except (KeyError, TypeError, ValueError) as e:
-        known = sorted(default_strategies[action.value])
-        raise CheckpointingException(
-            f"No {action.value} strategy registered for backend {backend!r} version "
-            f"{version!r} (registered: {known})"
-        ) from e
+    tensors: List[StoredTensor] = field(default_factory=list)  # sorted by key
+    objects: Dict[str, int] = field(default_factory=dict)  # ShardedObject unique key -> stored bytes
 
 
 class LoadStrategyBase(ABC):
-    """Base of load strategies."""
+    """Base of load strategies. What a strategy reads is declared as data:
+    ``supported_backends`` and ``supported_versions`` (of ``metadata.json``), which the
+    compatibility checks below test (a strategy may override the checks instead)."""
 
-    @abstractmethod
+    supported_backends: Tuple[str, ...] = ()
+    supported_versions: Tuple[int, ...] = ()
+
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Raise if checkpoints of ``loaded_backend`` cannot be read."""
+        if loaded_backend not in self.supported_backends:
+            raise CheckpointingException(f"{type(self).__name__} cannot read backend {loaded_backend!r} "
+                                         f"(it reads {', '.join(map(repr, self.supported_backends)) or 'none'})")
 
-    @abstractmethod
     def check_version_compatibility(self, loaded_version: int) -> None:
         """Raise if checkpoints of ``loaded_version`` cannot be read."""
+        if loaded_version not in self.supported_versions:
+            raise CheckpointingException(f"{type(self).__name__} cannot read version {loaded_version!r} "
+                                         f"(it reads {', '.join(map(repr, self.supported_versions)) or 'none'})")
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -107,6 +99,9 @@ class LoadCommonStrategy(LoadStrategyBase):
 class LoadShardedStrategy(LoadStrategyBase):
     """Loads sharded tensors (and objects, if it can handle them)."""
 
+    #: seconds of the phases of the last :meth:`load` on this rank (``{"plan": ..., "read": ...}``), if measured
+    last_timings: Optional[Dict[str, float]] = None
+
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Load the request; return the same structure with loaded values."""
@@ -120,6 +115,27 @@ class LoadShardedStrategy(LoadStrategyBase):
         if self.can_handle_sharded_objects:
             raise NotImplementedError
         return self.load_tensors_metadata(checkpoint_dir)
+
+    def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
+        """Every stored tensor and object, from the metadata alone (for inspection tools).
+        The default describes the tensors of :meth:`load_tensors_metadata` (chunks not
+        counted) and no objects."""
+        return StoredItems([StoredTensor(key, tuple(sh.global_shape), sh.dtype, 0,
+                                         nbytes(tuple(sh.global_shape), sh.dtype), False)
+                            for key, sh in sorted(self.load_tensors_metadata(checkpoint_dir).items())])
+
+    def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Load in this process alone, with no collectives (for the offline readers). The
+        default is :meth:`load`; a strategy whose ``load`` is collective overrides this."""
+        return self.load(sharded_state_dict, checkpoint_dir)
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """The common state of checkpoints that keep it in the sharded backend (``metadata.json``
+        without a common backend: Megatron-Core >= 0.19's ShardedObject ``common_state``)."""
+        raise CheckpointingException(
+            f"{checkpoint_dir} keeps its common state in the sharded backend, which "
+            f"{type(self).__name__} cannot read"
+        )
 
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
         """Drop the tensors whose key starts with ``key_prefix`` from the checkpoint."""
@@ -151,6 +167,11 @@ def _written_already() -> None:
 
 class SaveShardedStrategy(SaveStrategyBase):
     """Saves sharded tensors (and objects, if it can handle them). Called on every rank."""
+
+    #: tensor bytes this rank wrote in the last save (or snapshotted, for an async save), if known
+    last_written_bytes: Optional[int] = None
+    #: seconds of the phases of the last :meth:`save` on this rank (``{"plan": ..., "write": ...}``), if measured
+    last_timings: Optional[Dict[str, float]] = None
 
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:

@@ -11,14 +11,23 @@ import torch
 from ..core import CheckpointingException
 from ..integrity import read_file_verified, write_file_with_checksum
 from ..mapping import StateDict
-from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
+from .base import LoadCommonStrategy, SaveCommonStrategy
+from .registry import StrategyAction, register_default_strategy
 from .safe_pickle import safe_torch_load
 
 COMMON_STATE_FNAME = "common.pt"
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """Whether ``name`` is the file this strategy writes into a checkpoint directory."""
+    return name == COMMON_STATE_FNAME
+
+
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes the common state with ``torch.save`` to ``common.pt`` (atomically)."""
+
+    def __init__(self, backend: str = "torch", version: int = 1):
+        super().__init__(backend, version)
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) -> None:
         _serialized(common_state_dict, checkpoint_dir)()
@@ -48,6 +57,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         verify_checksums: check the bytes against ``common.pt.checksum``.
     """
 
+    supported_backends = ("torch",)
+    supported_versions = (1,)
+
     def __init__(self, allow_pickle: bool = False, verify_checksums: bool = True):
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
@@ -57,16 +69,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         data = read_file_verified(path, self.verify_checksums)
         return safe_torch_load(data, f"common state {path}", self.allow_pickle)
 
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != "torch":
-            raise CheckpointingException(f"Cannot read common state of backend {loaded_backend!r}")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version != 1:
-            raise CheckpointingException(f"Cannot read common state version {loaded_version!r}")
-
 
 def register_default_common_strategies() -> None:
-    """Register the ``torch`` common strategies (done automatically on first lookup)."""
+    """Register the ``torch`` common strategies. Not needed: the registry resolves the
+    built-in strategies on their first lookup (kept for Megatron-Core compatibility)."""
     register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))

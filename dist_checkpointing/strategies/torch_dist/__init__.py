@@ -1,0 +1,41 @@
+"""The ``torch_dist`` strategy: ShardedTensors and ShardedObjects in PyTorch DCP's format.
+
+On disk (see ``docs/format.md``): every main-replica chunk is a ``torch.save`` blob in a
+``__{rank}_{n}.distcp`` file, ShardedObjects are ``torch.save([data])`` blobs under their
+unique key, and the DCP ``.metadata`` maps every key to its global shape, its chunks and
+their byte ranges. The format is the one Megatron-Core and ``torch.distributed.checkpoint``
+read and write; the machinery is this library's own. One concept per module:
+
+* :mod:`.format`: file names and fixed values;
+* :mod:`.save_plan`: the items a rank writes and their split into files;
+* :mod:`.save`: the save strategy (sync, async from host copies, async from a fork);
+* :mod:`.metadata`: building, writing and reading ``.metadata``;
+* :mod:`.load_plan`: which stored bytes fill which requested tensor (resharding, flattened keys);
+* :mod:`.reader`: the checksummed reads;
+* :mod:`.load`: the load strategy;
+* :mod:`.maintenance`: ``remove_sharded_tensors``;
+* :mod:`.dcp_interop`: bridges and planners for plain ``torch.distributed.checkpoint``.
+
+``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names.
+"""
+
+from ..registry import StrategyAction, register_default_strategy
+from .dcp_interop import MCoreLoadPlanner, MCoreSavePlanner, mcore_to_pyt_state_dict, sharded_tensor_to_torch_sharded_tensor
+from .format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_path, original_global_shape
+from .load import TorchDistLoadShardedStrategy
+from .metadata import read_metadata
+from .save import TorchDistSaveShardedStrategy
+
+
+def register_default_torch_strategies() -> None:
+    """Register the torch_dist strategies. Not needed: the registry resolves the built-in
+    strategies on their first lookup (kept for Megatron-Core compatibility)."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy())
+
+
+__all__ = [
+    "COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "MCoreLoadPlanner", "MCoreSavePlanner", "TorchDistLoadShardedStrategy",
+    "TorchDistSaveShardedStrategy", "data_file_path", "mcore_to_pyt_state_dict", "original_global_shape", "read_metadata",
+    "register_default_torch_strategies", "sharded_tensor_to_torch_sharded_tensor",
+]

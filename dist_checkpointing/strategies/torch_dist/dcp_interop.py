@@ -1,0 +1,182 @@
+"""Bridges to plain ``torch.distributed.checkpoint``, for users who drive DCP themselves with
+this library's sharded state: torch ShardedTensors from ShardedTensors, a flat DCP state
+dict, and the Megatron-Core planners ``MCoreSavePlanner`` / ``MCoreLoadPlanner``."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard
+from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchTensorProperties
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ...collectives import get_rank, get_world_size, is_distributed
+from ...core import CheckpointingException
+from ...dict_utils import nested_values
+from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from ..safe_pickle import safe_torch_load
+from .save_plan import object_payload
+
+
+def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: Optional[int] = None) -> TorchShardedTensor:
+    """Wrap this rank's chunks of one key as a ``torch.distributed`` ShardedTensor.
+
+    For driving plain ``torch.distributed.checkpoint.save/load`` with this library's
+    sharded state. Needs an initialized process group and a regular grid
+    (``axis_fragmentations``); chunks of the grid held by no local ShardedTensor are
+    attributed to another rank (DCP only uses the local shards and the global shape).
+    """
+    if not is_distributed():
+        raise CheckpointingException("sharded_tensor_to_torch_sharded_tensor needs an initialized process group")
+    if not sh_tens:
+        raise CheckpointingException("sharded_tensor_to_torch_sharded_tensor needs at least one ShardedTensor")
+    rank = get_rank() if rank is None else rank
+    first = sh_tens[0]
+    fragm = first.axis_fragmentations
+    if fragm is None:
+        raise CheckpointingException(f"ShardedTensor {first.key!r}: a torch ShardedTensor needs a regular grid")
+    chunk_sizes = []
+    for axis, (glob, fr) in enumerate(zip(first.global_shape, fragm)):
+        if axis < first.prepend_axis_num:
+            chunk_sizes.append(1)
+        elif glob % fr:
+            raise CheckpointingException(f"ShardedTensor {first.key!r}: axis {axis} of size {glob} is not split evenly")
+        else:
+            chunk_sizes.append(glob // fr)
+    local = {}
+    for sh in sh_tens:
+        if sh.flattened_range is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} is flattened: the torch ShardedTensor bridge takes whole chunks only "
+                "(save flattened state with dist_checkpointing.save)"
+            )
+        if (sh.key, sh.global_shape, sh.dtype, sh.axis_fragmentations) != (first.key, first.global_shape, first.dtype, fragm):
+            raise CheckpointingException(f"ShardedTensors {first.key!r} and {sh.key!r} do not describe one grid")
+        if sh.data is None or list(sh.global_region()[1]) != chunk_sizes:
+            raise CheckpointingException(f"ShardedTensor {sh.key!r} at {sh.global_offset} is not a chunk of its grid")
+        local[tuple(sh.global_offset)] = sh
+    device = first.data.device
+    other = (rank + 1) % get_world_size()
+    shards_md = []
+    for index in itertools.product(*(range(f) for f in fragm)):
+        offsets = [i * c for i, c in zip(index, chunk_sizes)]
+        owner = rank if tuple(offsets) in local else other
+        if owner == rank and tuple(offsets) not in local:
+            raise CheckpointingException(
+                f"ShardedTensor {first.key!r}: chunk {offsets} has no owner in a world of one rank"
+            )
+        shards_md.append(ShardMetadata(offsets, list(chunk_sizes), f"rank:{owner}/{device}"))
+    local_shards = [
+        Shard.from_tensor_and_offsets(sh.data[(None,) * sh.prepend_axis_num], list(sh.global_offset), rank)
+        for _, sh in sorted(local.items())
+    ]
+    properties = TorchTensorProperties(dtype=first.dtype, layout=torch.strided, requires_grad=False,
+                                       memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_md, torch.Size(first.global_shape), properties)
+    return TorchShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+
+
+def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = False,
+                            init_device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
+    """A flat ``{key: torch ShardedTensor | BytesIO}`` dict for plain DCP.
+
+    Use with :class:`MCoreSavePlanner` / :class:`MCoreLoadPlanner`. Saving
+    (``is_loading=False``) keeps main replicas only and serializes ShardedObjects under
+    their unique keys (the torch_dist object layout). Loading allocates missing tensors
+    on ``init_device``; DCP then fills the request's own tensors, and the load planner
+    puts each object under its unique key.
+    """
+    tensors: Dict[str, List[ShardedTensor]] = {}
+    result: Dict[str, Any] = {}
+    for sh in nested_values(state_dict):
+        if isinstance(sh, ShardedTensor):
+            if is_loading:
+                sh.init_data(init_device)
+            elif not is_main_replica(sh.replica_id):
+                continue
+            tensors.setdefault(sh.key, []).append(sh)
+        elif isinstance(sh, ShardedObject):
+            if is_loading:
+                result[sh.unique_key] = io.BytesIO()
+            elif is_main_replica(sh.replica_id):
+                result[sh.unique_key] = io.BytesIO(object_payload(sh))
+    for key, group in tensors.items():
+        result[key] = sharded_tensor_to_torch_sharded_tensor(group)
+    return result
+
+
+# ----------------------------------------------------------------------------- plain DCP planners
+
+
+class MCoreSavePlanner(DefaultSavePlanner):
+    """A DCP save planner whose metadata carries Megatron-Core's ``mcore_data``.
+
+    For users who drive ``torch.distributed.checkpoint.save`` themselves:
+    ``nd_flattened_global_shapes`` maps keys to their original global shape when they are
+    stored N-D reformulated (recorded as ``nd_reformulated_orig_global_shape``).
+    """
+
+    def __init__(self, *args: Any, nd_flattened_global_shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.nd_flattened_global_shapes = dict(nd_flattened_global_shapes or {})
+
+    def transform_object(self, write_item, object: Any):
+        """BytesIO values are already serialized (see :func:`mcore_to_pyt_state_dict`)."""
+        if isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+    def create_global_plan(self, all_plans):
+        global_plan, metadata = super().create_global_plan(all_plans)
+        metadata.mcore_data = {key: {"nd_reformulated_orig_global_shape": tuple(shape)}
+                               for key, shape in self.nd_flattened_global_shapes.items()}
+        return global_plan, metadata
+
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """A DCP load planner that checks requested global shapes against the checkpoint
+    and reads objects safely.
+
+    ``shapes_validation_sharded_tensors`` are the ShardedTensors whose global shapes must
+    match; a mismatch raises :class:`CheckpointingException` naming the key (plain DCP
+    would fail later with a less helpful error, or silently load a smaller tensor).
+    """
+
+    def __init__(self, *args: Any, shapes_validation_sharded_tensors: Tuple[ShardedTensor, ...] = (),
+                 allow_pickle: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = tuple(shapes_validation_sharded_tensors)
+        self.allow_pickle = allow_pickle
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Objects are unpickled with the safe allow-list and unwrapped from their list."""
+        fqn = read_item.dest_index.fqn
+        obj = safe_torch_load(value, f"object {fqn!r}", self.allow_pickle)
+        if isinstance(obj, list) and len(obj) == 1:
+            obj = obj[0]
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    def create_local_plan(self):
+        for sh in self.shapes_validation_sharded_tensors:
+            md = self.metadata.state_dict_metadata.get(sh.key)
+            if md is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in the checkpoint")
+            if not isinstance(md, TensorStorageMetadata) or (
+                    tuple(md.size) != sh.global_shape and not sh.allow_shape_mismatch):
+                raise CheckpointingException(
+                    f"Global shape mismatch for key {sh.key!r}: checkpoint has "
+                    f"{tuple(getattr(md, 'size', ()))}, the request expects {sh.global_shape}"
+                )
+        return super().create_local_plan()

@@ -1,0 +1,153 @@
+"""The ``torch_dist`` load strategy: reads ours, Megatron-Core's and plain DCP checkpoints,
+resharding on the fly. Planning (:mod:`.load_plan`) and reading (:mod:`.reader`) are
+agreed on across ranks; :meth:`TorchDistLoadShardedStrategy.load_local` runs them in one
+process for the offline tools."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Union
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ...collectives import run_agreed
+from ...core import CheckpointingException
+from ...dict_utils import dict_list_map_outplace, nested_values
+from ...integrity import SCOPE_RECORD, item_checksum_scope
+from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ..base import LoadShardedStrategy, StoredItems
+from ..metadata_checks import check_stored_sizes
+from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
+from .load_plan import LoadPlan, ScratchArena, plan_load
+from .maintenance import remove_sharded_tensors
+from .metadata import read_metadata, stored_items
+from .reader import Reader
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads the torch_dist format (ours, Megatron-Core's and plain DCP's) with resharding.
+
+    Args:
+        thread_count: reader threads per rank.
+        allow_pickle: opt in to unpickling objects outside the safe allow-list (runs code
+            from the checkpoint: only for checkpoints you trust).
+        verify_checksums: verify every item read against its recorded checksum
+            (checkpoints without checksums, e.g. Megatron-Core's, load unverified).
+
+    Resharding loads of flattened keys assemble through temporary buffers that the
+    strategy keeps for its next load (at most 256 MiB; :meth:`release_scratch` frees them).
+    """
+
+    supported_backends = ("torch_dist",)
+    supported_versions = (1,)
+
+    def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True):
+        self.thread_count = max(1, int(thread_count))
+        self.allow_pickle = allow_pickle
+        self.verify_checksums = verify_checksums
+        self._scratch = ScratchArena()
+
+    def release_scratch(self) -> None:
+        """Free the temporary memory kept from the last resharding load of flattened keys."""
+        self._scratch.release()
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Collective load: errors on any rank are raised on every rank."""
+        checkpoint_dir = Path(checkpoint_dir)
+        plan = run_agreed(lambda: self._plan(sharded_state_dict, checkpoint_dir), "Planning the load")
+        run_agreed(lambda: self._execute(plan, checkpoint_dir), "Reading the checkpoint")
+        return self._result(sharded_state_dict, plan)
+
+    def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Load in this process alone (no collectives): for offline tools. Tensors requested
+        without data (e.g. from :meth:`load_tensors_metadata`) are allocated only once their
+        keys' stored sizes are checked against the data files."""
+        checkpoint_dir = Path(checkpoint_dir)
+        dataless = {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor) and sh.data is None}
+        if dataless:
+            metadata = read_metadata(checkpoint_dir)
+            check_stored_sizes(metadata, checkpoint_dir,
+                               [k for k in dataless if isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)])
+        plan = self._plan(sharded_state_dict, checkpoint_dir)
+        self._execute(plan, checkpoint_dir)
+        return self._result(sharded_state_dict, plan)
+
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> LoadPlan:
+        metadata = read_metadata(checkpoint_dir)
+        self._scratch.begin()
+        return plan_load(sharded_state_dict, metadata, checkpoint_dir, self._scratch)
+
+    def _execute(self, plan: LoadPlan, checkpoint_dir: Path) -> None:
+        tensor_reads, object_reads, post_copies = plan
+        table = getattr(read_metadata(checkpoint_dir), "checksums", None) if self.verify_checksums else None
+        scope = item_checksum_scope(table, str(checkpoint_dir)) if table is not None else None
+        reader = Reader(checkpoint_dir, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
+        try:
+            tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
+            tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
+            if self.thread_count == 1 or len(tasks) <= 1:
+                for fn, arg in tasks:
+                    fn(arg)
+            else:
+                with ThreadPoolExecutor(self.thread_count) as pool:
+                    for f in [pool.submit(fn, arg) for fn, arg in tasks]:
+                        f.result()
+        finally:
+            reader.close()
+        for copy in post_copies:  # assembled flattened data into its destination
+            copy()
+        self._scratch.end()
+
+    @staticmethod
+    def _result(sharded_state_dict: ShardedStateDict, plan: LoadPlan) -> StateDict:
+        _, object_reads, _ = plan
+
+        def unwrap(sh: Any) -> Any:
+            if isinstance(sh, ShardedTensor):
+                return sh.data
+            if isinstance(sh, ShardedObject):
+                return object_reads[id(sh)].result[0]
+            return sh
+
+        return dict_list_map_outplace(unwrap, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """Whole-tensor ShardedTensors in the original global shape (flattened keys too)."""
+        metadata = read_metadata(checkpoint_dir)
+        result = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                shape = original_global_shape(metadata, key) or tuple(md.size)
+                result[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, (0,) * len(shape),
+                                            (1,) * len(shape))
+        return result
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """Tensors keyed by key; ShardedObjects keyed by unique key (data-less)."""
+        result = self.load_tensors_metadata(checkpoint_dir)
+        for key, md in read_metadata(checkpoint_dir).state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                try:
+                    result[key] = ShardedObject.empty_from_unique_key(key)
+                except CheckpointingException:
+                    continue  # a bytes item that is not a ShardedObject
+        return result
+
+    def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
+        """Every tensor and object of ``.metadata`` (chunks counted; flattened keys marked)."""
+        return stored_items(Path(checkpoint_dir))
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """The common state of checkpoints that store it as the ``common_state`` object."""
+        request = {"common": ShardedObject.empty_from_unique_key(COMMON_STATE_OBJECT_KEY)}
+        return self.load_local(request, checkpoint_dir)["common"]
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+        """Remove tensors whose key starts with ``key_prefix``; data files that hold
+        nothing else are deleted."""
+        remove_sharded_tensors(Path(checkpoint_dir), key_prefix)

@@ -1,0 +1,178 @@
+"""The DCP ``.metadata`` of a ``torch_dist`` checkpoint: built on rank 0 from every rank's
+item locations (with consistency checks and the item checksum table), written with its
+checksum sidecar, and read back (checked field by field, cached while the file is
+unchanged)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...bytes_view import nbytes
+from ...core import CheckpointingException, malformed
+from ...integrity import item_checksum_table, write_file_with_checksum
+from ...save_claim import current_save_id
+from ..base import StoredItems, StoredTensor
+from ..metadata_checks import check_dcp_metadata
+from ..safe_pickle import load_dcp_metadata
+from .format import DCP_VERSION, METADATA_FNAME, original_global_shape
+
+
+# One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
+Location = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
+
+
+def checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]]) -> Dict[str, Any]:
+    return item_checksum_table(
+        {(fname, offset): cs for entries in per_rank_checksums for fname, offset, cs in entries if cs is not None})
+
+
+def storage_meta(checkpoint_dir: Path) -> StorageMeta:
+    """DCP's record of this save: the directory and the id of the save that holds it
+    (:mod:`~dist_checkpointing.save_claim`; a fresh id when none does)."""
+    return StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=current_save_id(checkpoint_dir) or uuid.uuid4().hex)
+
+
+def build_metadata(per_rank: List[List[Location]], checkpoint_dir: Path) -> Metadata:
+    """Global DCP metadata from every rank's item locations, with consistency checks."""
+    state_dict_metadata: Dict[str, Any] = {}
+    orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
+    storage_data: Dict[MetadataIndex, _StorageInfo] = {}
+    owner: Dict[MetadataIndex, int] = {}
+    shape_owner: Dict[str, int] = {}
+    for rank, locations in enumerate(per_rank):
+        for key, tensor_meta, fname, offset, length, _ in locations:
+            if tensor_meta is None:
+                index = MetadataIndex(key)
+                if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
+                state_dict_metadata[key] = BytesStorageMetadata()
+            else:
+                global_shape, dtype, offsets, sizes, orig_shape = tensor_meta
+                index = MetadataIndex(key, torch.Size(offsets))
+                md = state_dict_metadata.get(key)
+                if md is None:
+                    md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
+                    state_dict_metadata[key] = md
+                    orig_shapes[key] = orig_shape
+                    shape_owner[key] = rank
+                elif orig_shapes.get(key) != orig_shape:
+                    raise CheckpointingException(
+                        f"ShardedTensor {key!r}: rank {shape_owner[key]} and rank {rank} save it with different "
+                        f"flattening (original global shapes {orig_shapes.get(key)} and {orig_shape})"
+                    )
+                elif not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
+                elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != dtype:
+                    raise CheckpointingException(
+                        f"ShardedTensor {key!r}: rank {shape_owner[key]} saves global shape "
+                        f"{tuple(md.size)} dtype {md.properties.dtype}, rank {rank} saves "
+                        f"{tuple(global_shape)} dtype {dtype}"
+                    )
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            if index in storage_data:
+                raise CheckpointingException(
+                    f"Item {key!r} (offset {tuple(index.offset) if index.offset is not None else None}) "
+                    f"is saved as main replica by both rank {owner[index]} and rank {rank}"
+                )
+            storage_data[index] = _StorageInfo(fname, offset, length)
+            owner[index] = rank
+    for md in state_dict_metadata.values():
+        if isinstance(md, TensorStorageMetadata):
+            md.chunks.sort(key=lambda c: tuple(c.offsets))
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        storage_data=storage_data,
+        storage_meta=storage_meta(checkpoint_dir),
+        version=DCP_VERSION,
+    )
+    # Megatron-Core's loader looks up per-key extras here: the original global shape of
+    # flattened (N-D reformulated) tensors, nothing for the others.
+    metadata.mcore_data = {
+        k: ({"nd_reformulated_orig_global_shape": orig_shapes[k]} if orig_shapes.get(k) is not None else {})
+        for k, md in state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+    }
+    metadata.checksums = checksum_table([[(loc[2], loc[3], loc[5]) for loc in locs] for locs in per_rank])
+    return metadata
+
+
+def as_plain_metadata(metadata: Metadata) -> Metadata:
+    """A plain DCP ``Metadata`` copy (drops Megatron's pickled plans, keeps ``mcore_data``)."""
+    plain = Metadata(
+        state_dict_metadata=dict(metadata.state_dict_metadata),
+        planner_data=metadata.planner_data,
+        storage_data=dict(metadata.storage_data),
+        storage_meta=metadata.storage_meta,
+        version=metadata.version,
+    )
+    plain.mcore_data = dict(getattr(metadata, "mcore_data", None) or {})
+    if getattr(metadata, "checksums", None) is not None:
+        plain.checksums = metadata.checksums
+    return plain
+
+
+def write_metadata(metadata: Metadata, checkpoint_dir: Path) -> None:
+    write_file_with_checksum(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
+
+
+_metadata_cache: Dict[str, Tuple[Tuple[int, int], Metadata]] = {}
+_metadata_cache_lock = threading.Lock()
+
+
+def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
+    """The DCP metadata of a checkpoint (cached while the file is unchanged)."""
+    path = Path(checkpoint_dir) / METADATA_FNAME
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointingException(f"Checkpoint metadata file {path} is missing") from e
+    stamp = (st.st_mtime_ns, st.st_size)
+    with _metadata_cache_lock:
+        cached = _metadata_cache.get(str(path))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    metadata = load_dcp_metadata(path)
+    check_dcp_metadata(metadata, path)
+    with _metadata_cache_lock:
+        _metadata_cache.clear()
+        _metadata_cache[str(path)] = (stamp, metadata)
+    return metadata
+
+
+def stored_items(checkpoint_dir: Path) -> StoredItems:
+    """Every tensor (chunks counted, flattened keys in their original shape) and the stored
+    bytes of every object, from ``.metadata``; a malformed entry is an error naming it."""
+    metadata = read_metadata(checkpoint_dir)
+    where = checkpoint_dir / METADATA_FNAME
+    stored: Dict[str, int] = {}
+    with malformed(f"{where} is malformed"):
+        for index, storage in metadata.storage_data.items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
+        entries = sorted(metadata.state_dict_metadata.items())
+    items = StoredItems()
+    for key, md in entries:
+        with malformed(f"{where}: the entry of {key!r} is malformed"):
+            if hasattr(md, "chunks"):
+                orig = original_global_shape(metadata, key)
+                shape = tuple(orig if orig is not None else md.size)
+                items.tensors.append(StoredTensor(key, shape, md.properties.dtype, len(md.chunks),
+                                                  nbytes(shape, md.properties.dtype), orig is not None))
+            else:
+                items.objects[key] = stored.get(key, 0)
+    return items

@@ -1,0 +1,91 @@
+"""Save planning of the ``torch_dist`` strategy: which items this rank writes (main replicas
+only; FP8 tensors as their high-precision values; flattened slices in the N-D reformulated
+layout) and how they are split into data files."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from ...core import CheckpointingException
+from ...dict_utils import nested_values
+from ...fp8 import dequantize, is_float8tensor
+from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from .format import data_file_name
+
+
+@dataclass
+class SaveItem:
+    key: str  # DCP key: ShardedTensor.key or ShardedObject.unique_key
+    payload: Union[torch.Tensor, bytes]
+    nbytes: int
+    # (global shape as stored, dtype, offsets, sizes, original global shape if reformulated)
+    tensor_meta: Optional[Tuple[Tuple[int, ...], torch.dtype, Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, ...]]]]
+
+
+def object_payload(obj: ShardedObject) -> bytes:
+    buf = io.BytesIO()
+    try:
+        torch.save([obj.data], buf)
+    except Exception as e:  # noqa: BLE001 - unpicklable user object
+        raise CheckpointingException(f"Cannot serialize ShardedObject {obj.unique_key!r}: {e}") from e
+    return buf.getvalue()
+
+
+def collect_save_items(sharded_state_dict: ShardedStateDict) -> List[SaveItem]:
+    items: List[SaveItem] = []
+    for sh in nested_values(sharded_state_dict):
+        if not is_main_replica(sh.replica_id):
+            continue
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+            sh.validate_metadata_integrity()
+            if sh.flattened_range is not None and sh.flattened_range.stop == sh.flattened_range.start:
+                continue  # an empty slice of a chunk: nothing to store
+            # FP8 tensors (Transformer Engine) are stored as their high-precision values.
+            local = dequantize(sh.data) if is_float8tensor(sh.data) else sh.data
+            if sh.flattened_range is not None:
+                # Megatron-Core 0.15 layout: the slice is a range of the last axis of the
+                # N-D reformulated tensor; written by its holder, no communication.
+                shape, offsets, sizes = sh.reformulated_region()
+                data = local.reshape(sizes)
+                meta = (shape, sh.dtype, offsets, sizes, tuple(sh.global_shape))
+            else:
+                offsets, sizes = sh.global_region()
+                data = local[(None,) * sh.prepend_axis_num] if sh.prepend_axis_num else local
+                meta = (sh.global_shape, sh.dtype, offsets, sizes, None)
+            items.append(SaveItem(sh.key, data, data.numel() * data.element_size(), meta))
+        elif isinstance(sh, ShardedObject):
+            payload = object_payload(sh)
+            items.append(SaveItem(sh.unique_key, payload, len(payload), None))
+        else:
+            raise CheckpointingException(f"Unexpected sharded item {type(sh).__name__} for key {sh.key!r}")
+    return items
+
+
+def assign_files(items: List[SaveItem], rank: int, thread_count: int,
+                  separation_hint: Optional[str]) -> Dict[str, List[SaveItem]]:
+    """Split items into at most ``thread_count`` files per group, balancing bytes."""
+    groups: Dict[str, List[SaveItem]] = {}
+    for item in items:
+        prefix = ""
+        if separation_hint and item.key.startswith(separation_hint):
+            prefix = separation_hint.replace("/", "_")
+        groups.setdefault(prefix, []).append(item)
+    files: Dict[str, List[SaveItem]] = {}
+    for prefix, group in groups.items():
+        buckets: List[List[SaveItem]] = [[] for _ in range(max(1, thread_count))]
+        loads = [0] * len(buckets)
+        for item in sorted(group, key=lambda it: -it.nbytes):
+            i = loads.index(min(loads))
+            buckets[i].append(item)
+            loads[i] += item.nbytes
+        order = {id(it): n for n, it in enumerate(group)}
+        non_empty = [sorted(b, key=lambda it: order[id(it)]) for b in buckets if b]
+        for n, bucket in enumerate(non_empty):
+            files[data_file_name(rank, n, prefix)] = bucket
+    return files
