@@ -233,13 +233,13 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.base_strategy.save(parallelized, checkpoint_dir)
         #: seconds of the last save's phases (logged by ``save``)
         self.last_timings = {"plan": planned - start, "write": time.perf_counter() - planned}
-        self.last_written_bytes = getattr(self.base_strategy, "last_written_bytes", None)
+        self.last_written_bytes = self.base_strategy.last_written_bytes
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously")
         request = self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
-        self.last_written_bytes = getattr(self.base_strategy, "last_written_bytes", None)
+        self.last_written_bytes = self.base_strategy.last_written_bytes
         return request
 
 
@@ -325,8 +325,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         """The common state of checkpoints that keep it in the sharded backend."""
-        if not hasattr(self.base_strategy, "load_common"):
-            raise CheckpointingException(f"{type(self.base_strategy).__name__} cannot read a common state")
         return self.base_strategy.load_common(checkpoint_dir)
 
     def _compute_plan(self, summary: list) -> Optional[ShardPlan]:
