@@ -5,7 +5,9 @@ Every rank holds ``--keys`` tensors, each split over the world along its first a
 a few replicated ones and one ShardedObject piece. For each world size the script counts,
 on every rank, the calls of ``torch.distributed`` functions and the bytes they deliver to
 that rank (``tests/collective_counter.py``) during: a first ``save``, a second ``save`` of
-the same layout with a ``cached_metadata`` strategy, and a ``load``. Flat per-rank cost
+the same layout with a ``cached_metadata`` strategy, and a ``load`` — once with the default
+strategies, once with the fully parallel wrappers over the world (the save wrapper with
+``do_cache_distribution=True``). Flat per-rank cost
 means the median rank's bytes and calls do not grow with the world size; rank 0 also
 receives the item locations it writes into ``.metadata``.
 
@@ -29,7 +31,15 @@ import torch  # noqa: E402
 
 import dist_checkpointing as dc  # noqa: E402
 from dist_checkpointing import ShardedObject, ShardedTensor  # noqa: E402
-from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
+from dist_checkpointing import validation  # noqa: E402
+from dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from dist_checkpointing.strategies.torch import (  # noqa: E402
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 from tests.collective_counter import count_collectives  # noqa: E402
 from tests.dist_pool import DistPool  # noqa: E402
 
@@ -49,8 +59,13 @@ def _state(rank: int, world: int, keys: int, fill: bool = True) -> dict:
     return sd
 
 
-def _measure(rank: int, world: int, root: str, keys: int) -> dict:
+def _measure(rank: int, world: int, root: str, keys: int, wrapped: bool) -> dict:
+    validation._LAST_VALID.clear()  # the first save validates, as in a fresh process
     strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    load_strategy = TorchDistLoadShardedStrategy()
+    if wrapped:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
+        load_strategy = FullyParallelLoadStrategyWrapper(load_strategy)
     out = {}
     for phase, target in (("save", "a"), ("repeated save", "b")):
         state = _state(rank, world, keys)
@@ -59,7 +74,7 @@ def _measure(rank: int, world: int, root: str, keys: int) -> dict:
         out[phase] = (count.received, count.n_calls)
     request = _state(rank, world, keys, fill=False)
     with count_collectives() as count:
-        dc.load(request, f"{root}/b")
+        dc.load(request, f"{root}/b", sharded_strategy=load_strategy)
     out["load"] = (count.received, count.n_calls)
     return out
 
@@ -71,23 +86,28 @@ def main() -> None:
     ap.add_argument("--output", default=str(RESULTS_PATH))
     args = ap.parse_args()
     results = []
-    print(f"{'world':>5}  {'phase':<14}{'median kB':>10}{'rank 0 kB':>10}{'max kB':>8}  calls (median rank / rank 0)")
+    print(f"{'world':>5}  {'strategy':<15}{'phase':<14}{'median kB':>10}{'rank 0 kB':>10}{'max kB':>8}"
+          "  calls (median rank / rank 0)")
     for world in [int(w) for w in args.world_sizes.split(",") if w.strip()]:
         pool = DistPool(world)
         try:
-            with tempfile.TemporaryDirectory() as root:
-                per_rank = pool.run(_measure, root, args.keys, timeout=600)
+            for wrapped in (False, True):
+                with tempfile.TemporaryDirectory() as root:
+                    per_rank = pool.run(_measure, root, args.keys, wrapped, timeout=600)
+                strategy = "fully parallel" if wrapped else "default"
+                for phase in PHASES:
+                    received = [r[phase][0] for r in per_rank]
+                    calls = [r[phase][1] for r in per_rank]
+                    row = {"world": world, "strategy": strategy, "phase": phase,
+                           "median_received": statistics.median(received), "rank0_received": received[0],
+                           "max_received": max(received), "median_calls": statistics.median(calls),
+                           "rank0_calls": calls[0]}
+                    results.append(row)
+                    print(f"{world:>5}  {strategy:<15}{phase:<14}{row['median_received'] / 1e3:>10.1f}"
+                          f"{row['rank0_received'] / 1e3:>10.1f}{row['max_received'] / 1e3:>8.1f}"
+                          f"  {row['median_calls']:.0f} / {row['rank0_calls']}", flush=True)
         finally:
             pool.close()
-        for phase in PHASES:
-            received = [r[phase][0] for r in per_rank]
-            calls = [r[phase][1] for r in per_rank]
-            row = {"world": world, "phase": phase, "median_received": statistics.median(received),
-                   "rank0_received": received[0], "max_received": max(received),
-                   "median_calls": statistics.median(calls), "rank0_calls": calls[0]}
-            results.append(row)
-            print(f"{world:>5}  {phase:<14}{row['median_received'] / 1e3:>10.1f}{row['rank0_received'] / 1e3:>10.1f}"
-                  f"{row['max_received'] / 1e3:>8.1f}  {row['median_calls']:.0f} / {row['rank0_calls']}", flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"keys_per_rank": args.keys, "loadavg": os.getloadavg(), "results": results}, indent=1))
