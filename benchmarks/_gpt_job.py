@@ -189,7 +189,8 @@ def stage_names(cfg: GPTConfig, pp: int) -> Tuple[Tuple[str, int], ...]:
 
 
 def judge_loads(cfg: GPTConfig) -> Dict[int, Tuple[int, int]]:
-    """Per judging rank: ``(keys judged, estimated bytes received)`` (holders x (name + 60))."""
+    """Per judging rank: ``(keys judged, estimated bytes received)``: per holder of each judged key,
+    its name and ~120 bytes (a pickled ``_KeySummary`` in a dict of its own)."""
     per_name: Dict[str, int] = {}
     for pp in range(cfg.pp):
         for name, n in stage_names(cfg, pp):
@@ -198,5 +199,5 @@ def judge_loads(cfg: GPTConfig) -> Dict[int, Tuple[int, int]]:
     for name, n in per_name.items():
         judge = _judge_of(name, cfg.world)
         keys, est = loads.get(judge, (0, 0))
-        loads[judge] = (keys + 1, est + n * (len(name) + 60))
+        loads[judge] = (keys + 1, est + n * (len(name) + 120))
     return loads
