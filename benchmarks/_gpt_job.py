@@ -189,15 +189,23 @@ def stage_names(cfg: GPTConfig, pp: int) -> Tuple[Tuple[str, int], ...]:
 
 
 def judge_loads(cfg: GPTConfig) -> Dict[int, Tuple[int, int]]:
-    """Per judging rank: ``(keys judged, estimated bytes received)``: per holder of each judged key,
-    its name and ~120 bytes (a pickled ``_KeySummary`` in a dict of its own)."""
-    per_name: Dict[str, int] = {}
-    for pp in range(cfg.pp):
-        for name, n in stage_names(cfg, pp):
-            per_name[name] = per_name.get(name, 0) + n
+    """Per rank: ``(keys judged, estimated bytes received)`` in ``validate_sharding_integrity``:
+    as an aggregator, the name and ~40 bytes per holder in each (key, block) it combines; as a
+    judge, per block holding each key it judges, the name, ~60 bytes and ~4 bytes per holder
+    in the block (the rank lists). Holders are taken as spread evenly over a stage's blocks."""
+    block = math.isqrt(cfg.world - 1) + 1
     loads: Dict[int, Tuple[int, int]] = {}
-    for name, n in per_name.items():
-        judge = _judge_of(name, cfg.world)
-        keys, est = loads.get(judge, (0, 0))
-        loads[judge] = (keys + 1, est + n * (len(name) + 120))
+
+    def add(rank: int, keys: int, nbytes: float) -> None:
+        k, b = loads.get(rank, (0, 0))
+        loads[rank] = (k + keys, b + int(nbytes))
+
+    for pp in range(cfg.pp):
+        ranks = stage_ranks(cfg, pp)
+        blocks = sorted({r // block for r in ranks})
+        for name, n in stage_names(cfg, pp):
+            per_block = n / len(blocks)
+            add(_judge_of(name, cfg.world), 1, len(blocks) * (len(name) + 60 + 4 * per_block))
+            for b in blocks:
+                add(_judge_of(f"{name}#{b}", cfg.world), 0, per_block * (len(name) + 40))
     return loads

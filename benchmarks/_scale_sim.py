@@ -27,8 +27,8 @@ and ``TorchDistSaveShardedStrategy._plan_files`` / ``_publish`` — with ``torch
 replaced, inside ``dist_checkpointing.collectives`` only, by :class:`SimulatedNetwork`, which
 delivers what the other ranks send, computed with the library's own code on their own state:
 each holder's ``_summaries`` of the keys the simulated rank judges (``_judge_of``), pickled as
-``exchange_objects`` pickles them, and each writer's item locations (``_collect_save_items``,
-``_assign_files``; the file writes are faked: lengths = bytes + a fixed blob header, checksums
+``exchange_objects`` pickles them, and each writer's item locations (``collect_save_items``,
+``assign_files``; the file writes are faked: lengths = bytes + a fixed blob header, checksums
 a hash of file and offset), pickled as ``gather_object`` pickles them. Only the keys the rank
 judges are built on their holders, so the simulation never builds the 2.4M items of the job.
 The success path is simulated (every ``all_reduce`` returns this rank's own flags: every rank
@@ -52,6 +52,7 @@ import gc
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import statistics
@@ -62,7 +63,7 @@ import time
 import tracemalloc
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -76,10 +77,11 @@ from benchmarks._gpt_job import (  # noqa: E402
 )
 from dist_checkpointing import collectives  # noqa: E402
 from dist_checkpointing.core import CheckpointingException  # noqa: E402
-from dist_checkpointing.strategies.torch import (  # noqa: E402
-    TorchDistSaveShardedStrategy, _assign_files, _collect_save_items,
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
+from dist_checkpointing.strategies.torch_dist.save_plan import assign_files, collect_save_items  # noqa: E402
+from dist_checkpointing.validation import (  # noqa: E402
+    _aggregator_of, _judge_of, _summaries, _to_aggregators, _to_judges, validate_sharding_integrity,
 )
-from dist_checkpointing.validation import _judge_of, _summaries, validate_sharding_integrity  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_scale_sim.json"
 VARIANTS = ("non-flat", "distopt")
@@ -98,20 +100,51 @@ def config_for(variant: str, **overrides: Any) -> GPTConfig:
 # ----------------------------------------------------------------------------- what the other ranks send
 
 
-def validation_inbox(cfg: GPTConfig, rank: int) -> List[bytes]:
-    """What each rank sends ``rank`` in ``validate_sharding_integrity``'s exchange: the pickled
-    ``_summaries`` of its items of the keys ``rank`` judges (``{}`` from ranks holding none)."""
-    empty = pickle.dumps({})
-    inbox = [empty] * cfg.world
+def _block(cfg: GPTConfig) -> int:
+    """Ranks per aggregation block of ``validate_sharding_integrity`` (``_aggregator_of``)."""
+    return math.isqrt(cfg.world - 1) + 1
+
+
+def _sent_to(cfg: GPTConfig, sender: int, names: Set[str], dst: int) -> Optional[Dict[str, Any]]:
+    """The summaries of ``names`` that ``sender`` sends ``dst`` in the first exchange."""
+    return _to_aggregators(_summaries(rank_items(cfg, sender, only=names)), sender, cfg.world)[dst]
+
+
+def validation_inbox(cfg: GPTConfig, rank: int) -> List[List[bytes]]:
+    """What each rank sends ``rank`` in ``validate_sharding_integrity``'s two exchanges (as
+    ``exchange_objects`` pickles it; ``b""`` for nothing): the summaries ``rank`` combines
+    for the blocks it aggregates, then, from their aggregators, the combinations of the keys
+    ``rank`` judges — each built with the library's own code from the holders' own items."""
+    world, block = cfg.world, _block(cfg)
+    first, second = [b""] * world, [b""] * world
+    judged: Dict[int, Dict[int, Set[str]]] = {}  # aggregator -> sender -> names ``rank`` judges
     for pp in range(cfg.pp):
-        judged = {name for name, _ in stage_names(cfg, pp) if _judge_of(name, cfg.world) == rank}
-        if not judged:
-            continue
-        for sender in stage_ranks(cfg, pp):
-            summaries = _summaries(rank_items(cfg, sender, only=judged))
-            if summaries:
-                inbox[sender] = pickle.dumps(summaries)
-    return inbox
+        ranks = stage_ranks(cfg, pp)
+        blocks = sorted({r // block for r in ranks})
+        aggregated: Dict[int, Set[str]] = {}  # sender -> names whose aggregator for its block is ``rank``
+        for name, _ in stage_names(cfg, pp):
+            mine = _judge_of(name, world) == rank
+            for b in blocks:
+                aggregator = _aggregator_of(name, b * block, world)
+                senders = [s for s in ranks if s // block == b]
+                if aggregator == rank:
+                    for s in senders:
+                        aggregated.setdefault(s, set()).add(name)
+                if mine:
+                    for s in senders:
+                        judged.setdefault(aggregator, {}).setdefault(s, set()).add(name)
+        for sender, names in aggregated.items():
+            out = _sent_to(cfg, sender, names, rank)
+            if out:
+                first[sender] = pickle.dumps(out)
+    for aggregator, senders in judged.items():
+        received: List[Optional[Dict[str, Any]]] = [None] * world
+        for sender, names in senders.items():  # as the aggregator unpickles it
+            received[sender] = pickle.loads(pickle.dumps(_sent_to(cfg, sender, names, aggregator)))
+        out = _to_judges(received, world)[rank]
+        if out:
+            second[aggregator] = pickle.dumps(out)
+    return [first, second]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +156,7 @@ def _blob_header() -> int:
 
 
 def fake_locations(files: Dict[str, List[Any]]) -> List[Tuple]:
-    """The item locations ``_write_files`` would return for ``files`` (``_assign_files``'
+    """The item locations ``_write_files`` would return for ``files`` (``assign_files``'
     output), without writing: tensors take their bytes + a ``torch.save`` header, objects their
     payload; checksums are a 64-bit hash of file and offset."""
     locations = []
@@ -139,8 +172,8 @@ def fake_locations(files: Dict[str, List[Any]]) -> List[Tuple]:
 
 def sender_locations(cfg: GPTConfig, rank: int) -> List[Tuple]:
     """The item locations ``rank`` sends to rank 0 after writing (its main replicas)."""
-    items = _collect_save_items(rank_items(cfg, rank, main_only=True))
-    return fake_locations(_assign_files(items, rank, THREADS, None))
+    items = collect_save_items(rank_items(cfg, rank, main_only=True))
+    return fake_locations(assign_files(items, rank, THREADS, None))
 
 
 def _locations_chunk(args: Tuple[GPTConfig, int, int]) -> List[bytes]:
@@ -170,16 +203,16 @@ class _Done:
 class SimulatedNetwork:
     """``torch.distributed`` as one rank of a simulated world sees it, for the collectives of
     ``dist_checkpointing.collectives`` on the success path: ``all_to_all_single`` delivers
-    ``inbox`` (rank r's payload for this rank), ``gather`` / ``irecv`` on rank 0 deliver
+    ``inboxes`` (one per ``exchange_objects``: rank r's payload for this rank), ``gather`` / ``irecv`` on rank 0 deliver
     ``gathered``, ``all_reduce`` returns this rank's flags (every rank agrees), the first
     rank's broadcast is ``None``. Counts calls and the bytes delivered to this rank as
     ``tests/collective_counter.py`` does."""
 
     ReduceOp = dist.ReduceOp
 
-    def __init__(self, rank: int, world: int, inbox: Optional[Sequence[bytes]] = None,
+    def __init__(self, rank: int, world: int, inboxes: Optional[Sequence[Sequence[bytes]]] = None,
                  gathered: Optional[Sequence[bytes]] = None):
-        self.rank, self.world, self.inbox, self.gathered = rank, world, inbox, gathered
+        self.rank, self.world, self.inboxes, self.gathered = rank, world, list(inboxes or []), gathered
         self.received, self.calls, self.self_payload_ok = 0, {}, None
 
     def _count(self, name: str, nbytes: int) -> None:
@@ -206,13 +239,16 @@ class SimulatedNetwork:
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
                           input_split_sizes: Any = None, group: Any = None) -> None:
+        inbox = self.inboxes[0]
         if output_split_sizes is None:  # the byte counts
-            out.copy_(torch.tensor([len(p) for p in self.inbox], dtype=out.dtype))
+            out.copy_(torch.tensor([len(p) for p in inbox], dtype=out.dtype))
         else:
             start = sum(input_split_sizes[:self.rank])  # this rank's payload to itself, as the real code made it
             own = inp[start:start + input_split_sizes[self.rank]].numpy().tobytes()
-            self.self_payload_ok = own == self.inbox[self.rank]
-            out.copy_(torch.frombuffer(bytearray(b"".join(self.inbox)), dtype=torch.uint8))
+            self.self_payload_ok = (self.self_payload_ok is not False) and own == inbox[self.rank]
+            if out.numel():
+                out.copy_(torch.frombuffer(bytearray(b"".join(inbox)), dtype=torch.uint8))
+            self.inboxes.pop(0)  # the next exchange's
         self._count("all_to_all_single", out.numel() * out.element_size())
 
     def gather(self, t: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
@@ -306,9 +342,9 @@ def measure_rank(cfg: GPTConfig, rank: int, repeats: int = 5) -> Dict[str, Any]:
     return {
         "rank": rank, "coords_tp_dp_pp": coords(cfg, rank), "items": len(state),
         "keys": len(_summaries(state)), "judged_keys": len(set(judged)),
-        "senders_with_summaries": sum(len(p) > len(pickle.dumps({})) for p in inbox),
+        "senders_with_summaries": sum(bool(p) for p in inbox[0]),
         "validation_cpu_s": validation_s, "save_plan_publish_cpu_s": save_s, "cpu_s": validation_s + save_s,
-        "received_bytes": net.received, "validation_payload_bytes": sum(len(p) for p in inbox),
+        "received_bytes": net.received, "validation_payload_bytes": sum(len(p) for box in inbox for p in box),
         "extra_rss_mib": rss["extra_rss_mib"], "tracemalloc_peak_mib": traced_peak / 2 ** 20,
         "locations_sent": n_locations, "calls": net.calls, "own_payload_matches": net.self_payload_ok,
         "inputs_build_s": build_s,

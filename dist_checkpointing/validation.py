@@ -139,10 +139,19 @@ def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
     return out
 
 
+# A summary as it travels: (meta, other_meta, n_main, volume, fingerprint)
+_Wire = Tuple[Tuple, Optional[Tuple], int, int, int]
+
+
+def _wire(summary: _KeySummary) -> _Wire:
+    return summary.meta, summary.other_meta, summary.n_main, summary.volume, summary.fingerprint
+
+
 @dataclass
 class _Combined:
-    """Every rank's summary of one key, combined on the rank that judges it: the sums, and
-    the rank lists that the messages name."""
+    """Summaries of one key from several ranks, combined: the sums, and the rank lists
+    that the messages name. Combined first on an aggregating rank per block of ranks, then
+    on the rank that judges the key."""
 
     layouts: Dict[Tuple, List[int]] = field(default_factory=dict)  # layout -> ranks holding the key so
     mixed: List[Tuple[int, Tuple, Tuple]] = field(default_factory=list)  # (rank, layout, other layout)
@@ -150,21 +159,36 @@ class _Combined:
     volume: int = 0
     fingerprint: int = 0
 
-    def add(self, rank: int, summary: _KeySummary) -> None:
-        self.layouts.setdefault(summary.meta, []).append(rank)
-        if summary.other_meta is not None:
-            self.mixed.append((rank, summary.meta, summary.other_meta))
-        if summary.n_main:
+    def add(self, rank: int, wire: _Wire) -> None:
+        """Add one rank's summary."""
+        meta, other_meta, n_main, volume, fingerprint = wire
+        self.layouts.setdefault(meta, []).append(rank)
+        if other_meta is not None:
+            self.mixed.append((rank, meta, other_meta))
+        if n_main:
             self.holders.append(rank)
-        self.volume += summary.volume
-        self.fingerprint = (self.fingerprint + summary.fingerprint) % _P
+        self.volume += volume
+        self.fingerprint = (self.fingerprint + fingerprint) % _P
+
+    def merge(self, wire: Tuple) -> None:
+        """Add a combination made elsewhere (as :meth:`to_wire` sent it)."""
+        layouts, mixed, holders, volume, fingerprint = wire
+        for meta, ranks in layouts.items():
+            self.layouts.setdefault(meta, []).extend(ranks)
+        self.mixed.extend(mixed)
+        self.holders.extend(holders)
+        self.volume += volume
+        self.fingerprint = (self.fingerprint + fingerprint) % _P
+
+    def to_wire(self) -> Tuple:
+        return self.layouts, self.mixed, self.holders, self.volume, self.fingerprint
 
 
 def _verdict(name: str, combined: _Combined, allow_gaps: bool) -> Optional[str]:
     kind, key = name.split(":", 1)
     label = "ShardedTensor" if kind == "tensor" else "ShardedObject"
     if combined.mixed:
-        detail = ", ".join(f"rank {r}: {meta} and {other}" for r, meta, other in combined.mixed)
+        detail = ", ".join(f"rank {r}: {meta} and {other}" for r, meta, other in sorted(combined.mixed))
         return f"{label} {key!r}: a rank holds it in two different layouts ({detail})"
     if len(combined.layouts) > 1:
         what = "global shape/dtype" if kind == "tensor" else "grid shape"
@@ -173,7 +197,7 @@ def _verdict(name: str, combined: _Combined, allow_gaps: bool) -> Optional[str]:
         return f"{label} {key!r}: ranks disagree on the {what} ({detail})"
     grid = next(iter(combined.layouts))[0]
     total = math.prod(grid)
-    volume, holders = combined.volume, combined.holders
+    volume, holders = combined.volume, sorted(combined.holders)
     unit = "elements" if kind == "tensor" else "pieces"
     if volume == total and combined.fingerprint == region_fingerprint((0,) * len(grid), grid) % _P:
         return None
@@ -195,6 +219,40 @@ def _verdict(name: str, combined: _Combined, allow_gaps: bool) -> Optional[str]:
 def _judge_of(name: str, world: int) -> int:
     """The rank that judges a key (spreads the keys evenly, the same on every rank)."""
     return int(hashlib.blake2b(name.encode(), digest_size=8).hexdigest(), 16) % world
+
+
+def _aggregator_of(name: str, rank: int, world: int) -> int:
+    """The rank that combines a key's summaries from ``rank``'s block of about
+    sqrt(world) consecutive ranks before they go to the judge."""
+    block = math.isqrt(max(world - 1, 0)) + 1
+    return _judge_of(f"{name}#{rank // block}", world)
+
+
+def _to_aggregators(local: Dict[str, _KeySummary], rank: int, world: int) -> List[Optional[Dict[str, _Wire]]]:
+    """What ``rank`` sends each rank in the first exchange: its summaries, by aggregator."""
+    out: List[Optional[Dict[str, _Wire]]] = [None] * world
+    for name, summary in local.items():
+        aggregator = _aggregator_of(name, rank, world)
+        if out[aggregator] is None:
+            out[aggregator] = {}
+        out[aggregator][name] = _wire(summary)  # type: ignore[index]
+    return out
+
+
+def _to_judges(received: List[Optional[Dict[str, _Wire]]], world: int) -> List[Optional[Dict[str, Tuple]]]:
+    """What an aggregator sends each rank in the second exchange: the summaries it
+    received, combined per key, by judge."""
+    partial: Dict[str, _Combined] = {}
+    for source, summaries in enumerate(received):
+        for name, wire in (summaries or {}).items():
+            partial.setdefault(name, _Combined()).add(source, wire)
+    out: List[Optional[Dict[str, Tuple]]] = [None] * world
+    for name, combined in partial.items():
+        judge = _judge_of(name, world)
+        if out[judge] is None:
+            out[judge] = {}
+        out[judge][name] = combined.to_wire()  # type: ignore[index]
+    return out
 
 
 # This rank's layout digest (its summaries, rank and world size) at the last validation
@@ -219,16 +277,18 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     all ranks agree on each key's global shape and dtype. Raises
     :class:`CheckpointingException` on every rank if any key fails.
 
-    Each key is judged by one rank (hash of its name). Cost per rank, flat in the world
-    size: a 2-byte ``all_reduce`` (summarising agreed; did any rank's layout change since
-    the last validation that passed?). When one did: the ``exchange_objects`` pair of
-    ``all_to_all_single`` (8 bytes per rank of counts, then each rank receives only the
-    summaries of the keys it judges: key name + ~50 bytes per holding rank — never the
-    chunk lists), and a 1-byte ``all_reduce`` of the verdict; otherwise nothing more (a
-    repeated save of an unchanged layout). Only when some key fails, one
-    ``all_gather_object`` of the problem messages follows. ``allow_gaps`` (load requests
-    may be partial) only rejects disagreeing shapes/dtypes and more main replicas than
-    elements.
+    Each key is judged by one rank (hash of its name); its summaries reach that rank
+    combined per block of about sqrt(world) ranks by an aggregating rank (hash of the name
+    and the block), so a key held by every rank costs its judge sqrt(world) messages, not
+    world. Cost per rank, flat in the world size: a 2-byte ``all_reduce`` (summarising
+    agreed; did any rank's layout change since the last validation that passed?). When
+    one did: two ``exchange_objects`` (four ``all_to_all_single``: 8 bytes per rank of
+    counts each time, then each rank receives only the summaries it combines — key name +
+    ~35 bytes per rank — and the combinations of the keys it judges; never the chunk
+    lists), and a 1-byte ``all_reduce`` of the verdict; otherwise nothing more (a repeated
+    save of an unchanged layout). Only when some key fails, one ``all_gather_object`` of
+    the problem messages follows. ``allow_gaps`` (load requests may be partial) only
+    rejects disagreeing shapes/dtypes and more main replicas than elements.
     """
     key = _memo_key(group, allow_gaps)
 
@@ -243,13 +303,11 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
         return
     _LAST_VALID.pop(key, None)
     world = get_world_size(group)
-    outgoing: List[Dict[str, _KeySummary]] = [{} for _ in range(world)]
-    for name, summary in local.items():
-        outgoing[_judge_of(name, world)][name] = summary
+    received = exchange_objects(_to_aggregators(local, get_rank(group), world), group)
     combined: Dict[str, _Combined] = {}
-    for source, summaries in enumerate(exchange_objects([out or None for out in outgoing], group)):
-        for name, summary in (summaries or {}).items():
-            combined.setdefault(name, _Combined()).add(source, summary)
+    for partials in exchange_objects(_to_judges(received, world), group):
+        for name, wire in (partials or {}).items():
+            combined.setdefault(name, _Combined()).merge(wire)
     problems = []
     for name in sorted(combined):
         try:
