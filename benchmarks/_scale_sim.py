@@ -75,7 +75,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks._gpt_job import (  # noqa: E402
     GPTConfig, coords, judge_loads, rank_items, stage_names, stage_ranks,
 )
-from dist_checkpointing import collectives  # noqa: E402
+from dist_checkpointing import collectives, exchange_utils, shard_plans, validation  # noqa: E402
 from dist_checkpointing.core import CheckpointingException  # noqa: E402
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
 from dist_checkpointing.strategies.torch_dist.save_plan import assign_files, collect_save_items  # noqa: E402
@@ -211,8 +211,9 @@ class SimulatedNetwork:
     ReduceOp = dist.ReduceOp
 
     def __init__(self, rank: int, world: int, inboxes: Optional[Sequence[Sequence[bytes]]] = None,
-                 gathered: Optional[Sequence[bytes]] = None):
+                 gathered: Optional[Sequence[bytes]] = None, reductions: Optional[Sequence[Sequence[int]]] = None):
         self.rank, self.world, self.inboxes, self.gathered = rank, world, list(inboxes or []), gathered
+        self.reductions = list(reductions or [])  # results of the next all_reduce/reduce calls, when given
         self.received, self.calls, self.self_payload_ok = 0, {}, None
 
     def _count(self, name: str, nbytes: int) -> None:
@@ -235,7 +236,14 @@ class SimulatedNetwork:
         return "gloo"
 
     def all_reduce(self, t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        if self.reductions:
+            t.copy_(torch.tensor(self.reductions.pop(0), dtype=t.dtype))
         self._count("all_reduce", t.numel() * t.element_size())
+
+    def reduce(self, t: torch.Tensor, dst: int = 0, op: Any = None, group: Any = None) -> None:
+        if self.rank == dst and self.reductions:
+            t.copy_(torch.tensor(self.reductions.pop(0), dtype=t.dtype))
+        self._count("reduce", t.numel() * t.element_size() if self.rank == dst else 0)
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
                           input_split_sizes: Any = None, group: Any = None) -> None:
@@ -276,12 +284,13 @@ class SimulatedNetwork:
 
 @contextlib.contextmanager
 def simulated(net: SimulatedNetwork) -> Iterator[SimulatedNetwork]:
-    """Route ``dist_checkpointing.collectives`` through ``net`` within the block."""
-    real, collectives.dist = collectives.dist, net
+    """Route ``dist_checkpointing.collectives`` (and ``shard_plans``) through ``net`` within the block."""
+    real = collectives.dist
+    collectives.dist = shard_plans.dist = exchange_utils.dist = net
     try:
         yield net
     finally:
-        collectives.dist = real
+        collectives.dist = shard_plans.dist = exchange_utils.dist = real
 
 
 # ----------------------------------------------------------------------------- measurements (child processes)
@@ -320,6 +329,7 @@ def measure_rank(cfg: GPTConfig, rank: int, repeats: int = 5) -> Dict[str, Any]:
 
     def run() -> Tuple[float, float, SimulatedNetwork, int]:
         net = SimulatedNetwork(rank, cfg.world, inbox)
+        validation._LAST_VALID.clear()  # a first save's validation (a repeated one skips the exchanges)
         with simulated(net):
             c0 = time.process_time()
             validate_sharding_integrity(state)

@@ -139,26 +139,14 @@ def _plan_by_judges(summary: Summary, group: Optional[Any], size: int) -> ShardP
     several ranks) -> judges -> holders. Every step runs on every rank even after an error
     (so none waits); the first error is raised at the end."""
     me = get_rank(group)
-    outgoing: List[Optional[Summary]] = [None] * size
-    for entry in summary:
-        judge = _judge_of(entry[0], size)
-        if outgoing[judge] is None:
-            outgoing[judge] = []
-        outgoing[judge].append(entry)
-    judged = exchange_objects(outgoing, group)
+    judged = exchange_objects(_to_judges(summary, size), group)
     errors: List[BaseException] = []
     holders: Dict[ShardId, List[int]] = {}
     with_main: Set[ShardId] = set()
     multi: List[_Multi] = []
-    forced = [0] * (2 * size)  # bytes of the shards with one holder: main replica in / outside the group
+    forced = [0] * (2 * size)
     try:
-        holders, sizes, with_main = _holders(judged)
-        for sid, ranks in holders.items():
-            cross = sid not in with_main
-            if len(ranks) == 1:
-                forced[ranks[0] + size * cross] += sizes[sid]
-            else:
-                multi.append((sid, sizes[sid], None if len(ranks) == size else ranks, cross))
+        holders, with_main, multi, forced = _judge(judged, size)
     except Exception as e:  # noqa: BLE001 - raised once every step is done
         errors.append(e)
     to_balancer = exchange_objects([multi or None] + [None] * (size - 1), group)
@@ -201,6 +189,34 @@ def _plan_by_judges(summary: Summary, group: Optional[Any], size: int) -> ShardP
         raise CheckpointingException(f"Shard {_describe(sid)} was not planned: group rank {_judge_of(sid, size)}, "
                                      "which plans it, or group rank 0, which balances, failed")
     return ShardPlan(reader, in_group, infos, whole, send_to, size)
+
+
+def _to_judges(summary: Summary, size: int) -> List[Optional[Summary]]:
+    """What a rank sends each judge: the summaries of the shards it judges."""
+    outgoing: List[Optional[Summary]] = [None] * size
+    for entry in summary:
+        judge = _judge_of(entry[0], size)
+        if outgoing[judge] is None:
+            outgoing[judge] = []
+        outgoing[judge].append(entry)  # type: ignore[union-attr]
+    return outgoing
+
+
+def _judge(judged: List[Optional[Summary]], size: int) -> Tuple[Dict[ShardId, List[int]], Set[ShardId],
+                                                                 List[_Multi], List[int]]:
+    """On a judge: the holders of its shards, those with a main replica in the group, the
+    shards held by several ranks (for the balancer) and the bytes per rank of the shards
+    with one holder (main replica in the group: ``[:size]``, outside it: ``[size:]``)."""
+    holders, sizes, with_main = _holders(judged)
+    multi: List[_Multi] = []
+    forced = [0] * (2 * size)
+    for sid, ranks in holders.items():
+        cross = sid not in with_main
+        if len(ranks) == 1:
+            forced[ranks[0] + size * cross] += sizes[sid]
+        else:
+            multi.append((sid, sizes[sid], None if len(ranks) == size else ranks, cross))
+    return holders, with_main, multi, forced
 
 
 def _holders(judged: List[Optional[Summary]]) -> Tuple[Dict[ShardId, List[int]], Dict[ShardId, int], Set[ShardId]]:

@@ -62,6 +62,7 @@ def test_simulated_validation_receives_what_real_ranks_receive(name):
         assert all(_verdict(key, c, False) is None for key, c in combined.items()), name
         judged += len(combined)
         net = sim.SimulatedNetwork(rank, cfg.world, inbox)
+        validation._LAST_VALID.clear()
         with sim.simulated(net):
             validate_sharding_integrity(sim.rank_items(cfg, rank))
         assert net.self_payload_ok, f"rank {rank}: its own summaries differ from the simulated ones"
@@ -86,3 +87,27 @@ def test_simulated_rank0_metadata_matches_a_real_save(name, tmp_path):
     assert simulated.mcore_data == real.mcore_data
     files = {index: info.relative_path for index, info in real.storage_data.items()}
     assert {index: info.relative_path for index, info in simulated.storage_data.items()} == files
+
+
+def _real_plan(rank: int, world: int, cfg: sim.GPTConfig) -> int:
+    from dist_checkpointing.exchange_utils import local_tensor_summary
+    from dist_checkpointing.shard_plans import plan_shards
+
+    summary = local_tensor_summary({str(i): sh for i, sh in enumerate(sim.rank_items(cfg, rank))})
+    with count_collectives() as count:
+        plan_shards(summary)
+    return count.received
+
+
+@pytest.mark.parametrize("dp_split", ["buckets", "even"])
+def test_simulated_fully_parallel_planning_receives_what_real_ranks_receive(dp_split):
+    from benchmarks import _plan_sim
+
+    cfg = sim.GPTConfig(tp=1, pp=1, dp=4, layers=2, distributed_optimizer=True, bucket_size=4000,
+                        dp_split=dp_split, **_SMALL)
+    real = get_pool(4).run(_real_plan, cfg)
+    summaries = _plan_sim.group_summaries(cfg, tp=0, pp=0)
+    for member in range(4):
+        res = _plan_sim.measure(cfg, summaries, member, repeats=1)
+        assert res["own_payload_matches"] is not False, member
+        assert res["received_bytes"] == real[member], (member, res["received_bytes"], real[member])
