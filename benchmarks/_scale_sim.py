@@ -35,8 +35,7 @@ The success path is simulated (every ``all_reduce`` returns this rank's own flag
 agrees). Each measurement runs in a fresh child process (RSS high-water mark reset through
 ``/proc/self/clear_refs``). Measured: the simulated rank 4321 and the rank that judges the
 most bytes (CPU seconds: medians of 5; RSS and ``tracemalloc`` peaks; bytes delivered to it);
-rank 0's ``_publish`` (CPU and wall seconds, RSS peak; once as is and once, as a what-if, with
-Python's cyclic garbage collector paused); and ``read_metadata`` of the ``.metadata`` it wrote
+rank 0's ``_publish`` (CPU and wall seconds, RSS peak); and ``read_metadata`` of the ``.metadata`` it wrote
 (what every rank does first in a ``load``). Rank 0's 10 s target is judged on CPU seconds
 (this machine is shared: wall time counts other processes' load).
 
@@ -361,29 +360,16 @@ def measure_rank(cfg: GPTConfig, rank: int, repeats: int = 5) -> Dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _gc_paused(paused: bool) -> Iterator[None]:
-    """Python's cyclic garbage collector off within the block (when ``paused``)."""
-    was = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def measure_rank0(cfg: GPTConfig, payload_file: str, ckpt_dir: str, gc_paused: bool = False) -> Dict[str, Any]:
+def measure_rank0(cfg: GPTConfig, payload_file: str, ckpt_dir: str) -> Dict[str, Any]:
     """Rank 0's ``_publish``: gather every rank's item locations (read from ``payload_file``,
     as :func:`gathered_payloads` made them), build the global metadata and write ``.metadata``
-    into ``ckpt_dir``. ``gc_paused``: with the cyclic garbage collector off (a what-if)."""
+    into ``ckpt_dir`` (the library pauses the cyclic garbage collector for this itself)."""
     with open(payload_file, "rb") as f:
         gathered = pickle.load(f)
     own = sender_locations(cfg, 0)
     strategy = TorchDistSaveShardedStrategy(thread_count=THREADS)
     net = SimulatedNetwork(0, cfg.world, gathered=gathered)
-    with _rss_peak() as rss, simulated(net), _gc_paused(gc_paused):
+    with _rss_peak() as rss, simulated(net):
         c0, w0 = time.process_time(), time.perf_counter()
         strategy._publish(own, None, Path(ckpt_dir))
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
@@ -394,12 +380,12 @@ def measure_rank0(cfg: GPTConfig, payload_file: str, ckpt_dir: str, gc_paused: b
             "metadata_bytes": os.path.getsize(Path(ckpt_dir) / ".metadata")}
 
 
-def measure_read_metadata(ckpt_dir: str, gc_paused: bool = False) -> Dict[str, Any]:
+def measure_read_metadata(ckpt_dir: str) -> Dict[str, Any]:
     """What every rank does first in a ``load``: ``read_metadata`` (checksum, safe unpickling,
     checks) of the ``.metadata`` that rank 0 wrote."""
     from dist_checkpointing.strategies.torch import read_metadata
 
-    with _rss_peak() as rss, _gc_paused(gc_paused):
+    with _rss_peak() as rss:
         c0, w0 = time.process_time(), time.perf_counter()
         read_metadata(ckpt_dir)
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
@@ -467,8 +453,6 @@ def simulate(variant: str, rank: int = 4321, profile: bool = False, **overrides:
             r0 = result["rank0"] = _child("rank0", cfg, f.name, ckpt)
             r0["inputs_build_s"] = build_s
             result["read_metadata"] = _child("read_metadata", cfg, ckpt)
-            result["read_metadata_gc_paused"] = _child("read_metadata", cfg, ckpt, True)
-            result["rank0_gc_paused"] = _child("rank0", cfg, f.name, ckpt, True)
             if profile or r0["cpu_s"] > TARGETS["rank0_s"] or r0["extra_rss_mib"] > TARGETS["rank0_mib"]:
                 result["rank0_profile"] = _child("profile0", cfg, f.name, ckpt)
     finally:
@@ -496,15 +480,14 @@ def print_table(res: Dict[str, Any]) -> None:
         print(f"  {label.replace('_', ' ') + ' ' + str(r['rank']):<20}{r['items']:>6}{r['keys']:>6}"
               f"{r['judged_keys']:>7}{r['cpu_s']:>9.3f} ({r['validation_cpu_s']:.3f}+{r['save_plan_publish_cpu_s']:.3f})"
               f"{r['received_bytes'] / 1e3:>9.1f}{r['extra_rss_mib']:>9.1f}{r['tracemalloc_peak_mib']:>11.1f}")
-    r0, g0 = res["rank0"], res["rank0_gc_paused"]
+    r0 = res["rank0"]
     print(f"  rank 0 metadata: {r0['locations']} locations from {r0['writers']} writers, received "
           f"{r0['received_bytes'] / 1e6:.1f} MB, .metadata {r0['metadata_bytes'] / 1e6:.1f} MB: "
-          f"{r0['wall_s']:.2f} s wall ({r0['cpu_s']:.2f} s CPU), RSS +{r0['extra_rss_mib']:.0f} MiB; "
-          f"GC paused: {g0['wall_s']:.2f} s wall ({g0['cpu_s']:.2f} s CPU), +{g0['extra_rss_mib']:.0f} MiB "
+          f"{r0['wall_s']:.2f} s wall ({r0['cpu_s']:.2f} s CPU), RSS +{r0['extra_rss_mib']:.0f} MiB "
           f"(inputs built in {r0['inputs_build_s']:.0f} s)")
-    rm, gm = res["read_metadata"], res["read_metadata_gc_paused"]
+    rm = res["read_metadata"]
     print(f"  every rank at load, read_metadata: {rm['wall_s']:.2f} s wall ({rm['cpu_s']:.2f} s CPU), "
-          f"RSS +{rm['extra_rss_mib']:.0f} MiB; GC paused: {gm['wall_s']:.2f} s wall ({gm['cpu_s']:.2f} s CPU)")
+          f"RSS +{rm['extra_rss_mib']:.0f} MiB")
     print("  targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in res["targets_met"].items()))
     print(f"  load average (1 min) before/after: {res['loadavg_before'][0]:.1f} / {res['loadavg_after'][0]:.1f}")
     if "rank0_profile" in res:

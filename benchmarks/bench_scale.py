@@ -11,7 +11,13 @@ strategies, once with the fully parallel wrappers over the world (the save wrapp
 means the median rank's bytes and calls do not grow with the world size; rank 0 also
 receives the item locations it writes into ``.metadata``.
 
-    python benchmarks/bench_scale.py                      # --world-sizes 2,4,8,16 --keys 200
+Then it simulates one ordinary rank and rank 0 of an 8,192-rank TP8 x PP16 x DP64 GPT job
+(``_scale_sim.py``, ``_gpt_job.py``: validation, save planning, rank 0's ``.metadata``, and
+every rank's metadata read at load) and one DP group's fully parallel planning
+(``_plan_sim.py``), running the library's own code on the messages those ranks would receive.
+
+    python benchmarks/bench_scale.py                      # --world-sizes 2,4,8,16 --keys 200 (~7 min)
+    python benchmarks/bench_scale.py --no-simulation      # the real processes only (~2 min)
 """
 
 from __future__ import annotations
@@ -79,11 +85,32 @@ def _measure(rank: int, world: int, root: str, keys: int, wrapped: bool) -> dict
     return out
 
 
+def _simulate(stacked: bool) -> list:
+    """The 8,192-rank simulations: validation, save planning and rank 0's metadata
+    (``_scale_sim.py``), and fully parallel planning in one DP group (``_plan_sim.py``)."""
+    from benchmarks import _plan_sim, _scale_sim
+
+    out = []
+    for layout in (False, True) if stacked else (False,):
+        for variant in _scale_sim.VARIANTS:
+            res = _scale_sim.simulate(variant, stacked_layers=layout)
+            _scale_sim.print_table(res)
+            out.append(res)
+    for variant in _scale_sim.VARIANTS:
+        res = _plan_sim.simulate(variant)
+        _plan_sim.print_table(res)
+        out.append(res)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", default="2,4,8,16")
     ap.add_argument("--keys", type=int, default=200, help="sharded tensors per rank (default 200)")
     ap.add_argument("--output", default=str(RESULTS_PATH))
+    ap.add_argument("--no-simulation", action="store_true", help="only the real processes")
+    ap.add_argument("--stacked", action="store_true",
+                    help="simulate Megatron-Core's stacked layer layout too (about 3 more minutes)")
     args = ap.parse_args()
     results = []
     print(f"{'world':>5}  {'strategy':<15}{'phase':<14}{'median kB':>10}{'rank 0 kB':>10}{'max kB':>8}"
@@ -108,9 +135,11 @@ def main() -> None:
                           f"  {row['median_calls']:.0f} / {row['rank0_calls']}", flush=True)
         finally:
             pool.close()
+    simulations = [] if args.no_simulation else _simulate(args.stacked)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"keys_per_rank": args.keys, "loadavg": os.getloadavg(), "results": results}, indent=1))
+    out.write_text(json.dumps({"keys_per_rank": args.keys, "loadavg": os.getloadavg(), "results": results,
+                               "simulations": simulations}, indent=1, default=str))
     print(f"JSON results: {out}")
 
 
