@@ -120,6 +120,7 @@ def simulate(variant: str) -> Dict[str, Any]:
 
 
 def print_table(res: Dict[str, Any]) -> None:
+    """One variant's planning figures."""
     print(f"\nfully parallel planning, {res['variant']}: DP group of {res['group_size']} ({res['path']}); "
           f"written bytes max/mean {res['balance_max_over_mean']:.3f}; an all-gather of the summaries would "
           f"deliver {res['all_gather_bytes'] / 1e3:.0f} kB to every member")

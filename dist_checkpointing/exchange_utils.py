@@ -179,17 +179,18 @@ def local_tensor_summary(sharded_state_dict: ShardedStateDict) -> List[Tuple[Sha
     return [(sid, info, main) for sid, (info, main) in summary.items()]
 
 
-def distribution_from_summaries(
-    per_rank: List[List[Tuple[ShardId, ShardInfo, bool]]], ignore_groups: bool = False
-) -> ShardDistribution:
-    """The distribution for a group whose ranks hold the given shards (see
-    :func:`determine_main_replica_uniform_distribution`)."""
+def collect_holders(per_rank: Iterable[Optional[Iterable[Tuple[ShardId, ShardInfo, bool]]]]
+                    ) -> Tuple[Dict[ShardId, List[int]], Dict[ShardId, ShardInfo], Set[ShardId]]:
+    """From the summaries of the group ranks (``None`` for a rank with none): each shard's
+    holders (group ranks, ascending), its info, and the shards with a main replica. A shard
+    held with different shapes or dtypes raises :class:`CheckpointingException` naming it
+    and two of the ranks."""
     holders: Dict[ShardId, List[int]] = {}
     infos: Dict[ShardId, ShardInfo] = {}
     first_holder: Dict[ShardId, int] = {}
     with_main: Set[ShardId] = set()
     for rank, summary in enumerate(per_rank):
-        for sid, info, main in summary:
+        for sid, info, main in summary or ():
             known = infos.get(sid)
             if known is None:
                 infos[sid] = info
@@ -204,6 +205,15 @@ def distribution_from_summaries(
                 holders[sid].append(rank)
             if main:
                 with_main.add(sid)
+    return holders, infos, with_main
+
+
+def distribution_from_summaries(
+    per_rank: List[List[Tuple[ShardId, ShardInfo, bool]]], ignore_groups: bool = False
+) -> ShardDistribution:
+    """The distribution for a group whose ranks hold the given shards (see
+    :func:`determine_main_replica_uniform_distribution`)."""
+    holders, infos, with_main = collect_holders(per_rank)
     # Share identical holder lists (most shards are held by the same few rank sets).
     canonical: Dict[Tuple[int, ...], List[int]] = {}
     for sid, ranks in holders.items():

@@ -49,6 +49,7 @@ from .exchange_utils import (
     _global_rank,
     _Landing,
     _source_bytes,
+    collect_holders,
     comm_device,
     distribute_shards_to_ranks,
 )
@@ -207,7 +208,8 @@ def _judge(judged: List[Optional[Summary]], size: int) -> Tuple[Dict[ShardId, Li
     """On a judge: the holders of its shards, those with a main replica in the group, the
     shards held by several ranks (for the balancer) and the bytes per rank of the shards
     with one holder (main replica in the group: ``[:size]``, outside it: ``[size:]``)."""
-    holders, sizes, with_main = _holders(judged)
+    holders, infos, with_main = collect_holders(judged)
+    sizes = {sid: info.nbytes for sid, info in infos.items()}
     multi: List[_Multi] = []
     forced = [0] * (2 * size)
     for sid, ranks in holders.items():
@@ -217,29 +219,6 @@ def _judge(judged: List[Optional[Summary]], size: int) -> Tuple[Dict[ShardId, Li
         else:
             multi.append((sid, sizes[sid], None if len(ranks) == size else ranks, cross))
     return holders, with_main, multi, forced
-
-
-def _holders(judged: List[Optional[Summary]]) -> Tuple[Dict[ShardId, List[int]], Dict[ShardId, int], Set[ShardId]]:
-    """On a judge: the holders, size and main-replica presence of each shard it judges."""
-    holders: Dict[ShardId, List[int]] = {}
-    infos: Dict[ShardId, Tuple[int, ShardInfo]] = {}
-    with_main: Set[ShardId] = set()
-    for rank, entries in enumerate(judged):
-        for sid, info, main in entries or ():
-            known = infos.get(sid)
-            if known is None:
-                infos[sid] = (rank, info)
-                holders[sid] = [rank]
-            else:
-                if known[1][:2] != info[:2]:
-                    raise CheckpointingException(
-                        f"ShardedTensor {_describe(sid)} differs between ranks of the parallelization group: "
-                        f"group rank {known[0]} has shape {known[1].local_shape} dtype {known[1].dtype}, "
-                        f"group rank {rank} has shape {info.local_shape} dtype {info.dtype}")
-                holders[sid].append(rank)
-            if main:
-                with_main.add(sid)
-    return holders, {sid: info.nbytes for sid, (_, info) in infos.items()}, with_main
 
 
 def _balance(from_judges: List[Optional[List[_Multi]]], forced: List[int], size: int) -> List[Optional[Dict[ShardId, int]]]:
