@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,6 +38,7 @@ from dist_checkpointing.transport import PGTransport, recover_from_peer
 
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
+from .helpers import free_port
 
 T = timedelta(seconds=60)  # transfers that must succeed
 ERR_T = timedelta(seconds=2)  # transfers expected to fail: a refusal needs milliseconds, not a timeout
@@ -849,19 +849,13 @@ _CHILD = textwrap.dedent(r"""
 """).replace("ROOT", repr(_ROOT))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _PeerFailureLaunch:
     """The world-4 children of :func:`peer_failures`, started early (they mostly wait)."""
 
     def __init__(self, workdir):
         self.script, self.done = workdir / "child.py", workdir / "done"
         self.script.write_text(_CHILD)
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.procs = [subprocess.Popen([sys.executable, str(self.script), str(r), str(port), str(self.done)],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
