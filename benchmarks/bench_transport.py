@@ -18,7 +18,10 @@ Methods (sender / receiver):
 * ``torch_inplace`` / ``torch_alloc``: the same two calls on PyTorch's ``PGTransport``;
 * ``single_send``: the same bytes as one contiguous uint8 tensor, ``dist.send`` /
   ``dist.recv`` into a preallocated buffer: the physical reference (what the wire does
-  with the bytes alone), not a target.
+  with the bytes alone), not a target;
+* ``ours_inplace@N`` (``--sweep-mib``) / ``ours_inplace@aloneK`` (``--sweep-alone-kib``):
+  ``ours_inplace`` with ``dist_checkpointing.transport.BUCKET_BYTES`` set to N MiB, or
+  ``ALONE_BYTES`` to K KiB, on both ranks (tuning sweeps; none by default).
 
 One untimed warm-up round runs every method once and checks that rank 1 received the values
 rank 0 sent (its destinations zeroed before; in place: into its own tensors). Then
@@ -70,6 +73,7 @@ TARGET = 3.0  # torch_inplace / ours_inplace, at least
 NUM_LARGE = 8
 LARGE_FRACTIONS = (0.25, 0.20, 0.15, 0.12, 0.10, 0.08, 0.06, 0.04)  # of the bytes left after the small ones
 TIMEOUT = timedelta(minutes=5)
+DEFAULT_BUCKET, DEFAULT_ALONE = transport.BUCKET_BYTES, transport.ALONE_BYTES
 
 # ----------------------------------------------------------------------------- the state
 
@@ -119,6 +123,17 @@ def build_state(specs, fill: bool) -> Dict[str, Any]:
             t.zero_()
         model[f"layer{i // 10:03d}.param{i % 10}"] = t
     return {"model": model, "step": 1234 if fill else 0}
+
+
+def transport_sizes(method: str) -> Tuple[int, int]:
+    """``(BUCKET_BYTES, ALONE_BYTES)`` for a method: ``ours_inplace@N`` sets the bucket to
+    N MiB, ``ours_inplace@aloneK`` the alone threshold to K KiB; the defaults otherwise."""
+    at = method.partition("@")[2]
+    if not at:
+        return DEFAULT_BUCKET, DEFAULT_ALONE
+    if at.startswith("alone"):
+        return DEFAULT_BUCKET, int(at[len("alone"):]) * 1024
+    return int(at) * MiB, DEFAULT_ALONE
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -231,9 +246,10 @@ class Rank:
 
     def fns(self, method: str) -> Callable[[], None]:
         """This rank's side of ``method``."""
+        base = method.split("@")[0]
         if self.rank == 0:
-            return getattr(self, "single_send_send" if method == "single_send" else f"{method.split('_')[0]}_send")
-        return getattr(self, f"{method}_recv")
+            return getattr(self, "single_send_send" if base == "single_send" else f"{base.split('_')[0]}_send")
+        return getattr(self, f"{base}_recv")
 
     # --- the check ---------------------------------------------------------------------
     def zero_destinations(self) -> None:
@@ -255,13 +271,15 @@ class Rank:
             return ok and off == got.numel()
         ok = got["step"] == 1234 and list(got["model"]) == list(self.state["model"])
         ok = ok and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(self.tensors, got["model"].values()))
-        if method.endswith("_inplace"):  # the receiver's own memory (PyTorch's returns views of it)
+        if method.split("@")[0].endswith("_inplace"):  # the receiver's own memory (PyTorch's returns views of it)
             ok = ok and all(a.data_ptr() == b.data_ptr() for a, b in zip(got["model"].values(), self.dest_tensors))
         return ok
 
     # --- one timed call ----------------------------------------------------------------
     def run(self, method: str, check: bool) -> Dict[str, Any]:
         """One call of ``method`` between a barrier and the end of this rank's side."""
+        # on both ranks (only the sender's sizes count: they travel with its metadata)
+        transport.BUCKET_BYTES, transport.ALONE_BYTES = transport_sizes(method)
         if check:
             self.zero_destinations()
         TimedTransport.phases = {}
@@ -279,6 +297,7 @@ class Rank:
         dist.barrier()
         ok = self.verify(method) if (check and self.rank == 1) else None
         self.received = None
+        transport.BUCKET_BYTES, transport.ALONE_BYTES = DEFAULT_BUCKET, DEFAULT_ALONE
         out = {"s": elapsed, "extra_mib": mem.extra_mib, "verified": ok, "gc_s": gc_s, "gc_full": gc_full,
                "cpu_s": cpu_s}
         if "data_start" in ph:  # our receiver
@@ -306,6 +325,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     try:
         me = Rank(rank, args)
         methods = list(METHODS)
+        methods += [f"ours_inplace@{b}" for b in args.sweep_mib if b * MiB != DEFAULT_BUCKET]
+        methods += [f"ours_inplace@alone{k}" for k in args.sweep_alone_kib if k * 1024 != DEFAULT_ALONE]
         warmup = {m: gather(me.run(m, check=True)) for m in methods}
         if rank == 1:
             print("[warm-up] verified: " + ", ".join(f"{m} {warmup[m][1]['verified']}" for m in methods), flush=True)
@@ -389,7 +410,7 @@ def format_table(s: Dict[str, Any]) -> str:
         f"{s['small_tensor_bytes_total'] / MiB:.1f} MiB, {NUM_LARGE} large {min(large):.1f}-{max(large):.1f} MiB), "
         f"{s['total_bytes'] / MiB:.1f} MiB in all; {len(s['rounds'])} rounds, medians of the receiver's time "
         f"from a barrier until it has everything; GB = 1e9 bytes",
-        f"{'method':<15}{'msgs':>6}{'recv s':>8}{'min s':>7}{'max s':>7}{'GB/s':>7}{'x single':>9}"
+        f"{'method':<22}{'msgs':>6}{'recv s':>8}{'min s':>7}{'max s':>7}{'GB/s':>7}{'x single':>9}"
         f"{'send s':>8}{'+MiB r0/r1':>12}{'cpu s r0/r1':>13}{'gc ms r0/r1':>13}{'full gc':>9}  verified",
     ]
     for m, r in s["per_method"].items():
@@ -400,7 +421,7 @@ def format_table(s: Dict[str, Any]) -> str:
         cpu = "/".join(f"{x:.2f}" for x in r["cpu_median_s_per_rank"])
         gcms = "/".join(f"{x * 1e3:.0f}" for x in r["gc_median_s_per_rank"])
         full = "/".join(str(x) for x in r["calls_with_full_gc_per_rank"])
-        lines.append(f"{m:<15}{msgs:>6}{r['recv_median_s']:>8.3f}{r['recv_min_s']:>7.3f}{r['recv_max_s']:>7.3f}"
+        lines.append(f"{m:<22}{msgs:>6}{r['recv_median_s']:>8.3f}{r['recv_min_s']:>7.3f}{r['recv_max_s']:>7.3f}"
                      f"{r['GBps']:>7.2f}{ratio:>9.2f}{r['send_median_s']:>8.3f}{mem:>12}{cpu:>13}{gcms:>13}"
                      f"{full:>9}  {r['verified']}")
     for name, r in s["speedups"].items():
@@ -446,13 +467,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tensors", type=int, default=4000, help="number of tensors")
     ap.add_argument("--small-max-kib", type=float, default=256.0, help="largest small tensor, KiB")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (medians over them)")
+    ap.add_argument("--sweep-mib", default="", help="BUCKET_BYTES values to sweep, MiB (e.g. 4,8,32)")
+    ap.add_argument("--sweep-alone-kib", default="", help="ALONE_BYTES values to sweep, KiB (e.g. 32,128,512)")
     ap.add_argument("--malloc-mmap-threshold-kib", type=int, default=0,
                     help="set MALLOC_MMAP_THRESHOLD_ in the ranks (e.g. 1024): a larger allocation that no "
                          "free heap chunk can serve is mmap-ed and returned to the OS when freed, so '+MiB' "
                          "shows the buffers each call allocates (with glibc's default dynamic threshold, freed "
                          "buffers <= 32 MiB stay in the heap and are reused unseen); 0 = glibc default")
     ap.add_argument("--output", default=str(RESULTS_PATH), help="JSON results path")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.sweep_mib = [int(x) for x in args.sweep_mib.split(",") if x.strip()]
+    args.sweep_alone_kib = [int(x) for x in args.sweep_alone_kib.split(",") if x.strip()]
+    return args
 
 
 def main() -> None:
