@@ -164,13 +164,18 @@ class PeakMemory:
         self.extra_mib = max(0, peak - self._base_kib) / 1024
 
 
-def _try_reset_hwm() -> bool:
+def write_proc(path: str, value: str) -> bool:
+    """Write ``value`` to a ``/proc`` file; False where that is not permitted."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        with open(path, "w") as f:
+            f.write(value)
         return True
     except OSError:
         return False
+
+
+def _try_reset_hwm() -> bool:
+    return write_proc("/proc/self/clear_refs", "5")  # resets VmHWM to the current RSS
 
 
 def timed_collective(fn: Callable[[], None]) -> Tuple[float, float]:

@@ -64,6 +64,7 @@ from _common import (
     proc_status_kib,
     read_all_files,
     spawn_ranks,
+    write_proc,
     write_report,
 )
 
@@ -209,12 +210,7 @@ def child(method: str, ckpt: Path, out: Path, raw_buffer_mib: int) -> None:
 def drop_caches() -> bool:
     """``sync`` and drop the page cache; False where that is not permitted."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
+    return write_proc("/proc/sys/vm/drop_caches", "3")
 
 
 def run_child(method: str, ckpt: Path, out: Path, raw_buffer_mib: int = 16) -> Dict[str, object]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import hashlib
 import json
@@ -195,6 +196,9 @@ class GCTimer:
         self.seconds, self.full = 0.0, 0
 
 
+TRANSPORTS = {"ours": TimedTransport, "torch": TorchPGTransport}
+
+
 class Rank:
     """One rank's state, destinations and methods."""
 
@@ -217,25 +221,14 @@ class Rank:
         self.pg = dist.group.WORLD
 
     # --- the methods: (sender, receiver) ---------------------------------------------
-    def ours_send(self) -> None:
-        TimedTransport(self.pg, TIMEOUT, torch.device("cpu")).send_checkpoint([1], self.state)
+    def transport_send(self, impl: str) -> None:
+        """Send the state with ``impl``'s transport (``ours`` or ``torch``)."""
+        TRANSPORTS[impl](self.pg, TIMEOUT, torch.device("cpu")).send_checkpoint([1], self.state)
 
-    def ours_inplace_recv(self) -> None:
-        self.received = TimedTransport(self.pg, TIMEOUT, torch.device("cpu"),
-                                       state_dict=lambda: self.dest).recv_checkpoint(0)
-
-    def ours_alloc_recv(self) -> None:
-        self.received = TimedTransport(self.pg, TIMEOUT, torch.device("cpu")).recv_checkpoint(0)
-
-    def torch_send(self) -> None:
-        TorchPGTransport(self.pg, TIMEOUT, torch.device("cpu")).send_checkpoint([1], self.state)
-
-    def torch_inplace_recv(self) -> None:
-        self.received = TorchPGTransport(self.pg, TIMEOUT, torch.device("cpu"),
-                                         state_dict=lambda: self.dest).recv_checkpoint(0)
-
-    def torch_alloc_recv(self) -> None:
-        self.received = TorchPGTransport(self.pg, TIMEOUT, torch.device("cpu")).recv_checkpoint(0)
+    def transport_recv(self, impl: str, inplace: bool) -> None:
+        """Receive it in place (into ``dest``) or into new tensors."""
+        own = {"state_dict": lambda: self.dest} if inplace else {}
+        self.received = TRANSPORTS[impl](self.pg, TIMEOUT, torch.device("cpu"), **own).recv_checkpoint(0)
 
     def single_send_send(self) -> None:
         dist.send(self.flat, 1)
@@ -247,9 +240,12 @@ class Rank:
     def fns(self, method: str) -> Callable[[], None]:
         """This rank's side of ``method``."""
         base = method.split("@")[0]
+        if base == "single_send":
+            return self.single_send_send if self.rank == 0 else self.single_send_recv
+        impl, mode = base.split("_")
         if self.rank == 0:
-            return getattr(self, "single_send_send" if base == "single_send" else f"{base.split('_')[0]}_send")
-        return getattr(self, f"{base}_recv")
+            return functools.partial(self.transport_send, impl)
+        return functools.partial(self.transport_recv, impl, mode == "inplace")
 
     # --- the check ---------------------------------------------------------------------
     def zero_destinations(self) -> None:
