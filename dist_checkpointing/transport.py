@@ -48,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -433,7 +433,7 @@ class PGTransport:
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
 
-    def _fail_before_header(self, dsts: List[int], reason: str, error: Exception) -> None:
+    def _fail_before_header(self, dsts: List[int], reason: str, error: Exception) -> NoReturn:
         """Tell every receiver that this state cannot be sent (a header with a negative
         length, the reason in place of the metadata), so each raises at once instead of
         waiting for its timeout; then raise here."""
