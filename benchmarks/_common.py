@@ -1,21 +1,30 @@
-"""Helpers shared by the benchmark scripts (processes, scratch dirs, report lines)."""
+"""Helpers shared by the benchmark scripts: processes, scratch dirs, report lines, peak
+memory and collective timing, file helpers, and the GPT-like state of ``bench_save_load.py``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
 import socket
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dist_checkpointing import ShardedTensor
+
+NUM_LAYERS = 8  # transformer layers of the GPT-like state
 
 
 def free_port() -> int:
@@ -109,3 +118,172 @@ def run_world_sizes(name: str, args: argparse.Namespace, run_world: Callable, su
     out = write_report(args.output, started, run_args, "results", summaries)
     print(f"JSON results: {out}")  # each table was printed once, as its world size finished
 
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def proc_status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field, KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakMemory:
+    """RSS high-water mark increase during a block (Linux ``clear_refs``, else sampling)."""
+
+    def __init__(self) -> None:
+        self.extra_mib = float("nan")
+        self._use_clear_refs = _try_reset_hwm()
+        self._stop = threading.Event()
+        self._peak_kib = 0
+
+    def __enter__(self) -> "PeakMemory":
+        self._base_kib = proc_status_kib("VmRSS")
+        if self._use_clear_refs:
+            _try_reset_hwm()
+        else:
+            self._peak_kib = self._base_kib
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self._peak_kib = max(self._peak_kib, proc_status_kib("VmRSS"))
+
+    def __exit__(self, *exc) -> None:
+        if self._use_clear_refs:
+            peak = proc_status_kib("VmHWM")
+        else:
+            self._stop.set()
+            self._thread.join()
+            peak = self._peak_kib
+        self.extra_mib = max(0, peak - self._base_kib) / 1024
+
+
+def write_proc(path: str, value: str) -> bool:
+    """Write ``value`` to a ``/proc`` file; False where that is not permitted."""
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def _try_reset_hwm() -> bool:
+    return write_proc("/proc/self/clear_refs", "5")  # resets VmHWM to the current RSS
+
+
+def timed_collective(fn: Callable[[], None]) -> Tuple[float, float]:
+    """(seconds, peak extra RSS MiB) of ``fn`` between barriers, max over ranks."""
+    dist.barrier()
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+    out = torch.tensor([elapsed])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item()), mem.extra_mib
+
+
+def gather_floats(value: float) -> List[float]:
+    """``value`` of every rank."""
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64))
+    return [float(t.item()) for t in out]
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file (or directory) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_all_files(directory: Path, buf: bytearray) -> int:
+    """Read every file under ``directory`` once (to warm the page cache); bytes read."""
+    view, total = memoryview(buf), 0
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        with open(path, "rb", buffering=0) as f:
+            while (n := f.readinto(view)) > 0:
+                total += n
+    return total
+
+
+# ----------------------------------------------------------------------------- the GPT-like state
+
+
+@dataclass
+class Param:
+    """One local tensor and how it maps into the global tensor."""
+
+    key: str
+    tensor: torch.Tensor
+    tp_axis: Optional[int]  # None: replicated across TP ranks
+
+    def sharded(self, data: torch.Tensor, rank: int, world: int) -> ShardedTensor:
+        """The ShardedTensor of ``data`` (same layout as this param)."""
+        if self.tp_axis is None:
+            return ShardedTensor.from_rank_offsets(self.key, data, replica_id=rank)
+        return ShardedTensor.from_rank_offsets(self.key, data, (self.tp_axis, rank, world))
+
+
+def hidden_size_for(size_gib: float) -> int:
+    """Hidden size h (multiple of 64) so that the state is about ``size_gib`` GiB.
+
+    Bytes ~ 2 (bf16) * (2 * vocab*h + layers * 12 h^2) with vocab = 16 h: 256 h^2.
+    """
+    h = math.sqrt(size_gib * (1 << 30) / (2 * (32 + 12 * NUM_LAYERS)))
+    return max(64, int(round(h / 64)) * 64)
+
+
+def build_params(size_gib: float, rank: int, world: int, seed: int = 0) -> List[Param]:
+    """This rank's local tensors of a GPT-like model (random values)."""
+    h = hidden_size_for(size_gib)
+    vocab, ffn = 16 * h, 4 * h
+    split_gen = torch.Generator().manual_seed(seed + 1 + rank)
+    replicated_gen = torch.Generator().manual_seed(seed)  # replicas hold equal values
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def rand(shape: Tuple[int, ...], dtype: torch.dtype, replicated: bool = False) -> torch.Tensor:
+        gen = replicated_gen if replicated else split_gen
+        return torch.randn(shape, generator=gen, dtype=fp32).to(dtype)
+
+    def norm(name: str) -> List[Param]:
+        return [Param(f"{name}.{w}", rand((h,), fp32, replicated=True), None) for w in ("weight", "bias")]
+
+    params = [Param("embedding.word_embeddings.weight", rand((vocab // world, h), bf16), 0)]
+    for i in range(NUM_LAYERS):
+        p = f"decoder.layers.{i}."
+        params += [
+            *norm(p + "input_layernorm"),
+            Param(p + "self_attention.linear_qkv.weight", rand((3 * h // world, h), bf16), 0),
+            Param(p + "self_attention.linear_qkv.bias", rand((3 * h // world,), fp32), 0),
+            Param(p + "self_attention.linear_proj.weight", rand((h, h // world), bf16), 1),
+            Param(p + "self_attention.linear_proj.bias", rand((h,), fp32, replicated=True), None),
+            *norm(p + "pre_mlp_layernorm"),
+            Param(p + "mlp.linear_fc1.weight", rand((ffn // world, h), bf16), 0),
+            Param(p + "mlp.linear_fc1.bias", rand((ffn // world,), fp32), 0),
+            Param(p + "mlp.linear_fc2.weight", rand((h, ffn // world), bf16), 1),
+            Param(p + "mlp.linear_fc2.bias", rand((h,), fp32, replicated=True), None),
+        ]
+    params += [
+        *norm("decoder.final_layernorm"),
+        Param("output_layer.weight", rand((vocab // world, h), bf16), 0),
+    ]
+    return params
+
+
+def nbytes(tensors: List[torch.Tensor]) -> int:
+    """Total bytes of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors)

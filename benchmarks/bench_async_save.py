@@ -65,13 +65,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from _common import (
+    Param,
     add_scratch_and_output_flags,
+    build_params,
     clean_dir,
     closing_lines,
+    gather_floats,
+    hidden_size_for,
+    nbytes,
     run_world_sizes,
     spawn_ranks,
 )
-from bench_save_load import Param, build_params, hidden_size_for, nbytes
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
@@ -180,13 +184,6 @@ def all_ranks_true(ok: bool) -> bool:
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def gather_floats(value: float) -> List[float]:
-    """``value`` of every rank."""
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.float64))
-    return [float(t.item()) for t in out]
 
 
 def checksums(tensors: List[torch.Tensor]) -> List[int]:

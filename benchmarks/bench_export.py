@@ -54,8 +54,19 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from _common import add_scratch_and_output_flags, closing_lines, spawn_ranks, write_report
-from bench_save_load import PeakMemory, Param, _proc_status_kib, build_params, fsync_path, read_all_files
+from _common import (
+    Param,
+    PeakMemory,
+    add_scratch_and_output_flags,
+    build_params,
+    closing_lines,
+    fsync_path,
+    proc_status_kib,
+    read_all_files,
+    spawn_ranks,
+    write_proc,
+    write_report,
+)
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor, load_plain_tensors
@@ -174,7 +185,7 @@ def child(method: str, ckpt: Path, out: Path, raw_buffer_mib: int) -> None:
 
     os.fsync = timed_fsync
     gc.collect()
-    base_mib = _proc_status_kib("VmRSS") / 1024
+    base_mib = proc_status_kib("VmRSS") / 1024
     with PeakMemory() as mem:
         start = time.perf_counter()
         if method == "raw_read_write":
@@ -199,12 +210,7 @@ def child(method: str, ckpt: Path, out: Path, raw_buffer_mib: int) -> None:
 def drop_caches() -> bool:
     """``sync`` and drop the page cache; False where that is not permitted."""
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
+    return write_proc("/proc/sys/vm/drop_caches", "3")
 
 
 def run_child(method: str, ckpt: Path, out: Path, raw_buffer_mib: int = 16) -> Dict[str, object]:

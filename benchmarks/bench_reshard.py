@@ -43,10 +43,12 @@ from _common import (
     add_scratch_and_output_flags,
     clean_dir,
     closing_lines,
+    gather_floats,
+    read_all_files,
     spawn_ranks,
+    timed_collective,
     write_report,
 )
-from bench_save_load import gather_floats, read_all_files, timed_collective
 
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor

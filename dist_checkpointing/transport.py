@@ -11,7 +11,9 @@ Protocol, between the sender and each receiver (point-to-point messages of the g
 1. header (magic, version, metadata length) and the metadata — the structure and, one
    column per field, every leaf's kind, shape, dtype and size, and the sender's bucket
    sizes — pickled once for all receivers (each side plans the data messages from it:
-   the plan is not sent);
+   the plan is not sent). A sender that cannot describe its state (a leaf it cannot send,
+   e.g. an FP8 layout that is not per-tensor scaled, or an unpicklable value) sends a
+   negative length and its reason instead, so every receiver raises at once;
 2. each receiver checks the metadata against its own state (same structure, same shapes
    and dtypes) *before any tensor byte arrives* and answers ok or its error; with several
    receivers, the sender then tells every receiver to go on or to abort (so one
@@ -46,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,11 +122,22 @@ class _Columns:
             if local is None:
                 shapes(None), dtypes(None), nbytes(0), grads(False), fp8s(None), extras(value)
                 continue
-            tensors[-1] = _wire_source(local)
-            tm = _tensor_meta(local)
+            try:
+                tensors[-1] = _wire_source(local)
+                tm = _tensor_meta(local)
+            except Exception as e:  # noqa: BLE001 - e.g. an FP8 layout that is not per-tensor scaled
+                raise _LeafError(len(tensors) - 1, e) from e
             shapes(tm.shape), dtypes(tm.dtype), nbytes(tm.nbytes), grads(tm.requires_grad), fp8s(tm.fp8)
             extras(value.without_data() if kind == "sharded_tensor" else value._spec if kind == "dtensor" else None)
         return c, tensors
+
+
+class _LeafError(Exception):
+    """A leaf that cannot be described: its index in the flattened state, and why."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.index = index
 
 
 @dataclass
@@ -383,12 +396,14 @@ class PGTransport:
         dsts = list(dst_ranks)
         start = time.perf_counter()
         values, treespec = tree_flatten(state_dict)
-        columns, sources = _Columns.describe(values)
-        meta = _Meta(treespec, columns, len(dsts))
         try:
+            columns, sources = _Columns.describe(values)
+            meta = _Meta(treespec, columns, len(dsts))
             payload = _encode_meta(meta)  # once, for every receiver
+        except _LeafError as e:
+            self._fail_before_header(dsts, f"leaf {_paths(state_dict)[e.index]} cannot be sent: {e}", e)
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
-            raise CheckpointingException(f"Peer transfer: the state cannot be serialized: {e}") from e
+            self._fail_before_header(dsts, f"the state cannot be serialized: {e}", e)
 
         header = torch.tensor([_MAGIC, PROTOCOL_VERSION, len(payload)], dtype=torch.int64, device=self._device)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
@@ -417,6 +432,20 @@ class PGTransport:
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
+
+    def _fail_before_header(self, dsts: List[int], reason: str, error: Exception) -> NoReturn:
+        """Tell every receiver that this state cannot be sent (a header with a negative
+        length, the reason in place of the metadata), so each raises at once instead of
+        waiting for its timeout; then raise here."""
+        body = reason.encode()
+        header = torch.tensor([_MAGIC, PROTOCOL_VERSION, -len(body)], dtype=torch.int64, device=self._device)
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(self._device)
+        with contextlib.suppress(CheckpointingException):  # a dead receiver: the reason still raises here
+            works = [(w, d) for d in dsts
+                     for w in (self._send(header, d, _TAG_HEADER), self._send(payload, d, _TAG_META))]
+            for work, d in works:
+                self._wait([work], "sending the error", d)
+        raise CheckpointingException(f"Peer transfer: {reason}") from error
 
     def _send_data(self, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]) -> None:
         """Send every data message to every destination. Tensors travelling alone go from
@@ -484,6 +513,9 @@ class PGTransport:
             raise CheckpointingException(
                 f"Peer transfer: rank {src_rank} speaks another protocol (magic {magic:#x}, version {version}; "
                 f"expected {_MAGIC:#x}, {PROTOCOL_VERSION})")
+        if length < 0:  # the sender cannot send its state: the reason follows
+            reason = self._recv_body(src_rank, -length, _TAG_META, "receiving the sender's error")
+            raise CheckpointingException(f"Peer transfer from rank {src_rank} failed on the sender: {reason}")
         body = torch.empty(length, dtype=torch.uint8, device=self._device)
         self._recv(body, src_rank, _TAG_META, "receiving the metadata")
         meta = _decode_meta(bytes(body.cpu().numpy()))

@@ -13,12 +13,13 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, List, Tuple
+
+from .helpers import free_port
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,12 +30,6 @@ class RankError(Exception):
     def __init__(self, rank: int, exc: BaseException, tb: str):
         super().__init__(f"rank {rank}: {type(exc).__name__}: {exc}\n{tb}")
         self.rank, self.exc = rank, exc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, conn, dump_path: str) -> None:
@@ -91,7 +86,7 @@ class DistPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._dumps = []
         for rank in range(self.world_size):
             fd, path = tempfile.mkstemp(prefix=f"dist_pool_rank{rank}_", suffix=".txt")

@@ -36,6 +36,7 @@ from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrate
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 
 from .conftest import get_pool
+from .helpers import assert_all_raise, slow_writes
 
 ASYNC_THREAD = "dist_checkpointing-async"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,30 +211,6 @@ def _writer(request: AsyncRequest) -> ForkedCall:
     return writer
 
 
-@contextlib.contextmanager
-def _slow_writes(delay: float):
-    """The forked writer sleeps ``delay`` s before each data file (it inherits this patch)."""
-    orig = torch_dist_save.write_file
-
-    def slow(*args, **kwargs):
-        time.sleep(delay)
-        return orig(*args, **kwargs)
-
-    torch_dist_save.write_file = slow
-    try:
-        yield
-    finally:
-        torch_dist_save.write_file = orig
-
-
-def _assert_all_raise(excs, world, *fragments):
-    assert len(excs) == world
-    for rank, e in enumerate(excs):
-        assert isinstance(e, CheckpointingException), f"rank {rank}: {type(e).__name__}: {e}"
-        for frag in fragments:
-            assert frag in str(e), f"rank {rank}: {frag!r} not in {e}"
-
-
 def _error_of(fn, *args, **kwargs) -> str:
     """The message of the CheckpointingException that ``fn(*args, **kwargs)`` raises. For
     rank functions: unlike pytest.raises' ``Failed``, the AssertionError raised when it
@@ -350,7 +327,7 @@ def _shared_memory_mutation(rank, world, ckpt):
     t = expected.clone().share_memory_()
     queue = AsyncCallsQueue()
     try:
-        with _slow_writes(0.3):
+        with slow_writes(0.3):
             request = dc.save({"t": ShardedTensor.from_rank_offsets("t", t, (0, rank, world))}, ckpt,
                               async_sharded_save=True)
         t.fill_(-1)  # allowed as soon as save returns
@@ -712,7 +689,7 @@ def _sync_only_strategy(rank, world, ckpt):
 def test_async_save_needs_an_async_strategy(pool2, tmp_path):
     ckpt = tmp_path / "sync_only"
     excs = pool2.run_expect_error(_sync_only_strategy, str(ckpt), timeout=_ERR_TIMEOUT)
-    _assert_all_raise(excs, 2, "async")
+    assert_all_raise(excs, 2, "async")
     assert not ckpt.exists() or list(ckpt.iterdir()) == []
 
 
@@ -891,7 +868,7 @@ def _save_from_short_lived_thread(rank, world, ckpt):
         box["req"] = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
         time.sleep(0.2)  # some other work, then the helper thread ends; the write goes on
 
-    with _slow_writes(0.6):
+    with slow_writes(0.6):
         thread = threading.Thread(target=helper)
         thread.start()
         thread.join()
@@ -1219,7 +1196,7 @@ def _copy_snapshot(rank, world, root):
     dirs = [os.path.join(root, f"copy{i}") for i in range(4)]
     try:
         dc.save(_state(rank, world), os.path.join(root, "sync"))
-        with _slow_writes(0.05):
+        with slow_writes(0.05):
             sd = _state(rank, world, gen=0)
             request = dc.save(sd, dirs[0], sharded_strategy=strategy, async_sharded_save=True)
             assert _strategy_call(request)[1] == ()  # the write itself, no forked writer
@@ -1239,7 +1216,7 @@ def _copy_snapshot(rank, world, root):
             assert queue.maybe_finalize_async_calls(blocking=True) == [gen]
         # a failing write: the destination vanishes on rank 0
         bad = os.path.join(root, "gone")
-        with _slow_writes(0.2):
+        with slow_writes(0.2):
             request = dc.save(_state(rank, world), bad, sharded_strategy=strategy, async_sharded_save=True)
             queue.schedule_async_request(request)
             if rank == 0:

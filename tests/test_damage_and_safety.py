@@ -34,6 +34,7 @@ from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .conftest import get_pool
+from .helpers import assert_all_raise
 
 _ROOT = Path(__file__).resolve().parents[1]
 _TIMEOUT = 60.0  # per pool call: a hang fails the test instead of blocking the suite
@@ -130,15 +131,6 @@ def _read_tolerant(rank, world, ckpt, reader):
         return ("raised", str(e))
 
 
-def _assert_all_raise(excs, world, *fragments):
-    assert len(excs) == world
-    for rank, e in enumerate(excs):
-        assert isinstance(e, CheckpointingException), f"rank {rank}: {type(e).__name__}: {e}"
-        msg = str(e)
-        for frag in fragments:
-            assert frag in msg, f"rank {rank}: {frag!r} not in {msg!r}"
-
-
 def _dir_digest(path: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(path).iterdir())}
 
@@ -159,7 +151,7 @@ def _check_hostile(pool, world, ckpt, marker: Path, must_raise, fragment):
     for reader in READERS:
         if reader in must_raise:
             excs = pool.run_expect_error(_read, str(ckpt), reader, timeout=_TIMEOUT)
-            _assert_all_raise(excs, world, fragment)
+            assert_all_raise(excs, world, fragment)
         else:
             outcomes = pool.run(_read_tolerant, str(ckpt), reader, timeout=_TIMEOUT)
             assert len(outcomes) == world
@@ -221,7 +213,7 @@ def test_hostile_sharded_object(world, tmp_path):
     assert not marker.exists(), "save executed the payload"  # pickling only calls __reduce__
     culprit = f"evil/shard_{world - 1}_{world}"
     excs = pool.run_expect_error(_load_with_evil_object, str(ckpt), timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, culprit)
+    assert_all_raise(excs, world, culprit)
     assert not marker.exists()
     # Readers that do not need the object may work; none may run it.
     _check_hostile(pool, world, ckpt, marker, (), culprit)
@@ -270,7 +262,7 @@ def test_hostile_tensor_blob(world, tmp_path):
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     (ckpt / ".metadata.checksum").unlink(missing_ok=True)  # a consistent attacker drops it
     excs = pool.run_expect_error(_read, str(ckpt), "load", timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, "__evil.distcp", "layer.w")
+    assert_all_raise(excs, world, "__evil.distcp", "layer.w")
     assert not marker.exists()
     with pytest.raises(CheckpointingException, match="__evil.distcp"):
         dc.load_plain_tensors(ckpt)
@@ -303,11 +295,11 @@ def test_allow_pickle_is_an_explicit_opt_in(world, tmp_path):
     pool.run(_save_benign, str(ckpt), timeout=_TIMEOUT)
     # default: both the common state and the object are refused, naming the class
     excs = pool.run_expect_error(_load_benign, str(ckpt), False, False, timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, "common.pt", "Benign")
+    assert_all_raise(excs, world, "common.pt", "Benign")
     excs = pool.run_expect_error(_load_benign, str(ckpt), False, True, timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, "custom/shard_", "Benign")
+    assert_all_raise(excs, world, "custom/shard_", "Benign")
     excs = pool.run_expect_error(_load_benign, str(ckpt), True, False, timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, "common.pt", "Benign")
+    assert_all_raise(excs, world, "common.pt", "Benign")
     # explicit opt-in on both strategies: loads
     assert pool.run(_load_benign, str(ckpt), True, True, timeout=_TIMEOUT) == [True] * world
     with pytest.raises(CheckpointingException, match="allow_pickle"):
@@ -364,10 +356,10 @@ def test_damaged_checkpoints_raise_on_every_rank(world, tmp_path):
         tamper(ckpt)
         try:
             excs = pool.run_expect_error(_read, str(ckpt), "load", timeout=_TIMEOUT)
-            _assert_all_raise(excs, world, fragment)
+            assert_all_raise(excs, world, fragment)
             for reader in offline:
                 excs = pool.run_expect_error(_read, str(ckpt), reader, timeout=_TIMEOUT)
-                _assert_all_raise(excs, world, fragment)
+                assert_all_raise(excs, world, fragment)
                 with pytest.raises(CheckpointingException) as info:
                     getattr(dc, reader)(ckpt)
                 assert fragment in str(info.value), (reader, str(info.value))
@@ -497,7 +489,7 @@ def test_save_into_complete_checkpoint_refused_untouched(world, tmp_path):
     pool.run(_save_state, str(ckpt), timeout=_TIMEOUT)
     digest = _dir_digest(ckpt)
     excs = pool.run_expect_error(_save_state, str(ckpt), timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, "not empty", str(ckpt))
+    assert_all_raise(excs, world, "not empty", str(ckpt))
     assert _dir_digest(ckpt) == digest
     assert pool.run(_load_and_check, str(ckpt), timeout=_TIMEOUT) == [True] * world
     assert _dir_digest(ckpt) == digest

@@ -6,22 +6,17 @@ verifies every value; the demo prints "demo OK" and exits 0 only if all of it ma
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
+from .helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "gpt_demo.py"
 SMALL = ["--hidden", "64", "--layers", "2", "--vocab", "512"]
 TIMEOUT_S = 180  # a hang is a failure; a normal run takes seconds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: List[str]) -> subprocess.CompletedProcess:
@@ -44,7 +39,7 @@ def test_demo_spawns_four_ranks(tmp_path: Path) -> None:
 
 def test_demo_under_torchrun() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(DEMO), *SMALL]
+           "--master-port", str(free_port()), str(DEMO), *SMALL]
     _assert_ok(_run(cmd), ["save tp2dp1", "load tp2", "load tp1"])
 
 

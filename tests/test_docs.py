@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+
+from .helpers import free_port
+
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "user_guide.md"
@@ -111,12 +113,6 @@ def _run(cmd: List[str], cwd: Path, timeout: float, what: str) -> None:
         f"\n--- stderr ---\n{proc.stderr[-10000:]}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_page(page: Path, tmp_path: Path) -> None:
     blocks = [b for b in _blocks(page) if b.lang == "python" and b.torchrun is None]
     assert blocks, f"no Python examples found in {page}"
@@ -151,7 +147,7 @@ def test_user_guide_torchrun_script(block, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), name, str(shared)]
+           "--master-port", str(free_port()), name, str(shared)]
     _run(cmd, tmp_path, 240, f"{name} (docs/user_guide.md line {block.start}) under torchrun with {nproc} ranks")
 
 

@@ -29,6 +29,7 @@ from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
 
 from .conftest import FIXTURES, get_pool
+from .helpers import assert_all_raise
 from .test_resharding_random import global_values
 
 _TIMEOUT = 120.0
@@ -178,14 +179,6 @@ def _expect_save_error(rank: int, world: int, ckpt_dir: str, specs) -> None:
 
 def _expect_load_error(rank: int, world: int, ckpt_dir: str, specs) -> None:
     _load_rank(rank, world, ckpt_dir, specs, None)
-
-
-def _assert_all_raise(excs, world, *fragments) -> None:
-    assert len(excs) == world
-    for rank, e in enumerate(excs):
-        assert isinstance(e, CheckpointingException), f"rank {rank}: {type(e).__name__}: {e}"
-        for frag in fragments:
-            assert frag in str(e), f"rank {rank}: {frag!r} not in {e}"
 
 
 def _save_and_load(world: int, save_specs, load_specs, base: Path) -> None:
@@ -617,7 +610,7 @@ def test_save_rejects_flat_gaps_and_overlaps(tmp_path, world, bounds, fragment):
     specs = _lin_flat_specs(bounds, world, tp)
     ckpt = tmp_path / "ckpt"
     excs = get_pool(world).run_expect_error(_expect_save_error, str(ckpt), specs, timeout=_TIMEOUT)
-    _assert_all_raise(excs, world, LIN, fragment)
+    assert_all_raise(excs, world, LIN, fragment)
     assert not ckpt.exists() or not any(ckpt.iterdir()), "a rejected save wrote files"
 
 
@@ -630,11 +623,11 @@ def test_flat_request_against_other_global_shape(saved_ckpts):
         pieces = tp_dp_layout(other, 0, 0, 2, W, True, lambda layer, t: [0, 11, 24])
         specs = [{"name": LIN, "shape": other, "dtype": dtype, "salt": 0, "pieces": pieces}]
         excs = pool.run_expect_error(_expect_load_error, ckpt, specs, timeout=_TIMEOUT)
-        _assert_all_raise(excs, W, LIN, str(shape))
+        assert_all_raise(excs, W, LIN, str(shape))
     # the non-flat request with a wrong shape is refused just as clearly
     pieces = tp_dp_layout((4, 12), 0, 0, 2, W, False)
     specs = [{"name": LIN, "shape": (4, 12), "dtype": dtype, "salt": 0, "pieces": pieces}]
-    _assert_all_raise(pool.run_expect_error(_expect_load_error, saved_ckpts["save_flat"], specs, timeout=_TIMEOUT),
+    assert_all_raise(pool.run_expect_error(_expect_load_error, saved_ckpts["save_flat"], specs, timeout=_TIMEOUT),
                       W, LIN, str(shape))
 
 
@@ -654,7 +647,7 @@ def test_flat_load_from_checkpoint_with_a_gap(tmp_path):
     ]
     for pieces in bad:
         excs = pool.run_expect_error(_expect_load_error, ckpt, [dict(base, pieces=pieces)], timeout=_TIMEOUT)
-        _assert_all_raise(excs, W, LIN)
+        assert_all_raise(excs, W, LIN)
     good_same_grid = [[_piece(0, None, 0, r % 2, 2, (0, 10) if r < 2 else (12, 24), 0)] for r in range(W)]
     # TP4 chunks 0 and 2 hold the gap in their second row: their first row loads
     good_tp4 = [[_piece(0, None, 0, r, 4, (0, 6) if r % 2 == 0 else (0, 12), 0)] for r in range(W)]
@@ -697,7 +690,7 @@ def test_load_one_key_in_two_layouts_on_one_rank(saved_ckpts):
     if all(ok for ok, _ in replies):
         assert sum(v for _, v in replies) == 2 * world
     else:
-        _assert_all_raise([v[0] if not ok else None for ok, v in replies], world, LIN)
+        assert_all_raise([v[0] if not ok else None for ok, v in replies], world, LIN)
 
 
 # ----------------------------------------------------------------------------- empty slices

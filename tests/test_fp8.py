@@ -20,11 +20,9 @@ real gloo groups (``tests/dist_pool.py``); world-1 cases run in the test process
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
-import time
 import zlib
 from typing import Any, Dict, List, Tuple
 
@@ -36,7 +34,6 @@ import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing.fp8 import is_float8tensor
-from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
@@ -46,6 +43,7 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, To
 
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
+from .helpers import slow_writes
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ALGOS = ("broadcast", "gather_rounds", "gather_object")
@@ -129,23 +127,6 @@ def _check(kind: str, got: Any, req: torch.Tensor, exp: torch.Tensor, where: str
 
 def _st(key: str, data: torch.Tensor, *offs, **kw) -> ShardedTensor:
     return ShardedTensor.from_rank_offsets(key, data, *offs, **kw)
-
-
-@contextlib.contextmanager
-def _slow_writes(delay: float):
-    """The forked async writer sleeps before each data file (it inherits this patch), so
-    mutations right after ``save`` returns happen while it writes."""
-    orig = torch_dist_save.write_file
-
-    def slow(*args, **kwargs):
-        time.sleep(delay)
-        return orig(*args, **kwargs)
-
-    torch_dist_save.write_file = slow
-    try:
-        yield
-    finally:
-        torch_dist_save.write_file = orig
 
 
 class _RecordingLoad(TorchDistLoadShardedStrategy):
@@ -549,7 +530,7 @@ def _async_rank(rank, world, ckpt):
             sd[key] = _st(key, srcs[key], (0, tpr, world))
     queue = AsyncCallsQueue()
     try:
-        with _slow_writes(0.2):
+        with slow_writes(0.2):
             request = dc.save(sd, ckpt, async_sharded_save=True)
         assert isinstance(request, AsyncRequest)
         for key, t in srcs.items():  # allowed as soon as save returns

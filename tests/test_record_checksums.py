@@ -31,6 +31,7 @@ from dist_checkpointing.strategies.torch_blob import read_tensor_header
 from dist_checkpointing.tools import validate_checkpoint
 
 from .conftest import get_pool
+from .helpers import assert_all_raise, flip_byte
 
 N = 1024  # elements per saved chunk of "w" (two chunks)
 SAVED_WORLD = 2
@@ -79,14 +80,6 @@ def _location(ckpt: Path, fqn: str):
     return index, md.storage_data[index]
 
 
-def _flip(path: Path, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x5A]))
-
-
 def _payload_start(blob: bytes, info: zipfile.ZipInfo) -> int:
     name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
     return info.header_offset + 30 + name_len + extra_len
@@ -115,20 +108,13 @@ def _damage(ckpt: Path, region: str):
     """Flip one byte of rank 0's record in ``region``; returns (key fragment, data file)."""
     if region == "object":
         _, storage = _location(ckpt, "obj")
-        _flip(ckpt / storage.relative_path, storage.offset + storage.length // 2)
+        flip_byte(ckpt / storage.relative_path, storage.offset + storage.length // 2)
         return "obj/shard_0_", storage.relative_path
     _, storage = _location(ckpt, "w")
     path = ckpt / storage.relative_path
     blob = path.read_bytes()[storage.offset:storage.offset + storage.length]
-    _flip(path, storage.offset + _tensor_record_positions(blob)[region])
+    flip_byte(path, storage.offset + _tensor_record_positions(blob)[region])
     return "'w'", storage.relative_path
-
-
-def _check_errors(excs, *fragments) -> None:
-    for e in excs:
-        assert isinstance(e, CheckpointingException), repr(e)
-        for fragment in fragments:
-            assert fragment in str(e), (fragment, str(e))
 
 
 REGIONS = ["local_header", "data_pkl", "tensor_data", "padding_after_data", "central_directory", "end_record",
@@ -140,7 +126,7 @@ def test_flipped_byte_anywhere_in_a_record_is_detected(clean, region, tmp_path):
     ckpt = _copy(clean, tmp_path)
     key, fname = _damage(ckpt, region)
     for world in (1, 2):
-        _check_errors(get_pool(world).run_expect_error(_load, str(ckpt)), key, fname)
+        assert_all_raise(get_pool(world).run_expect_error(_load, str(ckpt)), world, key, fname)
     report = validate_checkpoint(ckpt)
     assert not report.ok
     assert any(key in p and fname in p for p in report.problems), report.problems
@@ -193,7 +179,7 @@ def test_data_only_checksums_of_older_checkpoints_still_verify(clean, tmp_path):
     assert validate_checkpoint(ckpt).ok
     key, fname = _damage(ckpt, "tensor_data")
     for world in (1, 2):
-        _check_errors(get_pool(world).run_expect_error(_load, str(ckpt)), "Checksum mismatch", key, fname)
+        assert_all_raise(get_pool(world).run_expect_error(_load, str(ckpt)), world, "Checksum mismatch", key, fname)
     assert not validate_checkpoint(ckpt).ok
 
 
@@ -214,7 +200,7 @@ def test_partial_read_verifies_the_whole_record(clean, region, tmp_path):
     if region == "tensor_data":  # outside the requested elements
         position = _payload_start(blob, next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist()
                                              if "/data/" in i.filename)) + 4 * N - 3
-    _flip(ckpt / storage.relative_path, storage.offset + position)
+    flip_byte(ckpt / storage.relative_path, storage.offset + position)
     with pytest.raises(CheckpointingException, match="Checksum mismatch for tensor 'w'"):
         dc.load(_partial_request(), ckpt)
     unverified = TorchDistLoadShardedStrategy(verify_checksums=False)  # the damage is outside what is needed

@@ -42,6 +42,7 @@ from dist_checkpointing.tools import (
 )
 
 from .conftest import FIXTURES, get_pool
+from .helpers import flip_byte
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -286,12 +287,6 @@ def test_validate_ok(ckpt, capsys):
     assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
 
 
-def _flip(path: Path, offset: int) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0x5A
-    path.write_bytes(bytes(raw))
-
-
 def _truncate(path: Path, keep: int) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
@@ -315,12 +310,12 @@ def _tensor_data_offset(ckpt: Path, key: str):
 
 def _flip_tensor(d: Path) -> None:
     path, offset = _tensor_data_offset(d, "model.embedding.weight")
-    _flip(path, offset)
+    flip_byte(path, offset)
 
 
 def _flip_object(d: Path) -> None:
     _, info = _storage(d, "rng/shard_0_1")
-    _flip(d / info.relative_path, info.offset + info.length // 2)
+    flip_byte(d / info.relative_path, info.offset + info.length // 2)
 
 
 def _truncate_tensor_file(d: Path) -> None:
@@ -343,9 +338,9 @@ _DAMAGE = {
     "truncated_distcp": (_truncate_tensor_file, ["model.embedding.weight", _file_of("model.embedding.weight")]),
     "deleted_distcp": (lambda d: (d / _storage(d, "model.embedding.weight")[1].relative_path).unlink(),
                        ["missing", _file_of("model.embedding.weight")]),
-    "corrupted_common": (lambda d: _flip(d / "common.pt", 200), ["common.pt"]),
+    "corrupted_common": (lambda d: flip_byte(d / "common.pt", 200), ["common.pt"]),
     "truncated_common": (lambda d: _truncate(d / "common.pt", 100), ["common.pt"]),
-    "corrupted_dot_metadata": (lambda d: _flip(d / ".metadata", 300), [".metadata"]),
+    "corrupted_dot_metadata": (lambda d: flip_byte(d / ".metadata", 300), [".metadata"]),
     "corrupted_dot_metadata_no_checksum": (
         lambda d: (_truncate(d / ".metadata", 200), (d / ".metadata.checksum").unlink()), [".metadata"]),
 }
@@ -408,7 +403,7 @@ def test_validate_custom_class_object_is_a_note(tmp_path, capsys):
     # ... but a damaged custom object is a problem, not a note (its checksum is checked first)
     d = _copy(tmp_path / "ckpt", tmp_path / "damaged")
     _, info = _storage(d, "tokenizer/shard_0_1")
-    _flip(d / info.relative_path, info.offset + info.length // 2)
+    flip_byte(d / info.relative_path, info.offset + info.length // 2)
     report = validate_checkpoint(d)
     assert not report.ok and "tokenizer/shard_0_1" in report.problems[0]
 

@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,6 +38,7 @@ from dist_checkpointing.transport import PGTransport, recover_from_peer
 
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
+from .helpers import free_port
 
 T = timedelta(seconds=60)  # transfers that must succeed
 ERR_T = timedelta(seconds=2)  # transfers expected to fail: a refusal needs milliseconds, not a timeout
@@ -689,6 +689,54 @@ def test_group_usable_after_a_refused_transfer(pool2):
     assert pool2.run(_refused_then_good, timeout=POOL_TIMEOUT) == ["sent", "ok"]
 
 
+def _block_scaled_fp8() -> FakeFloat8Tensor:
+    """An FP8 tensor with two scales (a block-scaled layout the transport cannot send)."""
+    data = quantize_bytes(torch.ones(4, 8), SCALE_INV, torch.float8_e4m3fn)
+    return FakeFloat8Tensor(data, torch.full((2,), SCALE_INV), torch.float8_e4m3fn, torch.bfloat16)
+
+
+def _undescribable_then_good(rank: int, world_size: int, bad: str) -> Any:
+    """Rank 0 sends a state with a leaf it cannot describe to ranks 1 (in place) and 2
+    (allocating); every rank records its error and how long it took; then the same group
+    carries a good transfer (no stale message left behind)."""
+    with _fresh_group() as g:
+        leaf = _block_scaled_fp8() if bad == "fp8" else (lambda: None)  # a lambda does not pickle
+        mine = {"a": torch.zeros(3), "bad": {"w": torch.zeros(4, 8, dtype=torch.bfloat16)}}
+        start = time.monotonic()
+        try:
+            if rank == 0:
+                PGTransport(g, ERR_T, "cpu").send_checkpoint([1, 2], {"a": torch.ones(3), "bad": {"w": leaf}})
+            else:
+                PGTransport(g, ERR_T, "cpu", state_dict=(lambda: mine) if rank == 1 else None).recv_checkpoint(0)
+            error = None
+        except CheckpointingException as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            error = f"not a CheckpointingException: {type(e).__name__}: {e}"
+        elapsed = time.monotonic() - start
+        if rank == 0:
+            PGTransport(g, ERR_T, "cpu").send_checkpoint([1, 2], {"a": torch.full((3,), 4.0)})
+            return error, elapsed, None
+        out = PGTransport(g, ERR_T, "cpu").recv_checkpoint(0)
+        return error, elapsed, out["a"].tolist()
+
+
+@pytest.mark.parametrize("bad", ["fp8", "unpicklable"])
+def test_sender_that_cannot_describe_a_leaf_fails_every_rank_at_once(bad):
+    results = get_pool(3).run(_undescribable_then_good, bad, timeout=POOL_TIMEOUT)
+    for rank, (error, elapsed, _) in enumerate(results):
+        assert error is not None, f"rank {rank}: no error"
+        assert not error.startswith("not a"), f"rank {rank}: {error}"
+        assert elapsed < ERR_T.total_seconds() * 0.8, f"rank {rank} took {elapsed:.1f} s (waited out its timeout)"
+        if bad == "fp8":  # the leaf's key and the reason, on every rank
+            assert "['bad']['w']" in error and "per-tensor" in error, f"rank {rank}: {error}"
+        else:
+            assert "cannot be serialized" in error, f"rank {rank}: {error}"
+        if rank:
+            assert "rank 0" in error, f"rank {rank}: {error}"
+    assert [r[2] for r in results] == [None, [4.0, 4.0, 4.0], [4.0, 4.0, 4.0]]
+
+
 def _trivial(rank: int, world_size: int) -> Any:
     states = [{}, {"step": 5, "cfg": {"a": [1, "x", None], "t": (1, 2.5)}, "name": "run"}, [], (None,)]
     receivers_own = [{}, {"step": 0, "cfg": {"a": [0, "", None], "t": (0, 0.0)}, "name": ""}, [], (None,)]
@@ -801,19 +849,13 @@ _CHILD = textwrap.dedent(r"""
 """).replace("ROOT", repr(_ROOT))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _PeerFailureLaunch:
     """The world-4 children of :func:`peer_failures`, started early (they mostly wait)."""
 
     def __init__(self, workdir):
         self.script, self.done = workdir / "child.py", workdir / "done"
         self.script.write_text(_CHILD)
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.procs = [subprocess.Popen([sys.executable, str(self.script), str(r), str(port), str(self.done)],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

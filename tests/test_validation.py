@@ -17,6 +17,7 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from dist_checkpointing.validation import validate_sharding_integrity
 
 from .conftest import get_pool
+from .helpers import flip_byte
 
 WORLDS = [2, 4]
 
@@ -176,14 +177,6 @@ def _load_for_integrity(rank, world, ckpt, verify):
     return dc.load(request, ckpt, sharded_strategy=strategy)["step"]
 
 
-def _flip(path: Path, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x5A]))
-
-
 def _item_location(ckpt: Path, key: str):
     from dist_checkpointing.strategies.torch import read_metadata
 
@@ -202,15 +195,15 @@ def test_flipped_byte_is_an_error_on_every_rank(world, target, tmp_path):
     assert pool.run(_load_for_integrity, str(ckpt), True) == [3] * world
     if target == "tensor_data":
         path, offset, length = _item_location(ckpt, "w")
-        _flip(path, offset + length - 5000)  # inside the float data (the zip trailer is ~1 KiB)
+        flip_byte(path, offset + length - 5000)  # inside the float data (the zip trailer is ~1 KiB)
         fragments = ["Checksum mismatch", "'w'", path.name]
     elif target == "object":
         path, offset, length = _item_location(ckpt, "obj")
-        _flip(path, offset + length // 2)
+        flip_byte(path, offset + length // 2)
         fragments = ["obj/shard_", path.name]
     else:
         path = ckpt / target
-        _flip(path, os.path.getsize(path) // 2)
+        flip_byte(path, os.path.getsize(path) // 2)
         fragments = ["Checksum mismatch", target]
     excs = _all_raise(world, _load_for_integrity, str(ckpt), True, fragments=fragments)
     assert len(excs) == world
