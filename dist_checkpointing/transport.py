@@ -41,20 +41,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import gc
 import logging
 import pickle
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from .core import CheckpointingException
+from .core import CheckpointingException, gc_paused
 from .fp8 import _float8_dtype, _per_tensor_layout, fill_float8_, is_float8tensor
 from .mapping import ShardedTensor
 
@@ -307,19 +306,6 @@ def _plan_messages(c: _Columns, bucket_bytes: int, alone_bytes: int) -> Tuple[Li
     return messages, offsets
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """No cyclic garbage collection during a transfer: the thousands of small objects it
-    creates would trigger full collections (100 ms each with a large heap)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 class PGTransport:
     """Send and receive nested training state over ``pg`` with point-to-point messages.
 
@@ -389,7 +375,7 @@ class PGTransport:
         """Send ``state_dict`` to every rank in ``dst_ranks`` (each must call
         :meth:`recv_checkpoint` with this rank). Raises :class:`CheckpointingException` if a
         receiver refuses the state (its reason included), or on a failure or timeout."""
-        with _no_gc():
+        with gc_paused():  # thousands of small objects per transfer
             self._send_checkpoint(dst_ranks, state_dict)
 
     def _send_checkpoint(self, dst_ranks: Sequence[int], state_dict: Any) -> None:
@@ -499,7 +485,7 @@ class PGTransport:
         returned tensors are the receiver's own) and a structure, shape or dtype mismatch
         raises :class:`CheckpointingException` on this rank and the sender before any byte
         is written. Without it, new tensors are allocated on the transport's device."""
-        with _no_gc():
+        with gc_paused():  # thousands of small objects per transfer
             return self._recv_checkpoint(src_rank)
 
     def _recv_checkpoint(self, src_rank: int) -> Any:

@@ -6,9 +6,11 @@ import contextlib
 import socket
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, List, Sequence, Tuple
 
-from dist_checkpointing import CheckpointingException
+from dist_checkpointing import CheckpointingException, ShardedTensor
+from dist_checkpointing.dict_utils import nested_values
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 
 
@@ -53,3 +55,16 @@ def slow_writes(delay: float) -> Iterator[None]:
         yield
     finally:
         torch_dist_save.write_file = orig
+
+
+class RecordingLoad(TorchDistLoadShardedStrategy):
+    """The real load strategy, remembering which shards it was asked to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: List[Tuple[str, Tuple[int, ...]]] = []
+
+    def load(self, sharded_state_dict, checkpoint_dir):  # type: ignore[no-untyped-def]
+        self.reads.extend((sh.key, tuple(sh.global_offset)) for sh in nested_values(sharded_state_dict)
+                          if isinstance(sh, ShardedTensor))
+        return super().load(sharded_state_dict, checkpoint_dir)

@@ -43,7 +43,7 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, To
 
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
-from .helpers import slow_writes
+from .helpers import RecordingLoad, slow_writes
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ALGOS = ("broadcast", "gather_rounds", "gather_object")
@@ -127,19 +127,6 @@ def _check(kind: str, got: Any, req: torch.Tensor, exp: torch.Tensor, where: str
 
 def _st(key: str, data: torch.Tensor, *offs, **kw) -> ShardedTensor:
     return ShardedTensor.from_rank_offsets(key, data, *offs, **kw)
-
-
-class _RecordingLoad(TorchDistLoadShardedStrategy):
-    """The real load strategy, remembering which shards it was asked to read."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: List[Tuple[str, Tuple[int, ...]]] = []
-
-    def load(self, sharded_state_dict, checkpoint_dir):
-        self.reads.extend((sh.key, tuple(sh.global_offset)) for sh in nested_values(sharded_state_dict)
-                          if isinstance(sh, ShardedTensor))
-        return super().load(sharded_state_dict, checkpoint_dir)
 
 
 _GROUPS: Dict[Any, Any] = {}
@@ -430,7 +417,7 @@ def _fully_parallel_rank(rank, world, base, tp, kind_group, algos):
         dc.save(sd, ckpt, sharded_strategy=FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), group))
         for algo in algos:
             req, expected, reqs = _fp_state(kind, rank, world, tp, False, mixed=True)
-            rec = _RecordingLoad()
+            rec = RecordingLoad()
             out = dc.load(req, ckpt, sharded_strategy=FullyParallelLoadStrategyWrapper(rec, group, exchange_algo=algo))
             for key, exp in expected.items():
                 where = f"rank {rank} {kind} {algo} {key}"
@@ -487,7 +474,7 @@ def _requant_via_wrapper_rank(rank, world, ckpt, algos):
     failures, reads = [], {}
     for algo in algos:
         reqs, sd = request()
-        rec = _RecordingLoad()
+        rec = RecordingLoad()
         dc.load(sd, ckpt, sharded_strategy=FullyParallelLoadStrategyWrapper(rec, None, exchange_algo=algo))
         reads[algo] = len(rec.reads)
         for k in keys:

@@ -38,6 +38,7 @@ from dist_checkpointing.strategies.torch import (
 )
 
 from .conftest import get_pool
+from .helpers import RecordingLoad, assert_all_raise
 
 ALGOS = ("broadcast", "gather_rounds", "gather_object")
 DTYPES = ("float32", "bfloat16", "int16", "int64", "float8_e4m3fn")
@@ -424,7 +425,7 @@ def _needs_rank(rank, world, ckpt, tiny):
                         req[k] = req[k].without_data()
                         t = None
                     exp[(k,)], datas[(k,)] = _values(k, (n,), dtype, 9), t
-            recorder = _RecordingLoad()
+            recorder = RecordingLoad()
             strategy = FullyParallelLoadStrategyWrapper(recorder, None, exchange_algo=algo)
             _check(dc.load(req, ckpt, sharded_strategy=strategy), exp, datas, f"rank {rank} {algo} tiny={tiny}")
         return sorted(k for k, _ in recorder.reads)
@@ -578,25 +579,12 @@ def test_save_balance_dp_subgroups(tmp_path):
     assert writers[("x", (0,))] in (0, 2) and writers[("extra", (0,))] in (0, 2), writers
 
 
-class _RecordingLoad(TorchDistLoadShardedStrategy):
-    """The real load strategy, remembering which shards it was asked to read."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: List[Tuple[str, Tuple[int, ...]]] = []
-
-    def load(self, sharded_state_dict, checkpoint_dir):
-        self.reads.extend((sh.key, tuple(sh.global_offset)) for sh in nested_values(sharded_state_dict)
-                          if isinstance(sh, ShardedTensor))
-        return super().load(sharded_state_dict, checkpoint_dir)
-
-
 def _writer_pref_rank(rank, world, ckpt, tp, kind):
     group = _group(kind, tp)
     dc.save(_rep_state(rank, world, tp, 4, True)[0], ckpt, sharded_strategy=_save_w(group))
     req, exp, datas = _rep_state(rank, world, tp, 4, False)
     requested = sorted((sh.key, tuple(sh.global_offset)) for sh in nested_values(req))
-    recorder = _RecordingLoad()
+    recorder = RecordingLoad()
     loaded = dc.load(req, ckpt, sharded_strategy=FullyParallelLoadStrategyWrapper(recorder, group))
     _check(loaded, exp, datas, "writer preference")
     return requested, recorder.reads
@@ -750,14 +738,6 @@ def test_cached_distribution_world2_all_algos(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _assert_all_raise(excs, world, *fragments):
-    assert len(excs) == world
-    for rank, e in enumerate(excs):
-        assert isinstance(e, CheckpointingException), f"rank {rank}: {type(e).__name__}: {e}"
-        for frag in fragments:
-            assert frag in str(e), f"rank {rank}: {frag!r} not in {e}"
-
-
 def _unknown_algo_rank(rank, world):
     FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="all_to_all_please")
 
@@ -765,7 +745,7 @@ def _unknown_algo_rank(rank, world):
 def test_unknown_exchange_algo(pool2):
     with pytest.raises(CheckpointingException, match="all_to_all_please"):
         FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo="all_to_all_please")
-    _assert_all_raise(pool2.run_expect_error(_unknown_algo_rank), 2, "all_to_all_please")
+    assert_all_raise(pool2.run_expect_error(_unknown_algo_rank), 2, "all_to_all_please")
 
 
 def _small_state(rank, world, fill=True):
@@ -796,12 +776,12 @@ def test_group_without_the_calling_rank(pool2, pool4, tmp_path):
         w = pool.world_size
         frags = [f"rank {r} is not a member" for r in outsiders]
         excs = pool.run_expect_error(_foreign_group_save, str(tmp_path / f"s{w}"), timeout=_ERR_TIMEOUT)
-        _assert_all_raise(excs, w, *frags)
+        assert_all_raise(excs, w, *frags)
         assert not dc.check_is_distributed_checkpoint(tmp_path / f"s{w}")
         ckpt = str(tmp_path / f"l{w}")
         pool.run(_plain_save, ckpt)
         excs = pool.run_expect_error(_foreign_group_load, ckpt, timeout=_ERR_TIMEOUT)
-        _assert_all_raise(excs, w, *frags)
+        assert_all_raise(excs, w, *frags)
 
 
 def _missing_key_rank(rank, world, ckpt, kind, only_last):
@@ -834,15 +814,15 @@ def test_unreadable_shards_raise_everywhere(pool4, tmp_path):
     for kind in ("dp", "world"):
         for only_last in (False, True):
             excs = pool4.run_expect_error(_missing_key_rank, ckpt, kind, only_last, timeout=_ERR_TIMEOUT)
-            _assert_all_raise(excs, 4, "nope.weight")
-    _assert_all_raise(pool4.run_expect_error(_missing_object_rank, ckpt, timeout=_ERR_TIMEOUT), 4, "ghost_obj")
+            assert_all_raise(excs, 4, "nope.weight")
+    assert_all_raise(pool4.run_expect_error(_missing_object_rank, ckpt, timeout=_ERR_TIMEOUT), 4, "ghost_obj")
     # A data file lost after the save: whoever is to read from it fails, and so does everyone else.
     victim = sorted(f for f in os.listdir(ckpt) if f.startswith("__3_"))[0]
     os.remove(os.path.join(ckpt, victim))
     for kind in ("dp", "world"):
         for algo in ALGOS:
             excs = pool4.run_expect_error(_fp_load_state, ckpt, 2, kind, algo, timeout=_ERR_TIMEOUT)
-            _assert_all_raise(excs, 4, victim)
+            assert_all_raise(excs, 4, victim)
 
 
 def _differing_rank(rank, world, ckpt, what, action, kind):
@@ -874,10 +854,10 @@ def test_structure_differing_between_group_ranks(pool2, pool4, tmp_path):
             for what in ("shape", "dtype"):
                 bad = str(tmp_path / f"bad_{w}_{kind}_{what}")
                 excs = pool.run_expect_error(_differing_rank, bad, what, "save", kind, timeout=_ERR_TIMEOUT)
-                _assert_all_raise(excs, w, "t.differs")
+                assert_all_raise(excs, w, "t.differs")
                 assert not dc.check_is_distributed_checkpoint(bad)
                 excs = pool.run_expect_error(_differing_rank, good, what, "load", kind, timeout=_ERR_TIMEOUT)
-                _assert_all_raise(excs, w, "t.differs")
+                assert_all_raise(excs, w, "t.differs")
 
 
 class _SyncOnlySave(SaveShardedStrategy):
@@ -897,7 +877,7 @@ def _async_rank(rank, world, ckpt):
 
 def test_async_save_needs_an_async_base_strategy(pool2, tmp_path):
     excs = pool2.run_expect_error(_async_rank, str(tmp_path / "a"), timeout=_ERR_TIMEOUT)
-    _assert_all_raise(excs, 2, "asynchronously")
+    assert_all_raise(excs, 2, "asynchronously")
 
 
 # ----------------------------------------------------------------------------- world 1 and the assignment
@@ -942,4 +922,4 @@ def test_groups_disagreeing_between_ranks_raise_everywhere(pool4, tmp_path):
     a group run a world-wide ``all_gather_object``; the collectives pair up wrongly, ranks
     0 and 1 raise a confused error and ranks 2 and 3 hang."""
     excs = pool4.run_expect_error(_mixed_group_rank, str(tmp_path / "mixed"), timeout=10)
-    _assert_all_raise(excs, 4, "parallelization group")
+    assert_all_raise(excs, 4, "parallelization group")
