@@ -1103,7 +1103,7 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
     before its first use, then write one byte per page; the minor page faults that took."""
     import resource
 
-    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.storage import buffers as fa
 
     buf = fa.reserve_staging_buffers(1)
     page_bytes = memoryview(buf[0])
@@ -1112,8 +1112,8 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
     def child() -> int:
         fa.adopt_staging_buffers(buf)
         if map_in:
-            fa._POOL.map_in(buf[0])
-            fa._POOL.map_in(buf[0])  # once only: the second call does nothing
+            fa.POOL.map_in(buf[0])
+            fa.POOL.map_in(buf[0])  # once only: the second call does nothing
         view = np.frombuffer(buf[0], dtype=np.uint8)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         view[::4096] = 2
@@ -1131,7 +1131,7 @@ def test_forked_writer_maps_its_staging_buffers_in_before_use():
     # each page of an inherited buffer would fault. map_in populates a buffer in one call.
     import mmap
 
-    from dist_checkpointing.strategies.filesystem_async import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
+    from dist_checkpointing.storage.buffers import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
     probe = mmap.mmap(-1, 4096)
     try:
         probe.madvise(_MADV_POPULATE_READ)
@@ -1149,7 +1149,7 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
     # so the child maps them instead of zero-filling new ones); nobody else uses them while
     # it writes, and they are back in the pool for the next save once it is done.
     import dist_checkpointing as dc_
-    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.storage import buffers as fa
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue as Queue
 
     def state(val):
@@ -1158,17 +1158,17 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
 
     fa.release_staging_buffers()
     dc_.save(state(0), tmp_path / "sync0")  # fills the pool
-    pooled = {id(b) for b in fa._POOL._free}
+    pooled = {id(b) for b in fa.POOL._free}
     assert pooled
     queue = Queue()
     try:
         request = dc_.save(state(1), tmp_path / "a1", async_sharded_save=True)
         reserved = {id(b) for b in _strategy_call(request)[1][1]["buffers"]}
         assert reserved and reserved <= pooled, "the writer should reuse the pooled (touched) buffers"
-        assert not reserved & {id(b) for b in fa._POOL._free}, "reserved buffers must leave the pool"
+        assert not reserved & {id(b) for b in fa.POOL._free}, "reserved buffers must leave the pool"
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
-        assert reserved <= {id(b) for b in fa._POOL._free}, "the buffers go back to the pool"
+        assert reserved <= {id(b) for b in fa.POOL._free}, "the buffers go back to the pool"
         request = dc_.save(state(2), tmp_path / "a2", async_sharded_save=True)
         assert {id(b) for b in _strategy_call(request)[1][1]["buffers"]} == reserved  # reused by the next save
         queue.schedule_async_request(request)
