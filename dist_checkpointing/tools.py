@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .bytes_view import nbytes
-from .core import CheckpointingException, fsync_dir, load_config, malformed
+from .core import CheckpointingException, load_config, malformed, open_storage
+from .storage.posix import fsync_dir
 from .dict_utils import dict_list_map_outplace, nested_values
 from .manifest import MANIFEST_FNAME, manifest_problems
 from .mapping import ShardedObject, ShardedTensor
@@ -114,7 +115,8 @@ def _inspect(checkpoint_dir: Path) -> CheckpointInfo:
         common_error = str(e)
     info = CheckpointInfo(str(checkpoint_dir), config.sharded_backend, config.sharded_backend_version,
                           config.common_backend, common_keys, common_error)
-    info.files = {p.name: p.stat().st_size for p in sorted(checkpoint_dir.iterdir()) if p.is_file()}
+    storage = open_storage(checkpoint_dir)
+    info.files = {name: stat.size for name in storage.list() if (stat := storage.info(name)) is not None}
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
     info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), t.chunks, t.nbytes, t.flattened) for t in stored.tensors]
     info.objects = stored.objects

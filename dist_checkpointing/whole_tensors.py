@@ -15,9 +15,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .bytes_view import nbytes
-from .core import CheckpointingException, malformed
+from .core import CheckpointingException, Location, malformed, open_storage
 from .serialization import load_tensors_metadata
-from .strategies.torch_dist.format import data_file_path, original_global_shape
+from .strategies.torch_dist.format import checked_data_file_name, original_global_shape
 from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from .strategies.torch_dist.metadata import read_metadata
 
@@ -31,13 +31,15 @@ def _return_freed_memory() -> None:
         pass
 
 
-def range_problem(checkpoint_dir: Path, index: MetadataIndex, storage: Any, file_sizes: Dict[str, int]) -> Optional[str]:
+def range_problem(checkpoint_dir: Location, index: MetadataIndex, storage: Any, file_sizes: Dict[str, int]) -> Optional[str]:
     """Why the byte range ``storage`` recorded for ``index`` is not inside its data file
     (``None`` if it is); ``file_sizes`` caches each file's size (-1: missing)."""
     what = f"item {index.fqn!r}" + (f" (chunk at {tuple(index.offset)})" if index.offset is not None else "")
-    path = data_file_path(checkpoint_dir, storage.relative_path)
+    files = open_storage(checkpoint_dir)
+    name = checked_data_file_name(files.describe(), storage.relative_path)
     if storage.relative_path not in file_sizes:
-        file_sizes[storage.relative_path] = path.stat().st_size if path.is_file() else -1
+        info = files.info(name)
+        file_sizes[storage.relative_path] = info.size if info is not None else -1
     size = file_sizes[storage.relative_path]
     if size < 0:
         return f"{what}: data file {storage.relative_path} is missing"

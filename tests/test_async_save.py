@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import dist_checkpointing as dc
-from dist_checkpointing import serialization
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.strategies import async_utils
@@ -36,6 +35,7 @@ from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrate
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 
 from .conftest import get_pool
+from .faulty_storage import FaultyStorage
 
 ASYNC_THREAD = "dist_checkpointing-async"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -849,15 +849,9 @@ def test_async_save_request_execute_sync(pool2, tmp_path):
 def _failing_commit(rank, world, root, how):
     """metadata.json cannot be written (rank 0 only writes it): finalization must fail on
     every rank, through the queue and through execute_sync alike."""
-    orig = serialization.save_config
-
-    def broken(*args, **kwargs):
-        raise OSError("disk quota exceeded (injected)")
-
     ckpt = os.path.join(root, how)
-    request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
-    if rank == 0:
-        serialization.save_config = broken
+    location = FaultyStorage(ckpt, "write_atomic", CONFIG_FNAME) if rank == 0 else ckpt
+    request = dc.save(_state(rank, world), location, async_sharded_save=True)
     error = None
     queue = AsyncCallsQueue()
     try:
@@ -869,7 +863,6 @@ def _failing_commit(rank, world, root, how):
     except Exception as e:  # noqa: BLE001 - compared across ranks by the test
         error = f"{type(e).__name__}: {e}"
     finally:
-        serialization.save_config = orig
         queue.close()
     torch.distributed.barrier()
     assert not dc.check_is_distributed_checkpoint(ckpt)
@@ -880,7 +873,8 @@ def _failing_commit(rank, world, root, how):
 def test_failing_commit_raises_on_every_rank(pool2, tmp_path, how):
     errors = pool2.run(_failing_commit, str(tmp_path), how, timeout=_ERR_TIMEOUT)
     for error in errors:
-        assert error is not None and "disk quota exceeded" in error, f"errors by rank ({how}): {errors}"
+        assert error is not None and "injected write_atomic fault" in error and CONFIG_FNAME in error, \
+            f"errors by rank ({how}): {errors}"
         assert error.startswith("CheckpointingException"), f"errors by rank ({how}): {errors}"
 
 

@@ -334,9 +334,9 @@ def test_zip_crc_switch_kept_process_wide(monkeypatch):
     from dist_checkpointing.storage import zip_crc
 
     switch = {"on": True}
-    monkeypatch.setattr(fa, "get_crc32_options", lambda: switch["on"])
-    monkeypatch.setattr(fa, "set_crc32_options", lambda on: switch.__setitem__("on", on))
-    monkeypatch.setattr(fa, "_crc_switch_per_thread", None)
+    monkeypatch.setattr(zip_crc, "get_crc32_options", lambda: switch["on"])
+    monkeypatch.setattr(zip_crc, "set_crc32_options", lambda on: switch.__setitem__("on", on))
+    monkeypatch.setattr(zip_crc, "_crc_switch_per_thread", None)
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
     seen = []
 

@@ -30,7 +30,10 @@ class WriteStream(io.RawIOBase):
     :meth:`close` writes the rest and makes the file durable (raising if any part of it
     failed); :meth:`abort` drops it after an error. ``start_checksum(hasher)`` /
     ``take_checksum()`` hash the bytes written in between, while they are hot in the CPU
-    cache."""
+    cache. ``error`` keeps the storage error a :meth:`write` raised: ``torch.save``
+    replaces an error of the stream it writes into by its own, which does not say why."""
+
+    error: Optional[BaseException] = None
 
     def writable(self) -> bool:
         return True

@@ -106,6 +106,7 @@ class StagedFileWriter(WriteStream):
     def _hand_over(self, nbytes: int) -> None:
         """Queue the current buffer for writing and continue in a free one."""
         if self._io_error is not None:
+            self.error = self._io_error
             raise self._io_error
         self._view.release()
         self._full.put((self._buf, nbytes))

@@ -123,15 +123,15 @@ def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
     try:
         with zip_crc_disabled():
             spans = _write_payloads(stream, payloads, compute_checksums)
-    except BaseException as e:
-        stream.abort()
-        if isinstance(e, OSError):
-            raise CheckpointingException(f"Writing checkpoint file {storage.describe(name)} failed: {e}") from e
-        raise
-    try:
         stream.close()
-    except OSError as e:
-        raise CheckpointingException(f"Writing checkpoint file {storage.describe(name)} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - named below
+        stream.abort()
+        cause = stream.error or e
+        raise CheckpointingException(
+            f"Writing checkpoint file {storage.describe(name)} failed: {type(cause).__name__}: {cause}") from cause
+    except BaseException:
+        stream.abort()
+        raise
     return spans
 
 

@@ -30,10 +30,12 @@ _LOCAL_HEADER_SIG = 0x04034B50
 
 
 class FileSlice:
-    """A read-only, seekable view of ``[offset, offset + length)`` of a stored file."""
+    """A read-only, seekable view of ``[offset, offset + length)`` of a stored file.
+    ``error`` keeps a storage error of a read (``zipfile`` reports it as a bad archive)."""
 
     def __init__(self, file: RangeReader, offset: int, length: int):
         self._file, self._offset, self._length, self._pos = file, offset, length, 0
+        self.error: Optional[OSError] = None
 
     def seek(self, pos: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._pos, 2: self._length}[whence]
@@ -50,7 +52,11 @@ class FileSlice:
         if n is None or n < 0:
             n = self._length - self._pos
         n = min(n, self._length - self._pos)
-        data = self._file.read(self._offset + self._pos, n)
+        try:
+            data = self._file.read(self._offset + self._pos, n)
+        except OSError as e:
+            self.error = e
+            raise
         self._pos += len(data)
         return data
 
@@ -154,7 +160,13 @@ def read_tensor_header(file: RangeReader, offset: int, length: int) -> Optional[
     (the caller then falls back to ``torch.load``). Raises ``ValueError`` for a damaged
     archive; nothing outside the blob is read, and the tensor's bytes lie inside it.
     """
-    zf = zipfile.ZipFile(FileSlice(file, offset, length))  # reads the central directory only
+    blob = FileSlice(file, offset, length)
+    try:
+        zf = zipfile.ZipFile(blob)  # reads the central directory only
+    except zipfile.BadZipFile:
+        if blob.error is not None:
+            raise blob.error from None
+        raise
     infos = {i.filename: i for i in zf.infolist()}
     pkl_name = next((n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"), None)
     if pkl_name is None:

@@ -78,7 +78,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self._execute(plan, storage)
         return self._result(sharded_state_dict, plan)
 
-    def _plan(self, sharded_state_dict: ShardedStateDict, storage: Storage) -> LoadPlan:
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage]) -> LoadPlan:
+        storage = open_storage(checkpoint_dir)
         metadata = read_metadata(storage)
         self._scratch.begin()
         return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch)
