@@ -2,8 +2,9 @@
 
 Two jobs pointed at one directory (or a restarted job while the old one still runs) would
 both find it empty and write into it. A save therefore *claims* the directory first: it
-creates the marker file ``.save_claim`` with ``O_CREAT | O_EXCL`` (atomic on POSIX file
-systems, NFSv3+ included), holding a fresh save id, and only then checks that nothing else
+creates the marker file ``.save_claim`` with the storage's exclusive create
+(:meth:`~.storage.Storage.create_exclusive`; ``O_CREAT | O_EXCL`` on POSIX file systems,
+NFSv3+ included), holding a fresh save id, and only then checks that nothing else
 is in the directory. Of several saves racing for one directory exactly one creates the
 marker; the others fail before writing anything. The save id is recorded in the files the
 claiming save writes (the checksum sidecars of ``common.pt`` and ``.metadata``, and the DCP
