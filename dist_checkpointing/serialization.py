@@ -235,7 +235,10 @@ def save(
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
-    The directory must be empty or missing. With ``validate_access_integrity`` the main
+    The directory must be empty or missing. ``checkpoint_dir`` may also be a
+    :class:`~.storage.Storage` or a URL of a scheme registered with
+    :func:`~.storage.register_storage` (every byte goes through it; the same for
+    :func:`load` and the offline readers). With ``validate_access_integrity`` the main
     replicas are first checked to cover every global tensor exactly once (collectively;
     nothing is written if any rank finds a problem). Ranks whose common state differs from
     rank 0's log the differing keys (after ``preprocess_common_before_consistancy_check``,

@@ -39,7 +39,8 @@ def test_posix_storage_contract(tmp_path):
     storage.create_exclusive("claim", b"x")
     with pytest.raises(FileExistsError):
         storage.create_exclusive("claim", b"y")
-    assert storage.read_bytes("small") == b"22" and storage.read_bytes("data", max_bytes=10) == b"abc" * 3 + b"a" * 0 + b"ab"[:2]
+    assert storage.read_bytes("small") == b"22"
+    assert storage.read_bytes("data", max_bytes=10) == (b"abc" * 4)[:11]  # one byte more: the caller sees it is too large
     reader = storage.open_reader("data")
     buf = bytearray(4)
     assert reader.size == 3000 and reader.read(2998, 10) == b"bc" and reader.readinto(buf, 1) == 4 and buf == b"bcab"
@@ -140,3 +141,26 @@ def test_faults_are_os_errors_without_a_file_name(tmp_path):
     with pytest.raises(OSError) as info:
         storage.write_atomic("x", b"")
     assert info.value.errno == errno.EIO and info.value.filename is None
+
+
+def test_registered_scheme_carries_a_whole_save_and_load(tmp_path, monkeypatch):
+    """Every byte of save, load and the offline readers goes through the storage a URL
+    names: a ``memtest://`` location served by a local directory elsewhere works, and
+    nothing is created where the URL would point as a relative path."""
+    root = tmp_path / "served"
+    monkeypatch.chdir(tmp_path)
+    register_storage("memtest", lambda location: PosixStorage(root / location.split("://", 1)[1]))
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "gone": ShardedTensor.from_rank_offsets(
+        "gone", torch.ones(2)), "o": ShardedObject("o", [1, 2], (1,), (0,)), "step": 3}
+    dc.save(state, "memtest://ckpt", verify_integrity=True)
+    assert dc.check_is_distributed_checkpoint("memtest://ckpt")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8)), "o": ShardedObject("o", None, (1,), (0,))}
+    loaded = dc.load(request, "memtest://ckpt", verify_integrity=True)
+    assert torch.equal(loaded["w"], torch.arange(8.0)) and loaded["o"] == [1, 2] and loaded["step"] == 3
+    assert dc.load_common_state_dict("memtest://ckpt")["step"] == 3
+    assert set(dc.load_tensors_metadata("memtest://ckpt")) == {"w", "gone"}
+    dc.remove_sharded_tensors("memtest://ckpt", "gone")
+    assert set(dc.load_plain_tensors("memtest://ckpt")) == {"w"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no "memtest:" directory
+    with pytest.raises(CheckpointingException, match="not empty"):
+        dc.save(state, "memtest://ckpt")

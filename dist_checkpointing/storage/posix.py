@@ -296,7 +296,7 @@ class PosixStorage(Storage):
         path = self._path(name)
         if os.path.isdir(path):
             return "dir"
-        return "file" if os.path.exists(path) or os.path.islink(path) else None
+        return "file" if os.path.exists(path) else None
 
     def list(self) -> List[str]:
         try:
