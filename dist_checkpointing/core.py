@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
 
-from .storage import Storage, storage_for
+from .storage import Storage, storage_for, url_scheme
 
 Location = Union[str, "os.PathLike[str]", Storage]
 
@@ -70,6 +71,14 @@ def open_storage(checkpoint_dir: Location) -> Storage:
         return storage_for(checkpoint_dir)
     except ValueError as e:
         raise CheckpointingException(str(e)) from e
+
+
+def checkpoint_location(checkpoint_dir: Location) -> Union[Path, str, Storage]:
+    """A checkpoint location as strategies receive it: a local directory as a ``Path``
+    (Megatron-Core's strategies expect one), a URL or a :class:`~.storage.Storage` as is."""
+    if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir):
+        return checkpoint_dir
+    return Path(checkpoint_dir)
 
 
 def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]:

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 
@@ -22,6 +21,7 @@ from .core import (
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
+    checkpoint_location,
     load_config,
     open_storage,
     save_config,
@@ -30,7 +30,7 @@ from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
 from .integrity import SIDECAR_SUFFIX, recorded_save_id
 from .manifest import hash_written_files, refresh_manifest, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
-from .storage import Storage, url_scheme
+from .storage import Storage
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
 )
@@ -200,14 +200,6 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
 # ----------------------------------------------------------------------------- save
 
 
-def _location(checkpoint_dir: CkptDir) -> Union[Path, str, Storage]:
-    """A checkpoint location as strategies receive it: a local directory as a ``Path``
-    (Megatron-Core's strategies expect one), a URL or a :class:`~.storage.Storage` as is."""
-    if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir):
-        return checkpoint_dir
-    return Path(checkpoint_dir)
-
-
 def _check_written_by(save_id: str, checkpoint_dir: CkptDir) -> None:
     """Before committing: the directory is still this save's, and the files that record a
     save id (the checksum sidecars of ``common.pt`` and ``.metadata``) name this one."""
@@ -266,7 +258,7 @@ def save(
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
     is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends.
     """
-    checkpoint_dir = _location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     phases = _Phases(progress_callback)
     rank = get_rank()
 
@@ -408,7 +400,7 @@ def load(
     requires one (as Megatron-Core's ``verify_integrity=True``), ``False`` skips it.
     """
     strict = parse_strict_flag(strict)
-    checkpoint_dir = _location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     phases = _Phases(progress_callback)
     if verify_integrity is not False:
         verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
@@ -468,7 +460,7 @@ def load(
 
 def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
     """The common (non-sharded) state of a checkpoint."""
-    checkpoint_dir = _location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     config = load_config(checkpoint_dir)
     return _load_common(config, checkpoint_dir, None, _sharded_load_strategy(config, None))
 
@@ -476,18 +468,18 @@ def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
 def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
     """Data-less ShardedTensors describing every global tensor of the checkpoint."""
     config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(_location(checkpoint_dir))
+    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(checkpoint_location(checkpoint_dir))
 
 
 def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
     """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
     config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(_location(checkpoint_dir))
+    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(checkpoint_location(checkpoint_dir))
 
 
 def load_plain_tensors(checkpoint_dir: CkptDir) -> StateDict:
     """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process)."""
-    checkpoint_dir = _location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     config = load_config(checkpoint_dir)
     strategy = _sharded_load_strategy(config, None)
     request = strategy.load_tensors_metadata(checkpoint_dir)
@@ -507,6 +499,6 @@ def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,
 def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` from a checkpoint (one process)."""
     config = load_config(checkpoint_dir)
-    _sharded_load_strategy(config, None).remove_sharded_tensors(_location(checkpoint_dir), key_prefix)
+    _sharded_load_strategy(config, None).remove_sharded_tensors(checkpoint_location(checkpoint_dir), key_prefix)
     # the strategy rewrote its metadata and deleted data files: an integrity.json follows
     refresh_manifest(checkpoint_dir, [METADATA_FNAME, METADATA_FNAME + SIDECAR_SUFFIX])

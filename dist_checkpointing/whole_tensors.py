@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -49,12 +48,12 @@ def range_problem(checkpoint_dir: Location, index: MetadataIndex, storage: Any, 
     return None
 
 
-def _check_claimed_sizes(checkpoint_dir: Path, metadata: Metadata, keys: List[str]) -> None:
+def _check_claimed_sizes(checkpoint_dir: Location, metadata: Metadata, keys: List[str]) -> None:
     """Refuse sizes in ``.metadata`` that the stored bytes cannot back, before anything is
     allocated for them: each chunk's byte range must lie inside its data file and hold at
     least the chunk's bytes, and the chunks' ranges together at least the whole tensor's."""
     file_sizes: Dict[str, int] = {}
-    where = checkpoint_dir / ".metadata"
+    where = open_storage(checkpoint_dir).describe(".metadata")
     for key in keys:
         with malformed(f"{where}: the entry of tensor {key!r} is malformed"):
             md = metadata.state_dict_metadata[key]
@@ -89,7 +88,7 @@ class TensorReader:
     chunk, freed after each tensor. The sizes the metadata claims are checked against
     the stored bytes before the buffer is allocated."""
 
-    def __init__(self, checkpoint_dir: Path, keys: List[str]):
+    def __init__(self, checkpoint_dir: Location, keys: List[str]):
         self.dir = checkpoint_dir
         self.meta = load_tensors_metadata(checkpoint_dir)
         _check_claimed_sizes(checkpoint_dir, read_metadata(checkpoint_dir), keys)

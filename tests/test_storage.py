@@ -15,6 +15,7 @@ from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTen
 from dist_checkpointing.core import open_storage
 from dist_checkpointing.storage import PosixStorage, Storage, register_storage, storage_for
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from dist_checkpointing.tools import inspect_checkpoint, validate_checkpoint
 
 from .conftest import get_pool
 from .faulty_storage import FaultyStorage
@@ -144,7 +145,7 @@ def test_faults_are_os_errors_without_a_file_name(tmp_path):
 
 
 def test_registered_scheme_carries_a_whole_save_and_load(tmp_path, monkeypatch):
-    """Every byte of save, load and the offline readers goes through the storage a URL
+    """Every byte of save, load, the offline readers, inspect and validate goes through the storage a URL
     names: a ``memtest://`` location served by a local directory elsewhere works, and
     nothing is created where the URL would point as a relative path."""
     root = tmp_path / "served"
@@ -161,6 +162,8 @@ def test_registered_scheme_carries_a_whole_save_and_load(tmp_path, monkeypatch):
     assert set(dc.load_tensors_metadata("memtest://ckpt")) == {"w", "gone"}
     dc.remove_sharded_tensors("memtest://ckpt", "gone")
     assert set(dc.load_plain_tensors("memtest://ckpt")) == {"w"}
+    assert inspect_checkpoint("memtest://ckpt").files["common.pt"] > 0
+    assert validate_checkpoint("memtest://ckpt").ok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["served"]  # no "memtest:" directory
     with pytest.raises(CheckpointingException, match="not empty"):
         dc.save(state, "memtest://ckpt")
