@@ -76,6 +76,7 @@ from benchmarks._gpt_job import (  # noqa: E402
 )
 from dist_checkpointing import collectives, exchange_utils, shard_plans, validation  # noqa: E402
 from dist_checkpointing.core import CheckpointingException  # noqa: E402
+from dist_checkpointing.storage import storage_for  # noqa: E402
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
 from dist_checkpointing.strategies.torch_dist.save_plan import assign_files, collect_save_items  # noqa: E402
 from dist_checkpointing.validation import (  # noqa: E402
@@ -334,7 +335,7 @@ def measure_rank(cfg: GPTConfig, rank: int, repeats: int = 5) -> Dict[str, Any]:
             validate_sharding_integrity(state)
             c1 = time.process_time()
             locations = fake_locations(strategy._plan_files(state))
-            strategy._publish(locations, None, ckpt)
+            strategy._publish(locations, None, storage_for(ckpt))
             c2 = time.process_time()
         return c1 - c0, c2 - c1, net, len(locations)
 
@@ -371,7 +372,7 @@ def measure_rank0(cfg: GPTConfig, payload_file: str, ckpt_dir: str) -> Dict[str,
     net = SimulatedNetwork(0, cfg.world, gathered=gathered)
     with _rss_peak() as rss, simulated(net):
         c0, w0 = time.process_time(), time.perf_counter()
-        strategy._publish(own, None, Path(ckpt_dir))
+        strategy._publish(own, None, storage_for(ckpt_dir))
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     empty = len(pickle.dumps([]))
     return {"cpu_s": cpu, "wall_s": wall, "extra_rss_mib": rss["extra_rss_mib"], "received_bytes": net.received,

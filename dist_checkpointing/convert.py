@@ -31,12 +31,13 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
 
 from .bytes_view import nbytes
-from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, save_config
+from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, open_storage, save_config
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
-from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, data_file_path, original_global_shape
+from .storage import PosixStorage
+from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, checked_data_file_name, data_file_name, original_global_shape
 from .strategies.torch_dist.metadata import build_metadata, read_metadata, write_metadata
 from .tools import Progress, _move_into_place, _refuse_existing, staging_dir
 from .whole_tensors import TensorReader, range_problem
@@ -98,14 +99,15 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
                     progress(done, sum(sizes.values()), key)
             yield from (payload for _, payload in objects)
 
-        spans = write_file(tmp / DATA_FNAME, payloads())  # type: ignore[arg-type] - iterated once
+        out = PosixStorage(tmp)
+        spans = write_file(out, DATA_FNAME, payloads())  # type: ignore[arg-type] - iterated once
         metas: List[Optional[tuple]] = [_whole_tensor_meta(reader, k) for k in keys] + [None] * len(objects)
         names = keys + [key for key, _ in objects]
         locations = [(key, meta, DATA_FNAME, off, length, cs)
                      for key, meta, (off, length, cs) in zip(names, metas, spans)]
-        new_metadata = build_metadata([locations], tmp)
+        new_metadata = build_metadata([locations], out)
         new_metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
-        write_metadata(new_metadata, tmp)
+        write_metadata(new_metadata, out)
         save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
         _move_into_place(tmp, location)
     result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
@@ -135,21 +137,24 @@ def _object_payloads(src: Path, config: CheckpointingConfig, keys: List[str]) ->
         problem = range_problem(src, index, storage, file_sizes)
         if problem is not None:
             raise CheckpointingException(f"{src}: {problem}")
-        with open(data_file_path(src, storage.relative_path), "rb") as f:
-            f.seek(storage.offset)
-            out.append((key, f.read(storage.length)))
+        file = open_storage(src).open_reader(checked_data_file_name(str(src), storage.relative_path))
+        try:
+            out.append((key, file.read(storage.offset, storage.length)))
+        finally:
+            file.close()
     if config.common_backend is not None:
         if COMMON_STATE_OBJECT_KEY in keys:
             raise CheckpointingException(f"{src} has both {COMMON_STATE_FNAME} and a {COMMON_STATE_OBJECT_KEY!r} object")
-        out.append((COMMON_STATE_OBJECT_KEY, _as_object_payload(src / COMMON_STATE_FNAME)))
+        out.append((COMMON_STATE_OBJECT_KEY, _as_object_payload(src, COMMON_STATE_FNAME)))
     return out
 
 
-def _as_object_payload(common_file: Path) -> bytes:
+def _as_object_payload(src: Path, name: str) -> bytes:
     """``torch.save([state])`` from the bytes of ``torch.save(state)``, without unpickling:
     the pickle is wrapped into a one-element list (EMPTY_LIST before it, APPEND after it;
     memo indices are unchanged) and the other records of the archive are copied."""
-    data = read_file_verified(common_file)
+    data = read_file_verified(src, name)
+    common_file = open_storage(src).describe(name)
     with malformed(f"{common_file} is not a torch.save file"):
         reader = torch._C.PyTorchFileReader(io.BytesIO(data))
         records = reader.get_all_records()

@@ -1,15 +1,19 @@
-"""Core types: the library's exception and the checkpoint config (``metadata.json``)."""
+"""Core types: the library's exception and the checkpoint config (``metadata.json``, read and
+written through the storage layer)."""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
-import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
+
+from .storage import Storage, storage_for, url_scheme
+
+Location = Union[str, "os.PathLike[str]", Storage]
 
 CONFIG_FNAME = "metadata.json"
 _MAX_CONFIG_BYTES = 1 << 16
@@ -63,26 +67,43 @@ class CheckpointingConfig:
     common_backend_version: Optional[int] = 1
 
 
-def read_small_json(path: Union[str, Path], max_bytes: int, what: str) -> Any:
-    """The JSON value in ``path``, which must hold at most ``max_bytes``; anything else
-    (unreadable, too large, not JSON, nested too deep) is a :class:`CheckpointingException`
-    starting with ``what``."""
+def read_small_json(storage: Storage, name: str, max_bytes: int, what: str) -> Any:
+    """The JSON value in the file ``name`` of ``storage``, which must hold at most
+    ``max_bytes``; anything else (unreadable, too large, not JSON, nested too deep) is a
+    :class:`CheckpointingException` starting with ``what``."""
     try:
-        with open(path, "rb") as f:
-            text = f.read(max_bytes + 1)
+        text = storage.read_bytes(name, max_bytes)
         if len(text) > max_bytes:
             raise ValueError(f"larger than {max_bytes} bytes")
         return json.loads(text)
     except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointingException(f"{what} {path}: {e}") from e
+        raise CheckpointingException(f"{what} {storage.describe(name)}: {e}") from e
 
 
-def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
+def open_storage(checkpoint_dir: Location) -> Storage:
+    """The storage of a checkpoint location (:func:`~.storage.storage_for`); an unknown
+    URL scheme is a :class:`CheckpointingException`."""
+    try:
+        return storage_for(checkpoint_dir)
+    except ValueError as e:
+        raise CheckpointingException(str(e)) from e
+
+
+def checkpoint_location(checkpoint_dir: Location) -> Union[Path, str, Storage]:
+    """A checkpoint location as strategies receive it: a local directory as a ``Path``
+    (Megatron-Core's strategies expect one), a URL or a :class:`~.storage.Storage` as is."""
+    if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir):
+        return checkpoint_dir
+    return Path(checkpoint_dir)
+
+
+def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]:
     """Return the config of ``checkpoint_dir``, or ``None`` if it is not a complete checkpoint."""
-    config_path = Path(checkpoint_dir) / CONFIG_FNAME
-    if not config_path.is_file():
+    storage = open_storage(checkpoint_dir)
+    if storage.info(CONFIG_FNAME) is None:
         return None
-    raw = read_small_json(config_path, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
+    config_path = storage.describe(CONFIG_FNAME)
+    raw = read_small_json(storage, CONFIG_FNAME, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
     if not isinstance(raw, dict):
         raise CheckpointingException(f"Invalid checkpoint config file {config_path}: a JSON object is expected, "
                                      f"not {type(raw).__name__}")
@@ -97,7 +118,7 @@ def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[Checkpointin
 _MISSING = object()
 
 
-def _config_field(raw: dict, name: str, kind: type, path: Path, default: Any = _MISSING) -> Any:
+def _config_field(raw: dict, name: str, kind: type, path: str, default: Any = _MISSING) -> Any:
     """``raw[name]`` checked to be a ``kind`` (a version: an int in 0..2**31), or ``default``."""
     value = raw.get(name, default)
     if value is _MISSING:
@@ -113,7 +134,7 @@ def _config_field(raw: dict, name: str, kind: type, path: Path, default: Any = _
     return value
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
+def check_is_distributed_checkpoint(checkpoint_dir: Location) -> bool:
     """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
     try:
         return maybe_load_config(checkpoint_dir) is not None
@@ -127,16 +148,18 @@ def register_checkpoint_files(is_checkpoint_file: Callable[[str], bool]) -> None
     _checkpoint_file_checks.append(is_checkpoint_file)
 
 
-def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
+def load_config(checkpoint_dir: Location) -> CheckpointingConfig:
     """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.exists():
+    storage = open_storage(checkpoint_dir)
+    checkpoint_dir = storage.describe()
+    kind = storage.kind()
+    if kind is None:
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
-    if not checkpoint_dir.is_dir():
+    if kind != "dir":
         raise CheckpointingException(f"Checkpoint path {checkpoint_dir} is not a directory")
-    config = maybe_load_config(checkpoint_dir)
+    config = maybe_load_config(storage)
     if config is None:
-        partial = any(check(p.name) for p in checkpoint_dir.iterdir() for check in _checkpoint_file_checks)
+        partial = any(check(name) for name in storage.list() for check in _checkpoint_file_checks)
         if partial:
             raise CheckpointingException(
                 f"{checkpoint_dir} is an incomplete checkpoint: it has data files but no "
@@ -148,42 +171,15 @@ def load_config(checkpoint_dir: Union[str, Path]) -> CheckpointingConfig:
     return config
 
 
-def fsync_dir(path: Union[str, Path]) -> None:
-    """Make a directory entry (a rename or a new file) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Union[str, Path], data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
-    path = Path(path)
-    # A name of its own: two writers of one path never write into each other's file.
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def config_bytes(config: CheckpointingConfig) -> bytes:
     """The bytes of ``metadata.json`` for ``config``."""
     return json.dumps({k: v for k, v in asdict(config).items() if v is not None}).encode()
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: Union[str, Path]) -> None:
+def save_config(config: CheckpointingConfig, checkpoint_dir: Location) -> None:
     """Write ``metadata.json`` atomically; its presence marks a complete checkpoint."""
-    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))
+    storage = open_storage(checkpoint_dir)
+    try:
+        storage.write_atomic(CONFIG_FNAME, config_bytes(config))
+    except OSError as e:
+        raise CheckpointingException(f"Cannot write {storage.describe(CONFIG_FNAME)}: {e}") from e

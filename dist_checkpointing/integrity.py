@@ -10,14 +10,13 @@ Megatron-Core) load unverified.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 
 import xxhash
 
-from .core import CheckpointingException, atomic_write_bytes
+from .core import CheckpointingException, Location, open_storage
 from .save_claim import current_save_id
+from .storage import RangeReader
 
 ALGORITHM = "xxh3_64"
 SIDECAR_SUFFIX = ".checksum"
@@ -65,8 +64,8 @@ def item_checksum_scope(table: Dict[str, Any], where: str) -> str:
 
 
 class RecordVerifier:
-    """Checks a stored record ``[offset, offset + length)`` of an open file against its
-    checksum while the caller reads the part of it at ``span`` (e.g. a tensor's data).
+    """Checks a stored record ``[offset, offset + length)`` of a file open for reading
+    (a :class:`~.storage.RangeReader`) against its checksum while the caller reads the part of it at ``span`` (e.g. a tensor's data).
 
     The caller feeds the span's bytes to :meth:`update` in order, as it reads them. With
     ``whole_record`` the record's bytes before the span are hashed first (here) and those
@@ -74,9 +73,9 @@ class RecordVerifier:
     without it, of the span alone (the data-only checksums of older checkpoints).
     """
 
-    def __init__(self, fd: int, record: Tuple[int, int], span: Tuple[int, int], expected: int,
+    def __init__(self, file: RangeReader, record: Tuple[int, int], span: Tuple[int, int], expected: int,
                  whole_record: bool, what: str, where: str):
-        self._fd, self._expected, self._what, self._where = fd, expected, what, where
+        self._file, self._expected, self._what, self._where = file, expected, what, where
         self._hasher = new_hasher()
         self._suffix = (span[0] + span[1], record[0] + record[1]) if whole_record else (0, 0)
         if whole_record:
@@ -94,15 +93,23 @@ class RecordVerifier:
 
     def _hash_range(self, start: int, end: int) -> None:
         while start < end:
-            data = os.pread(self._fd, min(_PIECE, end - start), start)
+            try:
+                data = self._file.read(start, min(_PIECE, end - start))
+            except OSError as e:
+                raise CheckpointingException(f"Reading {self._what} at {self._where} failed: {e}") from e
             if not data:
                 raise CheckpointingException(f"Unexpected end of file reading {self._what} at {self._where}")
             self._hasher.update(data)
             start += len(data)
 
 
-def write_file_with_checksum(path: Union[str, Path], data) -> None:
-    """Write ``data`` atomically to ``path`` and its checksum to ``path.checksum``.
+def _sidecar(name: str) -> str:
+    return name + SIDECAR_SUFFIX
+
+
+def write_file_with_checksum(checkpoint_dir: Location, name: str, data) -> None:
+    """Write ``data`` atomically to the file ``name`` of ``checkpoint_dir`` and its
+    checksum to ``{name}.checksum``.
 
     Safe to use on an existing checkpoint: the old sidecar is removed first, then the file
     replaced, then the new sidecar written, so a crash at any point leaves a file that
@@ -110,55 +117,59 @@ def write_file_with_checksum(path: Union[str, Path], data) -> None:
     save holds the directory (:mod:`~dist_checkpointing.save_claim`), the sidecar records
     that save's id, which the save checks before it commits.
     """
-    path = Path(path)
-    sidecar_path = path.with_name(path.name + SIDECAR_SUFFIX)
-    sidecar_path.unlink(missing_ok=True)
-    atomic_write_bytes(path, data)
+    storage = open_storage(checkpoint_dir)
     sidecar = {"algorithm": ALGORITHM, "checksum": f"{checksum(data):016x}", "length": len(data)}
-    save_id = current_save_id(path.parent)
+    save_id = current_save_id(storage)
     if save_id is not None:
         sidecar["save_id"] = save_id
-    atomic_write_bytes(sidecar_path, json.dumps(sidecar).encode())
-
-
-def recorded_save_id(path: Union[str, Path]) -> Optional[str]:
-    """The save id recorded in ``path``'s checksum sidecar (``None`` without one)."""
-    sidecar = Path(path).with_name(Path(path).name + SIDECAR_SUFFIX)
+    written = name
     try:
-        raw = json.loads(sidecar.read_text())
+        storage.delete(_sidecar(name))
+        storage.write_atomic(name, data)
+        written = _sidecar(name)
+        storage.write_atomic(written, json.dumps(sidecar).encode())
+    except OSError as e:
+        raise CheckpointingException(f"Cannot write checkpoint file {storage.describe(written)}: {e}") from e
+
+
+def recorded_save_id(checkpoint_dir: Location, name: str) -> Optional[str]:
+    """The save id recorded in the checksum sidecar of the file ``name`` (``None`` without one)."""
+    storage = open_storage(checkpoint_dir)
+    try:
+        raw = json.loads(storage.read_bytes(_sidecar(name)))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointingException(f"Checksum file {sidecar} is damaged: {e}") from e
+        raise CheckpointingException(f"Checksum file {storage.describe(_sidecar(name))} is damaged: {e}") from e
     return raw.get("save_id") if isinstance(raw, dict) else None
 
 
-def read_file_verified(path: Union[str, Path], verify: bool = True) -> bytes:
-    """Read ``path``; when a checksum sidecar exists (and ``verify``), check the bytes."""
-    path = Path(path)
+def read_file_verified(checkpoint_dir: Location, name: str, verify: bool = True) -> bytes:
+    """Read the file ``name``; when a checksum sidecar exists (and ``verify``), check the bytes."""
+    storage = open_storage(checkpoint_dir)
+    path = storage.describe(name)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = storage.read_bytes(name)
     except FileNotFoundError as e:
         raise CheckpointingException(f"Checkpoint file {path} is missing") from e
     except OSError as e:
         raise CheckpointingException(f"Cannot read checkpoint file {path}: {e}") from e
     if verify:
-        expected = _read_sidecar(path)
+        expected = _read_sidecar(storage, name)
         if expected is not None and (len(data) != expected[1] or checksum(data) != expected[0]):
-            raise mismatch_error(f"file {path.name}", str(path))
+            raise mismatch_error(f"file {name}", path)
     return data
 
 
-def _read_sidecar(path: Path) -> Optional[tuple]:
-    sidecar = path.with_name(path.name + SIDECAR_SUFFIX)
-    if not sidecar.is_file():
+def _read_sidecar(storage, name: str) -> Optional[tuple]:
+    sidecar = _sidecar(name)
+    if storage.info(sidecar) is None:
         return None
+    where = storage.describe(sidecar)
     try:
-        raw = json.loads(sidecar.read_text())
+        raw = json.loads(storage.read_bytes(sidecar))
         if raw.get("algorithm") != ALGORITHM:
-            raise CheckpointingException(f"{sidecar}: unknown checksum algorithm {raw.get('algorithm')!r}")
+            raise CheckpointingException(f"{where}: unknown checksum algorithm {raw.get('algorithm')!r}")
         return int(raw["checksum"], 16), int(raw["length"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CheckpointingException(f"Checksum file {sidecar} is damaged: {e}") from e
-
+        raise CheckpointingException(f"Checksum file {where} is damaged: {e}") from e

@@ -23,18 +23,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 from .collectives import (
     all_gather_object, all_reduce_max_uint8, error_message, gather_object, get_rank, get_world_size, raise_if_any,
     run_agreed, scatter_object,
 )
 from .core import (
-    CONFIG_FNAME, CheckpointingConfig, CheckpointingException, atomic_write_bytes, config_bytes, load_config,
+    CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, config_bytes, load_config, open_storage,
     read_small_json,
 )
 from .save_claim import CLAIM_FNAME
+from .storage import Storage
 
 MANIFEST_FNAME = "integrity.json"
 ALGORITHM = "sha256"
@@ -44,16 +44,18 @@ _MAX_REPORTED = 10
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _WRITER_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
 
-PathLike = Union[str, Path]
 Share = List[str]
 
 
-def file_sha256(path: PathLike) -> str:
-    """The SHA-256 hex digest of a file, read 1 MiB at a time."""
+def file_sha256(storage: Storage, name: str) -> str:
+    """The SHA-256 hex digest of the file ``name``, read 1 MiB at a time."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
-            h.update(chunk)
+    file = storage.open_reader(name)
+    try:
+        for offset in range(0, file.size, _READ_CHUNK):
+            h.update(file.read(offset, _READ_CHUNK))
+    finally:
+        file.close()
     return h.hexdigest()
 
 
@@ -63,16 +65,17 @@ def manifest_bytes(files: Dict[str, str]) -> bytes:
     return json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=2).encode()
 
 
-def read_manifest(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
+def read_manifest(checkpoint_dir: Location) -> Optional[Dict[str, str]]:
     """The ``{file name: digest}`` of a checkpoint's manifest; ``None`` without one.
 
     A manifest that is not JSON, not of Megatron-Core's layout, of another algorithm,
     names anything but a plain file name in the directory, or holds anything but a
     SHA-256 hex digest is a :class:`CheckpointingException` naming the file."""
-    path = Path(checkpoint_dir) / MANIFEST_FNAME
-    if not path.is_file():
+    storage = open_storage(checkpoint_dir)
+    path = storage.describe(MANIFEST_FNAME)
+    if storage.info(MANIFEST_FNAME) is None:
         return None
-    raw = read_small_json(path, _MAX_MANIFEST_BYTES, "Unreadable integrity manifest")
+    raw = read_small_json(storage, MANIFEST_FNAME, _MAX_MANIFEST_BYTES, "Unreadable integrity manifest")
 
     def malformed(what: str) -> CheckpointingException:
         return CheckpointingException(f"Integrity manifest {path} is malformed: {what}")
@@ -92,55 +95,56 @@ def read_manifest(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
     return files
 
 
-def listing_problems(checkpoint_dir: Path, files: Dict[str, str]) -> Tuple[List[str], Dict[str, int]]:
+def listing_problems(storage: Storage, files: Dict[str, str]) -> Tuple[List[str], Dict[str, int]]:
     """Listed files that are missing (or not regular files) and regular files that are not
     listed; and the size of each listed file that is there."""
-    manifest = checkpoint_dir / MANIFEST_FNAME
+    manifest = storage.describe(MANIFEST_FNAME)
     problems, sizes = [], {}
     for name in sorted(files):
-        path = checkpoint_dir / name
-        if path.is_file():
-            sizes[name] = path.stat().st_size
+        info = storage.info(name)
+        if info is not None:
+            sizes[name] = info.size
         else:
-            problems.append(f"{path} is listed in {manifest} but {'is not a file' if path.exists() else 'missing'}")
-    for path in sorted(checkpoint_dir.iterdir()):
-        if path.name not in files and path.name != MANIFEST_FNAME and path.is_file():
-            problems.append(f"{path} is not listed in {manifest}: the directory was changed after the save")
+            state = "is not a file" if storage.kind(name) is not None else "missing"
+            problems.append(f"{storage.describe(name)} is listed in {manifest} but {state}")
+    for name in storage.list():
+        if name not in files and name != MANIFEST_FNAME and storage.info(name) is not None:
+            problems.append(f"{storage.describe(name)} is not listed in {manifest}: the directory was changed after the save")
     return problems, sizes
 
 
-def hash_problems(checkpoint_dir: Path, files: Dict[str, str], names: Share) -> List[str]:
+def hash_problems(storage: Storage, files: Dict[str, str], names: Share) -> List[str]:
     """The files of ``names`` whose SHA-256 is not the one ``files`` lists."""
     problems = []
     for name in names:
-        path = checkpoint_dir / name
+        path = storage.describe(name)
         try:
-            actual = file_sha256(path)
+            actual = file_sha256(storage, name)
         except OSError as e:
             problems.append(f"{path} cannot be read: {e}")
             continue
         if actual != files[name]:
-            problems.append(f"{path} does not match its SHA-256 in {checkpoint_dir / MANIFEST_FNAME} (expected "
+            problems.append(f"{path} does not match its SHA-256 in {storage.describe(MANIFEST_FNAME)} (expected "
                             f"{files[name][:16]}…, got {actual[:16]}…): the file is damaged or was changed")
     return problems
 
 
-def manifest_problems(checkpoint_dir: PathLike) -> List[str]:
+def manifest_problems(checkpoint_dir: Location) -> List[str]:
     """Every way the checkpoint differs from its manifest (one process; ``[]`` without a
     manifest). Raises only for a malformed manifest."""
-    checkpoint_dir = Path(checkpoint_dir)
-    files = read_manifest(checkpoint_dir)
+    storage = open_storage(checkpoint_dir)
+    files = read_manifest(storage)
     if files is None:
         return []
-    problems, sizes = listing_problems(checkpoint_dir, files)
-    return problems + hash_problems(checkpoint_dir, files, sorted(sizes))
+    problems, sizes = listing_problems(storage, files)
+    return problems + hash_problems(storage, files, sorted(sizes))
 
 
-def _raise_problems(checkpoint_dir: Path, problems: List[str]) -> None:
+def _raise_problems(storage: Storage, problems: List[str]) -> None:
     if problems:
         more = len(problems) - _MAX_REPORTED
         raise CheckpointingException(
-            f"Integrity check of {checkpoint_dir} failed for {len(problems)} file(s): "
+            f"Integrity check of {storage.describe()} failed for {len(problems)} file(s): "
             + "; ".join(problems[:_MAX_REPORTED]) + (f"; and {more} more" if more > 0 else ""))
 
 
@@ -155,7 +159,7 @@ def _balanced_shares(sizes: Dict[str, int], world: int) -> List[Share]:
     return shares
 
 
-def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
+def verify_manifest(checkpoint_dir: Location, required: bool = False) -> bool:
     """Verify a checkpoint against its ``integrity.json`` (collective over the default
     group; one process without one). Returns whether there was a manifest.
 
@@ -163,9 +167,10 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
     ``load(..., verify_integrity=True)``). Rank 0 checks the listing; the listed files are
     then hashed once in all, split over the ranks by size. Any problem is raised on every
     rank as one :class:`CheckpointingException` naming the files."""
-    checkpoint_dir = Path(checkpoint_dir)
+    storage = open_storage(checkpoint_dir)
+    checkpoint_dir = storage.describe()
     world = get_world_size()
-    if not required and not (checkpoint_dir / MANIFEST_FNAME).is_file():
+    if not required and storage.info(MANIFEST_FNAME) is None:
         # Every rank looks for itself, as every rank reads metadata.json itself: no collective
         # at all in the common case.
         return False
@@ -173,16 +178,16 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
     def plan() -> Optional[List[Optional[Tuple[Dict[str, str], Share]]]]:
         if get_rank() != 0:
             return None
-        files = read_manifest(checkpoint_dir)
+        files = read_manifest(storage)
         if files is None and not required:
             return [None] * world  # the load reports a missing or incomplete checkpoint itself
-        load_config(checkpoint_dir)  # a missing or incomplete checkpoint is reported as such
+        load_config(storage)  # a missing or incomplete checkpoint is reported as such
         if files is None:
             raise CheckpointingException(
                 f"{checkpoint_dir} has no integrity manifest {MANIFEST_FNAME} (verify_integrity=True needs one: "
                 "save with verify_integrity=True)")
-        problems, sizes = listing_problems(checkpoint_dir, files)
-        _raise_problems(checkpoint_dir, problems)
+        problems, sizes = listing_problems(storage, files)
+        _raise_problems(storage, problems)
         shares = _balanced_shares(sizes, world)
         return [({n: files[n] for n in share}, share) for share in shares]
 
@@ -199,16 +204,17 @@ def verify_manifest(checkpoint_dir: PathLike, required: bool = False) -> bool:
     if not found:
         return False
     mine = scatter_object(shares)
-    run_agreed(lambda: _raise_problems(checkpoint_dir, hash_problems(checkpoint_dir, *mine)),
+    run_agreed(lambda: _raise_problems(storage, hash_problems(storage, *mine)),
                f"Verifying {checkpoint_dir} against its {MANIFEST_FNAME}")
     return True
 
 
-def hash_written_files(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
+def hash_written_files(checkpoint_dir: Location) -> Optional[Dict[str, str]]:
     """At a save's commit: every file of the directory (but ``metadata.json``, the claim
     and the manifest) hashed by the rank that wrote it; the digests on rank 0, ``None``
     elsewhere (collective)."""
-    checkpoint_dir = Path(checkpoint_dir)
+    storage = open_storage(checkpoint_dir)
+    checkpoint_dir = storage.describe()
     world = get_world_size()
     skip = {CONFIG_FNAME, CLAIM_FNAME, MANIFEST_FNAME}
 
@@ -216,16 +222,16 @@ def hash_written_files(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
         if get_rank() != 0:
             return None
         shares: List[Share] = [[] for _ in range(world)]
-        for path in sorted(checkpoint_dir.iterdir()):
-            if path.name in skip or not path.is_file():
+        for name in storage.list():
+            if name in skip or storage.info(name) is None:
                 continue
-            writer = _WRITER_RANK.search(path.name)
+            writer = _WRITER_RANK.search(name)
             rank = int(writer.group(1)) if writer is not None else 0
-            shares[rank if rank < world else 0].append(path.name)
+            shares[rank if rank < world else 0].append(name)
         return shares
 
     mine = scatter_object(run_agreed(plan, f"Listing {checkpoint_dir} for its {MANIFEST_FNAME}"))
-    digests = run_agreed(lambda: {name: file_sha256(checkpoint_dir / name) for name in mine},
+    digests = run_agreed(lambda: {name: file_sha256(storage, name) for name in mine},
                          f"Hashing the files of {checkpoint_dir} for its {MANIFEST_FNAME}")
     gathered = gather_object(digests)
     if gathered is None:
@@ -233,20 +239,26 @@ def hash_written_files(checkpoint_dir: PathLike) -> Optional[Dict[str, str]]:
     return {name: digest for part in gathered for name, digest in part.items()}
 
 
-def write_manifest(checkpoint_dir: PathLike, digests: Dict[str, str], config: CheckpointingConfig) -> None:
+def _write(storage: Storage, files: Dict[str, str]) -> None:
+    try:
+        storage.write_atomic(MANIFEST_FNAME, manifest_bytes(files))
+    except OSError as e:
+        raise CheckpointingException(f"Cannot write {storage.describe(MANIFEST_FNAME)}: {e}") from e
+
+
+def write_manifest(checkpoint_dir: Location, digests: Dict[str, str], config: CheckpointingConfig) -> None:
     """Write ``integrity.json`` (atomically) from the digests of :func:`hash_written_files`
     and the ``metadata.json`` that ``config`` is about to be written as."""
-    files = {**digests, CONFIG_FNAME: hashlib.sha256(config_bytes(config)).hexdigest()}
-    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest_bytes(files))
+    _write(open_storage(checkpoint_dir), {**digests, CONFIG_FNAME: hashlib.sha256(config_bytes(config)).hexdigest()})
 
 
-def refresh_manifest(checkpoint_dir: PathLike, changed: List[str]) -> None:
+def refresh_manifest(checkpoint_dir: Location, changed: List[str]) -> None:
     """After an offline edit of a checkpoint (one process): if it has a manifest, drop the
     files that are gone and re-hash the ``changed`` ones, so it keeps verifying."""
-    checkpoint_dir = Path(checkpoint_dir)
-    files = read_manifest(checkpoint_dir)
+    storage = open_storage(checkpoint_dir)
+    files = read_manifest(storage)
     if files is None:
         return
-    files = {name: digest for name, digest in files.items() if (checkpoint_dir / name).is_file()}
-    files.update({name: file_sha256(checkpoint_dir / name) for name in changed if (checkpoint_dir / name).is_file()})
-    atomic_write_bytes(checkpoint_dir / MANIFEST_FNAME, manifest_bytes(files))
+    files = {name: digest for name, digest in files.items() if storage.info(name) is not None}
+    files.update({name: file_sha256(storage, name) for name in changed if storage.info(name) is not None})
+    _write(storage, files)

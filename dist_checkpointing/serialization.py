@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 
@@ -22,13 +21,16 @@ from .core import (
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
+    checkpoint_location,
     load_config,
+    open_storage,
     save_config,
 )
 from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
 from .integrity import SIDECAR_SUFFIX, recorded_save_id
 from .manifest import hash_written_files, refresh_manifest, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
+from .storage import Storage
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
 )
@@ -74,7 +76,7 @@ __all__ = [
 ]
 
 CONTENT_METADATA_KEY = "content_metadata"
-CkptDir = Union[str, os.PathLike]
+CkptDir = Union[str, os.PathLike, Storage]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -121,7 +123,7 @@ class _Phases:
             except Exception:  # noqa: BLE001 - a broken callback must not split the ranks
                 logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
 
-    def log(self, what: str, checkpoint_dir: Path) -> None:
+    def log(self, what: str, checkpoint_dir: CkptDir) -> None:
         total = time.perf_counter() - self.start
         split = ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
         logger.info("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
@@ -198,15 +200,15 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
 # ----------------------------------------------------------------------------- save
 
 
-def _check_written_by(save_id: str, checkpoint_dir: Path) -> None:
+def _check_written_by(save_id: str, checkpoint_dir: CkptDir) -> None:
     """Before committing: the directory is still this save's, and the files that record a
     save id (the checksum sidecars of ``common.pt`` and ``.metadata``) name this one."""
     check_claim(checkpoint_dir, save_id)
     for name in (COMMON_STATE_FNAME, METADATA_FNAME):
-        recorded = recorded_save_id(checkpoint_dir / name)
+        recorded = recorded_save_id(checkpoint_dir, name)
         if recorded is not None and recorded != save_id:
             raise CheckpointingException(
-                f"{checkpoint_dir / name} was written by save {recorded}, not by this save ({save_id}): "
+                f"{open_storage(checkpoint_dir).describe(name)} was written by save {recorded}, not by this save ({save_id}): "
                 "another save wrote into the directory; not committing it"
             )
 
@@ -225,7 +227,10 @@ def save(
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
-    The directory must be empty or missing. With ``validate_access_integrity`` the main
+    The directory must be empty or missing. ``checkpoint_dir`` may also be a
+    :class:`~.storage.Storage` or a URL of a scheme registered with
+    :func:`~.storage.register_storage` (every byte goes through it; the same for
+    :func:`load` and the offline readers). With ``validate_access_integrity`` the main
     replicas are first checked to cover every global tensor exactly once (collectively;
     nothing is written if any rank finds a problem). Ranks whose common state differs from
     rank 0's log the differing keys (after ``preprocess_common_before_consistancy_check``,
@@ -253,7 +258,7 @@ def save(
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
     is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends.
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     phases = _Phases(progress_callback)
     rank = get_rank()
 
@@ -342,7 +347,7 @@ def save(
 # ----------------------------------------------------------------------------- load
 
 
-def _load_common(config: CheckpointingConfig, checkpoint_dir: Path,
+def _load_common(config: CheckpointingConfig, checkpoint_dir: CkptDir,
                  common_strategy: Optional[LoadCommonStrategy],
                  sharded_strategy: LoadShardedStrategy) -> StateDict:
     if config.common_backend is None:
@@ -395,7 +400,7 @@ def load(
     requires one (as Megatron-Core's ``verify_integrity=True``), ``False`` skips it.
     """
     strict = parse_strict_flag(strict)
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     phases = _Phases(progress_callback)
     if verify_integrity is not False:
         verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
@@ -455,7 +460,7 @@ def load(
 
 def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
     """The common (non-sharded) state of a checkpoint."""
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     config = load_config(checkpoint_dir)
     return _load_common(config, checkpoint_dir, None, _sharded_load_strategy(config, None))
 
@@ -463,18 +468,18 @@ def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
 def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
     """Data-less ShardedTensors describing every global tensor of the checkpoint."""
     config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(Path(checkpoint_dir))
+    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(checkpoint_location(checkpoint_dir))
 
 
 def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
     """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
     config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(Path(checkpoint_dir))
+    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(checkpoint_location(checkpoint_dir))
 
 
 def load_plain_tensors(checkpoint_dir: CkptDir) -> StateDict:
     """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process)."""
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     config = load_config(checkpoint_dir)
     strategy = _sharded_load_strategy(config, None)
     request = strategy.load_tensors_metadata(checkpoint_dir)
@@ -494,6 +499,6 @@ def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,
 def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str) -> None:
     """Remove the tensors whose key starts with ``key_prefix`` from a checkpoint (one process)."""
     config = load_config(checkpoint_dir)
-    _sharded_load_strategy(config, None).remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
+    _sharded_load_strategy(config, None).remove_sharded_tensors(checkpoint_location(checkpoint_dir), key_prefix)
     # the strategy rewrote its metadata and deleted data files: an integrity.json follows
     refresh_manifest(checkpoint_dir, [METADATA_FNAME, METADATA_FNAME + SIDECAR_SUFFIX])

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from .bytes_view import nbytes
-from .core import CheckpointingException, fsync_dir, load_config, malformed
+from .core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
+from .storage.posix import fsync_dir
 from .dict_utils import dict_list_map_outplace, nested_values
 from .manifest import MANIFEST_FNAME, manifest_problems
 from .mapping import ShardedObject, ShardedTensor
@@ -99,12 +100,12 @@ def inspect_checkpoint(checkpoint_dir: PathLike) -> CheckpointInfo:
     """Describe a checkpoint: backend, common-state keys, every tensor (key, global shape,
     dtype, number of stored chunks, bytes, flattened or not), every ShardedObject, and the
     files with their sizes. Reads metadata only; raises only CheckpointingException."""
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir)
     with malformed(f"Cannot inspect checkpoint {checkpoint_dir}"):
         return _inspect(checkpoint_dir)
 
 
-def _inspect(checkpoint_dir: Path) -> CheckpointInfo:
+def _inspect(checkpoint_dir: Union[Path, str]) -> CheckpointInfo:
     config = load_config(checkpoint_dir)
     common_keys: List[str] = []
     common_error = None
@@ -114,7 +115,8 @@ def _inspect(checkpoint_dir: Path) -> CheckpointInfo:
         common_error = str(e)
     info = CheckpointInfo(str(checkpoint_dir), config.sharded_backend, config.sharded_backend_version,
                           config.common_backend, common_keys, common_error)
-    info.files = {p.name: p.stat().st_size for p in sorted(checkpoint_dir.iterdir()) if p.is_file()}
+    storage = open_storage(checkpoint_dir)
+    info.files = {name: stat.size for name in storage.list() if (stat := storage.info(name)) is not None}
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
     info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), t.chunks, t.nbytes, t.flattened) for t in stored.tensors]
     info.objects = stored.objects
@@ -222,13 +224,13 @@ def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] =
     every failure, whatever its type, is a problem in the report."""
     report = ValidationReport(str(checkpoint_dir))
     with _reported(report, f"Validating {checkpoint_dir}"):
-        _validate(Path(checkpoint_dir), report, progress)
+        _validate(checkpoint_location(checkpoint_dir), report, progress)
     return report
 
 
-def _validate(checkpoint_dir: Path, report: ValidationReport, progress: Optional[Progress]) -> None:
+def _validate(checkpoint_dir: Union[Path, str], report: ValidationReport, progress: Optional[Progress]) -> None:
     config = load_config(checkpoint_dir)
-    with _reported(report, f"{checkpoint_dir / MANIFEST_FNAME}"):
+    with _reported(report, open_storage(checkpoint_dir).describe(MANIFEST_FNAME)):
         report.problems += manifest_problems(checkpoint_dir)
     # What load would refuse (an unknown backend or version) is a problem here too.
     if not isinstance(get_default_load_sharded_strategy(checkpoint_dir), TorchDistLoadShardedStrategy):
@@ -239,7 +241,7 @@ def _validate(checkpoint_dir: Path, report: ValidationReport, progress: Optional
         _check_readable(report, "common state",
                         lambda: TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir))
     metadata = read_metadata(checkpoint_dir)
-    where = checkpoint_dir / ".metadata"
+    where = open_storage(checkpoint_dir).describe(".metadata")
     if getattr(metadata, "checksums", None) is None:
         report.notes.append("no item checksums are recorded (e.g. written by Megatron-Core): damage inside "
                             "tensor data cannot be detected, only unreadable or truncated items")

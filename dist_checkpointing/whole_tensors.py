@@ -8,16 +8,15 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .bytes_view import nbytes
-from .core import CheckpointingException, malformed
+from .core import CheckpointingException, Location, malformed, open_storage
 from .serialization import load_tensors_metadata
-from .strategies.torch_dist.format import data_file_path, original_global_shape
+from .strategies.torch_dist.format import checked_data_file_name, original_global_shape
 from .strategies.torch_dist.load import TorchDistLoadShardedStrategy
 from .strategies.torch_dist.metadata import read_metadata
 
@@ -31,13 +30,15 @@ def _return_freed_memory() -> None:
         pass
 
 
-def range_problem(checkpoint_dir: Path, index: MetadataIndex, storage: Any, file_sizes: Dict[str, int]) -> Optional[str]:
+def range_problem(checkpoint_dir: Location, index: MetadataIndex, storage: Any, file_sizes: Dict[str, int]) -> Optional[str]:
     """Why the byte range ``storage`` recorded for ``index`` is not inside its data file
     (``None`` if it is); ``file_sizes`` caches each file's size (-1: missing)."""
     what = f"item {index.fqn!r}" + (f" (chunk at {tuple(index.offset)})" if index.offset is not None else "")
-    path = data_file_path(checkpoint_dir, storage.relative_path)
+    files = open_storage(checkpoint_dir)
+    name = checked_data_file_name(files.describe(), storage.relative_path)
     if storage.relative_path not in file_sizes:
-        file_sizes[storage.relative_path] = path.stat().st_size if path.is_file() else -1
+        info = files.info(name)
+        file_sizes[storage.relative_path] = info.size if info is not None else -1
     size = file_sizes[storage.relative_path]
     if size < 0:
         return f"{what}: data file {storage.relative_path} is missing"
@@ -47,12 +48,12 @@ def range_problem(checkpoint_dir: Path, index: MetadataIndex, storage: Any, file
     return None
 
 
-def _check_claimed_sizes(checkpoint_dir: Path, metadata: Metadata, keys: List[str]) -> None:
+def _check_claimed_sizes(checkpoint_dir: Location, metadata: Metadata, keys: List[str]) -> None:
     """Refuse sizes in ``.metadata`` that the stored bytes cannot back, before anything is
     allocated for them: each chunk's byte range must lie inside its data file and hold at
     least the chunk's bytes, and the chunks' ranges together at least the whole tensor's."""
     file_sizes: Dict[str, int] = {}
-    where = checkpoint_dir / ".metadata"
+    where = open_storage(checkpoint_dir).describe(".metadata")
     for key in keys:
         with malformed(f"{where}: the entry of tensor {key!r} is malformed"):
             md = metadata.state_dict_metadata[key]
@@ -87,7 +88,7 @@ class TensorReader:
     chunk, freed after each tensor. The sizes the metadata claims are checked against
     the stored bytes before the buffer is allocated."""
 
-    def __init__(self, checkpoint_dir: Path, keys: List[str]):
+    def __init__(self, checkpoint_dir: Location, keys: List[str]):
         self.dir = checkpoint_dir
         self.meta = load_tensors_metadata(checkpoint_dir)
         _check_claimed_sizes(checkpoint_dir, read_metadata(checkpoint_dir), keys)

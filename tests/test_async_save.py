@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import dist_checkpointing as dc
-from dist_checkpointing import serialization
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.strategies import async_utils
@@ -36,6 +35,7 @@ from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrate
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 
 from .conftest import get_pool
+from .faulty_storage import FaultyStorage
 from .helpers import assert_all_raise, slow_writes
 
 ASYNC_THREAD = "dist_checkpointing-async"
@@ -826,15 +826,9 @@ def test_async_save_request_execute_sync(pool2, tmp_path):
 def _failing_commit(rank, world, root, how):
     """metadata.json cannot be written (rank 0 only writes it): finalization must fail on
     every rank, through the queue and through execute_sync alike."""
-    orig = serialization.save_config
-
-    def broken(*args, **kwargs):
-        raise OSError("disk quota exceeded (injected)")
-
     ckpt = os.path.join(root, how)
-    request = dc.save(_state(rank, world), ckpt, async_sharded_save=True)
-    if rank == 0:
-        serialization.save_config = broken
+    location = FaultyStorage(ckpt, "write_atomic", CONFIG_FNAME) if rank == 0 else ckpt
+    request = dc.save(_state(rank, world), location, async_sharded_save=True)
     error = None
     queue = AsyncCallsQueue()
     try:
@@ -846,7 +840,6 @@ def _failing_commit(rank, world, root, how):
     except Exception as e:  # noqa: BLE001 - compared across ranks by the test
         error = f"{type(e).__name__}: {e}"
     finally:
-        serialization.save_config = orig
         queue.close()
     torch.distributed.barrier()
     assert not dc.check_is_distributed_checkpoint(ckpt)
@@ -857,7 +850,8 @@ def _failing_commit(rank, world, root, how):
 def test_failing_commit_raises_on_every_rank(pool2, tmp_path, how):
     errors = pool2.run(_failing_commit, str(tmp_path), how, timeout=_ERR_TIMEOUT)
     for error in errors:
-        assert error is not None and "disk quota exceeded" in error, f"errors by rank ({how}): {errors}"
+        assert error is not None and "injected write_atomic fault" in error and CONFIG_FNAME in error, \
+            f"errors by rank ({how}): {errors}"
         assert error.startswith("CheckpointingException"), f"errors by rank ({how}): {errors}"
 
 
@@ -1080,7 +1074,7 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
     before its first use, then write one byte per page; the minor page faults that took."""
     import resource
 
-    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.storage import buffers as fa
 
     buf = fa.reserve_staging_buffers(1)
     page_bytes = memoryview(buf[0])
@@ -1089,8 +1083,8 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
     def child() -> int:
         fa.adopt_staging_buffers(buf)
         if map_in:
-            fa._POOL.map_in(buf[0])
-            fa._POOL.map_in(buf[0])  # once only: the second call does nothing
+            fa.POOL.map_in(buf[0])
+            fa.POOL.map_in(buf[0])  # once only: the second call does nothing
         view = np.frombuffer(buf[0], dtype=np.uint8)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         view[::4096] = 2
@@ -1108,7 +1102,7 @@ def test_forked_writer_maps_its_staging_buffers_in_before_use():
     # each page of an inherited buffer would fault. map_in populates a buffer in one call.
     import mmap
 
-    from dist_checkpointing.strategies.filesystem_async import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
+    from dist_checkpointing.storage.buffers import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
     probe = mmap.mmap(-1, 4096)
     try:
         probe.madvise(_MADV_POPULATE_READ)
@@ -1126,7 +1120,7 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
     # so the child maps them instead of zero-filling new ones); nobody else uses them while
     # it writes, and they are back in the pool for the next save once it is done.
     import dist_checkpointing as dc_
-    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.storage import buffers as fa
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue as Queue
 
     def state(val):
@@ -1135,17 +1129,17 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
 
     fa.release_staging_buffers()
     dc_.save(state(0), tmp_path / "sync0")  # fills the pool
-    pooled = {id(b) for b in fa._POOL._free}
+    pooled = {id(b) for b in fa.POOL._free}
     assert pooled
     queue = Queue()
     try:
         request = dc_.save(state(1), tmp_path / "a1", async_sharded_save=True)
         reserved = {id(b) for b in _strategy_call(request)[1][1]["buffers"]}
         assert reserved and reserved <= pooled, "the writer should reuse the pooled (touched) buffers"
-        assert not reserved & {id(b) for b in fa._POOL._free}, "reserved buffers must leave the pool"
+        assert not reserved & {id(b) for b in fa.POOL._free}, "reserved buffers must leave the pool"
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
-        assert reserved <= {id(b) for b in fa._POOL._free}, "the buffers go back to the pool"
+        assert reserved <= {id(b) for b in fa.POOL._free}, "the buffers go back to the pool"
         request = dc_.save(state(2), tmp_path / "a2", async_sharded_save=True)
         assert {id(b) for b in _strategy_call(request)[1][1]["buffers"]} == reserved  # reused by the next save
         queue.schedule_async_request(request)

@@ -3,8 +3,9 @@ rank — never a hang (DistPool's timeout fails the test) — and leaves the pro
 usable (issue 18, class 2).
 
 Each case injects one failure on rank 1 only: through the user's own inputs where a user
-can cause it (factories, common state, preprocessing, objects, strategies), else by
-replacing one library step on that rank for the duration of the call.
+can cause it (factories, common state, preprocessing, objects, strategies), through a
+faulty storage (:mod:`.faulty_storage`) for I/O, else by replacing one library step on
+that rank for the duration of the call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dist_checkpointing.strategies.fully_parallel import (
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 from .conftest import get_pool
+from .faulty_storage import FaultyStorage
 
 _TIMEOUT = 60.0
 _BAD = 1  # the rank that fails
@@ -111,8 +113,8 @@ def _inject_save(rank, world, ckpt, case):
             n = 4
             sd["w"] = ShardedTensor.from_rank_offsets("w", torch.zeros(n, dtype=torch.float64), (0, rank, world))
     elif case == "commit on rank 0":
-        from dist_checkpointing import serialization
-        patch = _replaced(serialization, "save_config", rank == 0)
+        if rank == 0:
+            ckpt = FaultyStorage(ckpt, "write_atomic", CONFIG_FNAME)
     elif case == "fully parallel assignment":
         kwargs["sharded_strategy"] = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
         patch = _replaced(fully_parallel, "distribute_main_replicas_with_precomputed_distribution", bad)
@@ -156,10 +158,8 @@ def _inject_load(rank, world, ckpt, case):
         kwargs["sharded_strategy"] = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
         patch = _replaced(fully_parallel, "_assign_reads", bad)
     elif case == "reading":
-        class Broken(TorchDistLoadShardedStrategy):
-            def _execute(self, plan, checkpoint_dir):
-                raise _Boom("read broke")
-        kwargs["sharded_strategy"] = Broken() if bad else TorchDistLoadShardedStrategy()
+        if bad:
+            ckpt = FaultyStorage(ckpt, "read", "__*.distcp")
     else:
         raise AssertionError(case)
     with patch:
@@ -196,7 +196,7 @@ SAVE_CASES = {
     "object serialization": "'o/shard_1_",
     "summaries": "_summaries broke",
     "metadata assembly on rank 0": "'w'",
-    "commit on rank 0": "save_config broke",
+    "commit on rank 0": "injected write_atomic fault",
     "fully parallel assignment": "distribute_main_replicas_with_precomputed_distribution broke",
     "sharded strategy": "planning broke",
 }
@@ -218,7 +218,7 @@ LOAD_CASES = {
     "missing key": "'nope'",
     "summaries": "_summaries broke",
     "fully parallel assignment": "_assign_reads broke",
-    "reading": "read broke",
+    "reading": "injected read fault",
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import pickle
 import shutil
 import struct
@@ -25,7 +24,9 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.integrity import checksum, write_file_with_checksum
-from dist_checkpointing.strategies.filesystem_async import STAGING_BUFFER_BYTES, write_file
+from dist_checkpointing.storage import PosixStorage
+from dist_checkpointing.storage.buffers import STAGING_BUFFER_BYTES
+from dist_checkpointing.strategies.filesystem_async import write_file
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
 from dist_checkpointing.strategies.torch_blob import read_tensor_header
 from dist_checkpointing.tools import validate_checkpoint
@@ -137,7 +138,7 @@ def test_writer_checksums_are_those_of_whole_records(tmp_path):
     of each record: small ones, one that straddles two staging buffers, bytes payloads."""
     payloads = [torch.arange(10.0), b"x" * 100, torch.ones(STAGING_BUFFER_BYTES - 1000, dtype=torch.uint8),
                 torch.arange(3, dtype=torch.int64), torch.empty(0), b"y" * (70 << 10)]
-    spans = write_file(tmp_path / "f", payloads)
+    spans = write_file(PosixStorage(tmp_path), "f", payloads)
     raw = (tmp_path / "f").read_bytes()
     assert sum(length for _, length, _ in spans) == len(raw)
     assert [checksum(raw[offset:offset + length]) for offset, length, _ in spans] == [cs for _, _, cs in spans]
@@ -157,18 +158,18 @@ def _data_only_checksums(ckpt: Path) -> None:
     md = copy.copy(read_metadata(ckpt))
     items = {}
     for index, storage in md.storage_data.items():
-        fd = os.open(ckpt / storage.relative_path, os.O_RDONLY)
+        file = PosixStorage(ckpt).open_reader(storage.relative_path)
         try:
-            header = read_tensor_header(fd, storage.offset, storage.length) if index.offset is not None else None
+            header = read_tensor_header(file, storage.offset, storage.length) if index.offset is not None else None
             if header is None:
-                data = os.pread(fd, storage.length, storage.offset)
+                data = file.read(storage.offset, storage.length)
             else:
-                data = os.pread(fd, header.span_elements() * header.dtype.itemsize, header.data_offset)
+                data = file.read(header.data_offset, header.span_elements() * header.dtype.itemsize)
         finally:
-            os.close(fd)
+            file.close()
         items[(storage.relative_path, storage.offset)] = checksum(data)
     md.checksums = {"algorithm": "xxh3_64", "items": items}
-    write_file_with_checksum(ckpt / ".metadata", pickle.dumps(md))
+    write_file_with_checksum(ckpt, ".metadata", pickle.dumps(md))
 
 
 def test_data_only_checksums_of_older_checkpoints_still_verify(clean, tmp_path):
@@ -213,7 +214,7 @@ def _craft_storage(ckpt: Path, fqn: str, offset=None, length=None) -> None:
     size = (ckpt / storage.relative_path).stat().st_size
     md.storage_data[index].offset = size + 10 if offset == "past_eof" else (offset if offset is not None else storage.offset)
     md.storage_data[index].length = length if length is not None else storage.length
-    write_file_with_checksum(ckpt / ".metadata", pickle.dumps(md))
+    write_file_with_checksum(ckpt, ".metadata", pickle.dumps(md))
 
 
 @pytest.mark.parametrize("fqn", ["w", "obj"])

@@ -17,6 +17,7 @@ import pytest
 
 import dist_checkpointing as dc
 from benchmarks import _scale_sim as sim
+from dist_checkpointing.storage import storage_for
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 from dist_checkpointing import validation
 from dist_checkpointing.validation import _Combined, _verdict, validate_sharding_integrity
@@ -81,7 +82,7 @@ def test_simulated_rank0_metadata_matches_a_real_save(name, tmp_path):
     gathered = [b""] + [pickle.dumps(sim.sender_locations(cfg, r)) for r in range(1, cfg.world)]
     with sim.simulated(sim.SimulatedNetwork(0, cfg.world, gathered=gathered)):
         TorchDistSaveShardedStrategy(thread_count=sim.THREADS)._publish(
-            sim.sender_locations(cfg, 0), None, Path(simulated_dir))
+            sim.sender_locations(cfg, 0), None, storage_for(simulated_dir))
     simulated = read_metadata(simulated_dir)
     assert simulated.state_dict_metadata == real.state_dict_metadata
     assert simulated.mcore_data == real.mcore_data

@@ -297,7 +297,7 @@ def test_zip_crc_switch_is_restored_per_caller():
 
     from torch.serialization import get_crc32_options, set_crc32_options
 
-    from dist_checkpointing.strategies.filesystem_async import zip_crc_disabled
+    from dist_checkpointing.storage.zip_crc import zip_crc_disabled
 
     inside, release, seen = threading.Barrier(3), threading.Event(), []
 
@@ -331,17 +331,17 @@ def test_zip_crc_switch_kept_process_wide(monkeypatch):
     off while any writer is inside and comes back when the last one leaves, in any order."""
     import threading
 
-    from dist_checkpointing.strategies import filesystem_async as fa
+    from dist_checkpointing.storage import zip_crc
 
     switch = {"on": True}
-    monkeypatch.setattr(fa, "get_crc32_options", lambda: switch["on"])
-    monkeypatch.setattr(fa, "set_crc32_options", lambda on: switch.__setitem__("on", on))
-    monkeypatch.setattr(fa, "_crc_switch_per_thread", None)
+    monkeypatch.setattr(zip_crc, "get_crc32_options", lambda: switch["on"])
+    monkeypatch.setattr(zip_crc, "set_crc32_options", lambda on: switch.__setitem__("on", on))
+    monkeypatch.setattr(zip_crc, "_crc_switch_per_thread", None)
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
     seen = []
 
     def first() -> None:
-        with fa.zip_crc_disabled():
+        with zip_crc.zip_crc_disabled():
             first_in.set()
             second_in.wait()
         first_out.set()
@@ -349,13 +349,13 @@ def test_zip_crc_switch_kept_process_wide(monkeypatch):
     thread = threading.Thread(target=first)
     thread.start()
     first_in.wait()
-    with fa.zip_crc_disabled():
+    with zip_crc.zip_crc_disabled():
         second_in.set()
         first_out.wait()  # the first writer left while this one is still inside
         seen.append(switch["on"])
     thread.join()
     seen.append(switch["on"])
-    assert fa._crc_switch_per_thread is False, "a fresh thread saw the switch off: process-wide"
+    assert zip_crc._crc_switch_per_thread is False, "a fresh thread saw the switch off: process-wide"
     assert seen == [False, True]
 
 

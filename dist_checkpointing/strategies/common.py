@@ -8,7 +8,7 @@ from typing import Callable, Union
 
 import torch
 
-from ..core import CheckpointingException
+from ..core import CheckpointingException, open_storage
 from ..integrity import read_file_verified, write_file_with_checksum
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy
@@ -44,8 +44,7 @@ def _serialized(common_state_dict: StateDict, checkpoint_dir: Union[str, Path]) 
         torch.save(common_state_dict, buf)
     except Exception as e:  # noqa: BLE001 - unpicklable user object
         raise CheckpointingException(f"Cannot serialize the common state: {e}") from e
-    path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-    return lambda: write_file_with_checksum(path, buf.getbuffer())
+    return lambda: write_file_with_checksum(checkpoint_dir, COMMON_STATE_FNAME, buf.getbuffer())
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
@@ -65,9 +64,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         self.verify_checksums = verify_checksums
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        data = read_file_verified(path, self.verify_checksums)
-        return safe_torch_load(data, f"common state {path}", self.allow_pickle)
+        storage = open_storage(checkpoint_dir)
+        data = read_file_verified(storage, COMMON_STATE_FNAME, self.verify_checksums)
+        return safe_torch_load(data, f"common state {storage.describe(COMMON_STATE_FNAME)}", self.allow_pickle)
 
 
 def register_default_common_strategies() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core import CheckpointingException
+from ..storage import Storage
 
 _MAX_NDIM = 64
 _MAX_INT = 1 << 62  # no file, offset or dimension is larger; Python ints could be
@@ -170,12 +170,13 @@ def _check_all(metadata: Metadata, path: Any) -> None:
     _check_extras(metadata, path)
 
 
-def check_stored_sizes(metadata: Metadata, checkpoint_dir: Path, keys: Iterable[str]) -> None:
+def check_stored_sizes(metadata: Metadata, storage: Storage, keys: Iterable[str]) -> None:
     """Before allocating the whole tensors ``keys``: each must be covered by the elements of
     its stored chunks, and every byte range they are stored in must lie within its data file
     (each file is looked at once). Raises :class:`CheckpointingException` naming the key
     and file otherwise."""
     sizes: Dict[str, int] = {}
+    checkpoint_dir = storage.describe()
     for key in keys:
         md = metadata.state_dict_metadata[key]
         stored = sum(math.prod(c.sizes) for c in md.chunks)
@@ -190,15 +191,14 @@ def check_stored_sizes(metadata: Metadata, checkpoint_dir: Path, keys: Iterable[
                 raise CheckpointingException(
                     f"Checkpoint {checkpoint_dir} has no storage entry for chunk {tuple(chunk.offsets)} of {key!r}")
             if info.relative_path not in sizes:
-                try:
-                    sizes[info.relative_path] = os.stat(checkpoint_dir / info.relative_path).st_size
-                except OSError as e:
+                stored_file = storage.info(info.relative_path)
+                if stored_file is None:
                     raise CheckpointingException(
-                        f"Data file {checkpoint_dir / info.relative_path} of tensor {key!r} is missing or unreadable: {e}"
-                    ) from e
+                        f"Data file {storage.describe(info.relative_path)} of tensor {key!r} is missing or unreadable")
+                sizes[info.relative_path] = stored_file.size
             if info.offset + info.length > sizes[info.relative_path]:
                 raise CheckpointingException(
                     f"Tensor {key!r}: chunk {tuple(chunk.offsets)} is stored at bytes {info.offset}.."
-                    f"{info.offset + info.length} of {checkpoint_dir / info.relative_path}, which has "
+                    f"{info.offset + info.length} of {storage.describe(info.relative_path)}, which has "
                     f"{sizes[info.relative_path]} bytes"
                 )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
-from pathlib import Path
 from typing import IO, Any, Union
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 
-from ..core import CheckpointingException
+from ..core import CheckpointingException, Location, open_storage
 from ..integrity import read_file_verified
 from .safe_globals import safe_globals_context
 from .stand_ins import StandInMismatch
@@ -121,9 +120,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(path: Union[str, Path], verify_checksum: bool = True) -> dcp_md.Metadata:
-    """Unpickle a DCP ``.metadata`` file safely (checking its checksum sidecar if any)."""
-    data = read_file_verified(path, verify_checksum)
+def load_dcp_metadata(checkpoint_dir: Location, name: str = ".metadata",
+                      verify_checksum: bool = True) -> dcp_md.Metadata:
+    """Unpickle a checkpoint's DCP ``.metadata`` file safely (checking its checksum sidecar if any)."""
+    storage = open_storage(checkpoint_dir)
+    path = storage.describe(name)
+    data = read_file_verified(storage, name, verify_checksum)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), str(path)).load()
     except CheckpointingException:

@@ -3,7 +3,7 @@
 Every tensor item of a torch_dist checkpoint is a complete ``torch.save`` zip archive.
 Instead of ``torch.load`` (which copies the bytes twice), :func:`read_tensor_header`
 parses the archive's directory and its small ``data.pkl`` to find where the raw tensor
-bytes are, so the loader can ``preadv`` them straight into the destination tensor.
+bytes are, so the loader can read them straight into the destination tensor.
 The ``data.pkl`` is interpreted by an unpickler that only understands tensor rebuilds:
 nothing in the file is executed.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 import struct
 import warnings
@@ -23,6 +22,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ..storage import RangeReader
 from .resharding import contiguous_strides
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -30,10 +30,12 @@ _LOCAL_HEADER_SIG = 0x04034B50
 
 
 class FileSlice:
-    """A read-only, seekable view of ``[offset, offset + length)`` of an open file."""
+    """A read-only, seekable view of ``[offset, offset + length)`` of a stored file.
+    ``error`` keeps a storage error of a read (``zipfile`` reports it as a bad archive)."""
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+    def __init__(self, file: RangeReader, offset: int, length: int):
+        self._file, self._offset, self._length, self._pos = file, offset, length, 0
+        self.error: Optional[OSError] = None
 
     def seek(self, pos: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._pos, 2: self._length}[whence]
@@ -50,7 +52,11 @@ class FileSlice:
         if n is None or n < 0:
             n = self._length - self._pos
         n = min(n, self._length - self._pos)
-        data = os.pread(self._fd, n, self._offset + self._pos)
+        try:
+            data = self._file.read(self._offset + self._pos, n)
+        except OSError as e:
+            self.error = e
+            raise
         self._pos += len(data)
         return data
 
@@ -133,10 +139,10 @@ class _HeaderUnpickler(pickle.Unpickler):
         return _StorageRef(pid[1].dtype, str(pid[2]))
 
 
-def _record_data_offset(fd: int, blob_offset: int, blob_length: int, info: zipfile.ZipInfo) -> int:
+def _record_data_offset(file: RangeReader, blob_offset: int, blob_length: int, info: zipfile.ZipInfo) -> int:
     """Where the payload of the zip record ``info`` starts, relative to the blob; the
     payload must lie inside the blob."""
-    raw = os.pread(fd, _LOCAL_HEADER.size, blob_offset + info.header_offset) if info.header_offset >= 0 else b""
+    raw = file.read(blob_offset + info.header_offset, _LOCAL_HEADER.size) if info.header_offset >= 0 else b""
     fields = _LOCAL_HEADER.unpack(raw) if len(raw) == _LOCAL_HEADER.size else None
     if fields is None or fields[0] != _LOCAL_HEADER_SIG:
         raise ValueError(f"bad local header for record {info.filename}")
@@ -147,22 +153,28 @@ def _record_data_offset(fd: int, blob_offset: int, blob_length: int, info: zipfi
     return start
 
 
-def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHeader]:
-    """Locate the tensor stored in the blob at ``[offset, offset+length)``.
+def read_tensor_header(file: RangeReader, offset: int, length: int) -> Optional[TensorHeader]:
+    """Locate the tensor stored in the blob at ``[offset, offset+length)`` of ``file``.
 
     Returns ``None`` when the blob is not a plain single-tensor ``torch.save`` archive
     (the caller then falls back to ``torch.load``). Raises ``ValueError`` for a damaged
     archive; nothing outside the blob is read, and the tensor's bytes lie inside it.
     """
-    zf = zipfile.ZipFile(FileSlice(fd, offset, length))  # reads the central directory only
+    blob = FileSlice(file, offset, length)
+    try:
+        zf = zipfile.ZipFile(blob)  # reads the central directory only
+    except zipfile.BadZipFile:
+        if blob.error is not None:
+            raise blob.error from None
+        raise
     infos = {i.filename: i for i in zf.infolist()}
     pkl_name = next((n for n in infos if n.endswith("/data.pkl") or n == "data.pkl"), None)
     if pkl_name is None:
         return None
     prefix = pkl_name[: -len("data.pkl")]
     pkl_info = infos[pkl_name]
-    pkl_start = _record_data_offset(fd, offset, length, pkl_info)
-    pkl = os.pread(fd, pkl_info.file_size, offset + pkl_start)
+    pkl_start = _record_data_offset(file, offset, length, pkl_info)
+    pkl = file.read(offset + pkl_start, pkl_info.file_size)
     try:
         obj = _HeaderUnpickler(io.BytesIO(pkl)).load()
     except (pickle.UnpicklingError, AttributeError, TypeError, EOFError):
@@ -173,7 +185,7 @@ def read_tensor_header(fd: int, offset: int, length: int) -> Optional[TensorHead
     data_info = infos.get(f"{prefix}data/{storage.key}")
     if data_info is None or dtype is None:
         return None
-    data_start = _record_data_offset(fd, offset, length, data_info)
+    data_start = _record_data_offset(file, offset, length, data_info)
     if len(size) != len(stride) or min((storage_offset, *size, *stride)) < 0:
         raise ValueError(f"invalid tensor geometry: size {size}, stride {stride}, storage offset {storage_offset}")
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -33,15 +33,20 @@ def is_checkpoint_file(name: str) -> bool:
     return name == METADATA_FNAME or name.endswith(DATA_FILE_SUFFIX)
 
 
-def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
-    """The path of a data file named in ``.metadata``; only plain names inside the
-    checkpoint directory are accepted (a crafted ``.metadata`` cannot reach other files)."""
+def checked_data_file_name(checkpoint_dir: str, relative_path: str) -> str:
+    """A data file name read from ``.metadata``, once known to be a plain name inside the
+    checkpoint (a crafted ``.metadata`` cannot reach other files)."""
     if not relative_path or os.path.basename(relative_path) != relative_path or relative_path in (".", ".."):
         raise CheckpointingException(
             f"Checkpoint metadata in {checkpoint_dir} names data file {relative_path!r}, which is "
             "not a file inside the checkpoint directory"
         )
-    return checkpoint_dir / relative_path
+    return relative_path
+
+
+def data_file_path(checkpoint_dir: Path, relative_path: str) -> Path:
+    """The local path of a data file named in ``.metadata`` (:func:`checked_data_file_name`)."""
+    return Path(checkpoint_dir) / checked_data_file_name(str(checkpoint_dir), relative_path)
 
 
 def original_global_shape(metadata: Metadata, key: str) -> Optional[Tuple[int, ...]]:

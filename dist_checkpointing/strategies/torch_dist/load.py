@@ -12,10 +12,11 @@ from typing import Any, Union
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ...collectives import run_agreed
-from ...core import CheckpointingException
+from ...core import CheckpointingException, open_storage
 from ...dict_utils import dict_list_map_outplace, nested_values
 from ...integrity import SCOPE_RECORD, item_checksum_scope
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from ...storage import Storage
 from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
@@ -58,35 +59,36 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Collective load: errors on any rank are raised on every rank."""
-        checkpoint_dir = Path(checkpoint_dir)
-        plan = run_agreed(lambda: self._plan(sharded_state_dict, checkpoint_dir), "Planning the load")
-        run_agreed(lambda: self._execute(plan, checkpoint_dir), "Reading the checkpoint")
+        storage = open_storage(checkpoint_dir)
+        plan = run_agreed(lambda: self._plan(sharded_state_dict, storage), "Planning the load")
+        run_agreed(lambda: self._execute(plan, storage), "Reading the checkpoint")
         return self._result(sharded_state_dict, plan)
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Load in this process alone (no collectives): for offline tools. Tensors requested
         without data (e.g. from :meth:`load_tensors_metadata`) are allocated only once their
         keys' stored sizes are checked against the data files."""
-        checkpoint_dir = Path(checkpoint_dir)
+        storage = open_storage(checkpoint_dir)
         dataless = {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor) and sh.data is None}
         if dataless:
-            metadata = read_metadata(checkpoint_dir)
-            check_stored_sizes(metadata, checkpoint_dir,
+            metadata = read_metadata(storage)
+            check_stored_sizes(metadata, storage,
                                [k for k in dataless if isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)])
-        plan = self._plan(sharded_state_dict, checkpoint_dir)
-        self._execute(plan, checkpoint_dir)
+        plan = self._plan(sharded_state_dict, storage)
+        self._execute(plan, storage)
         return self._result(sharded_state_dict, plan)
 
-    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> LoadPlan:
-        metadata = read_metadata(checkpoint_dir)
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage]) -> LoadPlan:
+        storage = open_storage(checkpoint_dir)
+        metadata = read_metadata(storage)
         self._scratch.begin()
-        return plan_load(sharded_state_dict, metadata, checkpoint_dir, self._scratch)
+        return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch)
 
-    def _execute(self, plan: LoadPlan, checkpoint_dir: Path) -> None:
+    def _execute(self, plan: LoadPlan, storage: Storage) -> None:
         tensor_reads, object_reads, post_copies = plan
-        table = getattr(read_metadata(checkpoint_dir), "checksums", None) if self.verify_checksums else None
-        scope = item_checksum_scope(table, str(checkpoint_dir)) if table is not None else None
-        reader = Reader(checkpoint_dir, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
+        table = getattr(read_metadata(storage), "checksums", None) if self.verify_checksums else None
+        scope = item_checksum_scope(table, storage.describe()) if table is not None else None
+        reader = Reader(storage, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
         try:
             tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
             tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
@@ -140,7 +142,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
         """Every tensor and object of ``.metadata`` (chunks counted; flattened keys marked)."""
-        return stored_items(Path(checkpoint_dir))
+        return stored_items(checkpoint_dir)
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         """The common state of checkpoints that store it as the ``common_state`` object."""
@@ -150,4 +152,4 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
         """Remove tensors whose key starts with ``key_prefix``; data files that hold
         nothing else are deleted."""
-        remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
+        remove_sharded_tensors(checkpoint_dir, key_prefix)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -94,7 +93,7 @@ LoadPlan = Tuple[List[TensorRead], Dict[int, ObjectRead], List[Callable[[], Any]
 
 
 def stored_chunk_shape(key: str, md: TensorStorageMetadata, orig: Tuple[int, ...],
-                        checkpoint_dir: Path) -> Tuple[int, ...]:
+                        checkpoint_dir: str) -> Tuple[int, ...]:
     """The chunk shape of a key stored flattened as ``axis_fragmentations + (chunk numel,)``."""
     fragm, row_len = tuple(md.size[:-1]), md.size[-1]
     if len(fragm) != len(orig) or any(f <= 0 or o % f for o, f in zip(orig, fragm)) or \
@@ -106,7 +105,7 @@ def stored_chunk_shape(key: str, md: TensorStorageMetadata, orig: Tuple[int, ...
     return tuple(o // f for o, f in zip(orig, fragm))
 
 
-def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoint_dir: Path,
+def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoint_dir: str,
               scratch: ScratchArena) -> LoadPlan:
     """The reads (and copies after them) that fill the request from the checkpoint."""
     tensor_reads: List[TensorRead] = []
@@ -129,7 +128,7 @@ def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoi
     return tensor_reads, object_reads, post_copies
 
 
-def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: Path,
+def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str,
                 scratch: ScratchArena) -> Tuple[List[TensorRead], List[Callable[[], Any]]]:
     """Reads (and copies to run after them) that fill ``sh.data`` from the checkpoint."""
     md = metadata.state_dict_metadata.get(sh.key)
@@ -185,7 +184,7 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: Path,
 
 
 def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata, request: Region,
-                  dest: torch.Tensor, checkpoint_dir: Path) -> List[TensorRead]:
+                  dest: torch.Tensor, checkpoint_dir: str) -> List[TensorRead]:
     """Reads of the stored chunks overlapping ``request`` (in stored coordinates) into ``dest``."""
     reads, covered = [], 0
     for chunk_md in md.chunks:
@@ -210,7 +209,7 @@ def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metada
 
 
 def _direct_flat_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata,
-                       orig: Tuple[int, ...], data: torch.Tensor, checkpoint_dir: Path) -> Optional[List[TensorRead]]:
+                       orig: Tuple[int, ...], data: torch.Tensor, checkpoint_dir: str) -> Optional[List[TensorRead]]:
     """Reads straight into the request's tensor from a flattened key, when each overlap of
     the request's chunk with a stored chunk is one contiguous run in both row-major layouts
     (e.g. grids split along the leading axis): no buffers, no copies. ``None`` otherwise."""
@@ -242,7 +241,7 @@ def _direct_flat_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: M
 
 def _assemble_from_flat(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata,
                         orig: Tuple[int, ...], region: Region, dest: torch.Tensor,
-                        checkpoint_dir: Path, scratch: ScratchArena) -> Tuple[List[TensorRead], List[Callable[[], Any]]]:
+                        checkpoint_dir: str, scratch: ScratchArena) -> Tuple[List[TensorRead], List[Callable[[], Any]]]:
     """Fill ``dest`` (the original-space ``region``) from a flattened key: for each stored
     chunk that ``region`` touches, read the span of its row between the first and the last
     needed element (from the DP slices that hold it) and copy the needed elements out."""

@@ -5,12 +5,10 @@ unchanged)."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import uuid
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -25,9 +23,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...bytes_view import nbytes
-from ...core import CheckpointingException, gc_paused, malformed
+from ...core import CheckpointingException, gc_paused, malformed, open_storage
+from ...core import Location as CheckpointLocation
 from ...integrity import item_checksum_table, write_file_with_checksum
 from ...save_claim import current_save_id
+from ...storage import Storage
 from ..base import StoredItems, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
@@ -43,13 +43,13 @@ def checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]
         {(fname, offset): cs for entries in per_rank_checksums for fname, offset, cs in entries if cs is not None})
 
 
-def storage_meta(checkpoint_dir: Path) -> StorageMeta:
+def storage_meta(storage: Storage) -> StorageMeta:
     """DCP's record of this save: the directory and the id of the save that holds it
     (:mod:`~dist_checkpointing.save_claim`; a fresh id when none does)."""
-    return StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=current_save_id(checkpoint_dir) or uuid.uuid4().hex)
+    return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
-def build_metadata(per_rank: List[List[Location]], checkpoint_dir: Path) -> Metadata:
+def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata:
     """Global DCP metadata from every rank's item locations, with consistency checks."""
     state_dict_metadata: Dict[str, Any] = {}
     orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
@@ -99,7 +99,7 @@ def build_metadata(per_rank: List[List[Location]], checkpoint_dir: Path) -> Meta
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
         storage_data=storage_data,
-        storage_meta=storage_meta(checkpoint_dir),
+        storage_meta=storage_meta(storage),
         version=DCP_VERSION,
     )
     # Megatron-Core's loader looks up per-key extras here: the original global shape of
@@ -127,40 +127,41 @@ def as_plain_metadata(metadata: Metadata) -> Metadata:
     return plain
 
 
-def write_metadata(metadata: Metadata, checkpoint_dir: Path) -> None:
-    write_file_with_checksum(checkpoint_dir / METADATA_FNAME, pickle.dumps(metadata))
+def write_metadata(metadata: Metadata, storage: Storage) -> None:
+    """Write ``.metadata`` and its checksum sidecar."""
+    write_file_with_checksum(storage, METADATA_FNAME, pickle.dumps(metadata))
 
 
-_metadata_cache: Dict[str, Tuple[Tuple[int, int], Metadata]] = {}
+_metadata_cache: Dict[str, Tuple[Hashable, Metadata]] = {}
 _metadata_cache_lock = threading.Lock()
 
 
-def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
+def read_metadata(checkpoint_dir: CheckpointLocation) -> Metadata:
     """The DCP metadata of a checkpoint (cached while the file is unchanged)."""
-    path = Path(checkpoint_dir) / METADATA_FNAME
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise CheckpointingException(f"Checkpoint metadata file {path} is missing") from e
-    stamp = (st.st_mtime_ns, st.st_size)
+    storage = open_storage(checkpoint_dir)
+    path = storage.describe(METADATA_FNAME)
+    info = storage.info(METADATA_FNAME)
+    if info is None:
+        raise CheckpointingException(f"Checkpoint metadata file {path} is missing")
     with _metadata_cache_lock:
-        cached = _metadata_cache.get(str(path))
-        if cached is not None and cached[0] == stamp:
+        cached = _metadata_cache.get(path)
+        if cached is not None and cached[0] == info.version:
             return cached[1]
     with gc_paused():  # millions of small objects in a large checkpoint's metadata
-        metadata = load_dcp_metadata(path)
+        metadata = load_dcp_metadata(storage, METADATA_FNAME)
         check_dcp_metadata(metadata, path)
     with _metadata_cache_lock:
         _metadata_cache.clear()
-        _metadata_cache[str(path)] = (stamp, metadata)
+        _metadata_cache[path] = (info.version, metadata)
     return metadata
 
 
-def stored_items(checkpoint_dir: Path) -> StoredItems:
+def stored_items(checkpoint_dir: CheckpointLocation) -> StoredItems:
     """Every tensor (chunks counted, flattened keys in their original shape) and the stored
     bytes of every object, from ``.metadata``; a malformed entry is an error naming it."""
-    metadata = read_metadata(checkpoint_dir)
-    where = checkpoint_dir / METADATA_FNAME
+    storage = open_storage(checkpoint_dir)
+    metadata = read_metadata(storage)
+    where = storage.describe(METADATA_FNAME)
     stored: Dict[str, int] = {}
     with malformed(f"{where} is malformed"):
         for index, storage in metadata.storage_data.items():

@@ -1,14 +1,13 @@
-"""The checksummed reader of ``torch_dist`` data files: one fd per file, each blob's small
-header parsed (no unpickling) and the tensor bytes read straight into the destination,
+"""The checksummed reader of ``torch_dist`` data files: one storage reader
+(:meth:`~...storage.Storage.open_reader`) per file, each blob's small header parsed (no
+unpickling) and the tensor bytes read straight into the destination,
 every claimed byte range checked against the file's size first, every item verified
 against its recorded checksum while it is read."""
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -17,16 +16,17 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from ...core import CheckpointingException
 from ...fp8 import dequantize, is_float8tensor
 from ...integrity import RecordVerifier, checksum, mismatch_error
+from ...storage import RangeReader, Storage
 from ..filesystem_async import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices
 from ..safe_pickle import safe_torch_load
 from ..torch_blob import TensorHeader, read_tensor_header
-from .format import data_file_path
+from .format import checked_data_file_name
 from .load_plan import ObjectRead, TensorRead
 
 
 class Reader:
-    """Executes reads with one fd per file and cached blob headers.
+    """Executes reads with one open file per data file and cached blob headers.
 
     ``checksums`` maps ``(file, offset)`` to an item's checksum: of its whole record when
     ``whole_records``, else (older checkpoints) of a tensor's data bytes or an object's
@@ -34,53 +34,55 @@ class Reader:
     anything is read or allocated for it.
     """
 
-    def __init__(self, checkpoint_dir: Path, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]],
+    def __init__(self, storage: Storage, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]],
                  whole_records: bool = True):
-        self.dir = checkpoint_dir
+        self.storage = storage
         self.allow_pickle = allow_pickle
         self.checksums = checksums or {}
         self.whole_records = whole_records
-        self._files: Dict[str, Tuple[int, int]] = {}  # relative path -> (fd, size)
+        self._files: Dict[str, RangeReader] = {}  # relative path -> open file
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        for fd, _ in self._files.values():
-            os.close(fd)
+        for file in self._files.values():
+            file.close()
         self._files.clear()
 
-    def _open(self, key: str, storage: _StorageInfo) -> int:
-        """The fd of the item's data file, once the file is known to hold the item's bytes."""
+    def _where(self, storage: _StorageInfo) -> str:
+        return f"{self.storage.describe(storage.relative_path)}:{storage.offset}"
+
+    def _open(self, key: str, storage: _StorageInfo) -> RangeReader:
+        """The item's data file, once the file is known to hold the item's bytes."""
         with self._lock:
-            opened = self._files.get(storage.relative_path)
-            if opened is None:
-                path = data_file_path(self.dir, storage.relative_path)
+            file = self._files.get(storage.relative_path)
+            if file is None:
+                name = checked_data_file_name(self.storage.describe(), storage.relative_path)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    file = self._files[name] = self.storage.open_reader(name)
                 except OSError as e:
-                    raise CheckpointingException(f"Cannot open checkpoint data file {path}: {e}") from e
-                opened = self._files[storage.relative_path] = (fd, os.fstat(fd).st_size)
-        fd, size = opened
-        if storage.offset < 0 or storage.length < 0 or storage.offset + storage.length > size:
+                    raise CheckpointingException(
+                        f"Cannot open checkpoint data file {self.storage.describe(name)}: {e}") from e
+        if storage.offset < 0 or storage.length < 0 or storage.offset + storage.length > file.size:
             raise CheckpointingException(
                 f"Item {key!r}: the checkpoint metadata claims bytes {storage.offset}..{storage.offset + storage.length} "
-                f"of {self.dir / storage.relative_path}, which holds {size} bytes"
+                f"of {self.storage.describe(storage.relative_path)}, which holds {file.size} bytes"
             )
-        return fd
+        return file
 
-    def _header(self, read: TensorRead, fd: int) -> Optional[TensorHeader]:
+    def _header(self, read: TensorRead, file: RangeReader) -> Optional[TensorHeader]:
         cache_key = (read.storage.relative_path, read.storage.offset)
         with self._lock:
             if cache_key in self._headers:
                 return self._headers[cache_key]
-        header = read_tensor_header(fd, read.storage.offset, read.storage.length)
+        header = read_tensor_header(file, read.storage.offset, read.storage.length)
         if (header is not None and header.dtype == read.dtype and header.size != tuple(read.chunk[1])
                 and header.is_contiguous() and math.prod(header.size) == math.prod(read.chunk[1])):
             header = TensorHeader(header.dtype, tuple(read.chunk[1]), contiguous_strides(read.chunk[1]),
                                   header.data_offset)
         if header is not None and (header.dtype != read.dtype or header.size != tuple(read.chunk[1])):
             raise CheckpointingException(
-                f"Item {read.key!r} at {self.dir / read.storage.relative_path}:{read.storage.offset} holds a "
+                f"Item {read.key!r} at {self._where(read.storage)} holds a "
                 f"{header.dtype} tensor of shape {header.size}, but the metadata says {read.dtype} "
                 f"{tuple(read.chunk[1])}"
             )
@@ -89,19 +91,21 @@ class Reader:
         return header
 
     def read_tensor(self, read: TensorRead) -> None:
-        where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
-        fd = self._open(read.key, read.storage)
+        where = self._where(read.storage)
+        file = self._open(read.key, read.storage)
         try:
-            header = self._header(read, fd)
+            header = self._header(read, file)
         except CheckpointingException:
             raise
+        except OSError as e:
+            raise CheckpointingException(f"Reading item {read.key!r} at {where} failed: {e}") from e
         except Exception as e:  # noqa: BLE001 - damaged archive
             raise CheckpointingException(f"Item {read.key!r} at {where} is damaged: {e}") from e
         dest = read.dest[relative_slices(read.overlap, read.dest_origin)]
         expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
         what = f"tensor {read.key!r} (chunk at {tuple(read.chunk[0])})"
         if header is None:
-            return self._read_tensor_via_torch_load(read, fd, dest, where, expected, what)
+            return self._read_tensor_via_torch_load(read, file, dest, where, expected, what)
         rel = [o - c for o, c in zip(read.overlap[0], read.chunk[0])]
         first = sum(r * st for r, st in zip(rel, header.stride))
         last = sum((r + s - 1) * st for r, s, st in zip(rel, read.overlap[1], header.stride))
@@ -114,19 +118,19 @@ class Reader:
         else:
             read_from, read_to = first, last
         data = (header.data_offset + read_from * itemsize, (read_to - read_from + 1) * itemsize)
-        verifier = RecordVerifier(fd, (read.storage.offset, read.storage.length), data, expected,
+        verifier = RecordVerifier(file, (read.storage.offset, read.storage.length), data, expected,
                                   self.whole_records, what, where) if verify else None
         if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
-            _pread_into(fd, tensor_bytes(dest), header.data_offset, where, what, verifier)
+            _read_into(file, tensor_bytes(dest), header.data_offset, where, what, verifier)
             return
         span = torch.empty(data[1], dtype=torch.uint8)
-        _pread_into(fd, span.numpy(), data[0], where, what, verifier)
+        _read_into(file, span.numpy(), data[0], where, what, verifier)
         src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride, first - read_from)
         dest.copy_(src)
 
-    def _read_tensor_via_torch_load(self, read: TensorRead, fd: int, dest: torch.Tensor, where: str,
+    def _read_tensor_via_torch_load(self, read: TensorRead, file: RangeReader, dest: torch.Tensor, where: str,
                                     expected: Optional[int], what: str) -> None:
-        raw = self._read_record(fd, read.storage, where, what, expected if self.whole_records else None)
+        raw = self._read_record(file, read.storage, where, what, expected if self.whole_records else None)
         loaded = safe_torch_load(raw, f"item {read.key!r} at {where}", self.allow_pickle)
         if is_float8tensor(loaded):  # a pickled Transformer Engine FP8 tensor (Megatron-Core's FP8 saves)
             loaded = dequantize(loaded)
@@ -138,21 +142,21 @@ class Reader:
         dest.copy_(loaded[rel])
 
     def read_object(self, read: ObjectRead) -> None:
-        where = f"{self.dir / read.storage.relative_path}:{read.storage.offset}"
+        where = self._where(read.storage)
         what = f"ShardedObject {read.key!r}"
-        fd = self._open(read.key, read.storage)
+        file = self._open(read.key, read.storage)
         expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
-        raw = self._read_record(fd, read.storage, where, what, expected)
+        raw = self._read_record(file, read.storage, where, what, expected)
         loaded = safe_torch_load(raw, f"{what} at {where}", self.allow_pickle)
         if not (isinstance(loaded, list) and len(loaded) == 1):
             raise CheckpointingException(f"{what} at {where} has an unexpected layout")
         read.result.append(loaded[0])
 
     @staticmethod
-    def _read_record(fd: int, storage: _StorageInfo, where: str, what: str, expected: Optional[int]) -> bytes:
+    def _read_record(file: RangeReader, storage: _StorageInfo, where: str, what: str, expected: Optional[int]) -> bytes:
         """An item's whole record (inside its file: see :meth:`_open`), verified against
         ``expected`` if given, before anything unpickles it."""
-        raw = os.pread(fd, storage.length, storage.offset)
+        raw = _read_bytes(file, storage.offset, storage.length, where, what)
         if len(raw) != storage.length:
             raise CheckpointingException(f"{what} at {where} is truncated")
         if expected is not None and checksum(raw) != expected:
@@ -163,13 +167,25 @@ class Reader:
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
 
 
-def _pread_into(fd: int, buf, offset: int, where: str, what: str, verifier: Optional[RecordVerifier] = None) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset``; with a ``verifier``, check the record's checksum."""
+def _read_bytes(file: RangeReader, offset: int, n: int, where: str, what: str) -> bytes:
+    """``n`` bytes at ``offset``; a storage error names the item and the file."""
+    try:
+        return file.read(offset, n)
+    except OSError as e:
+        raise CheckpointingException(f"Reading {what} at {where} failed: {e}") from e
+
+
+def _read_into(file: RangeReader, buf, offset: int, where: str, what: str,
+               verifier: Optional[RecordVerifier] = None) -> None:
+    """Fill ``buf`` from ``file`` at ``offset``; with a ``verifier``, check the record's checksum."""
     mv = memoryview(buf).cast("B")
     piece = _VERIFY_PIECE if verifier is not None else mv.nbytes
     done = 0
     while done < mv.nbytes:
-        n = os.preadv(fd, [mv[done:done + piece]], offset + done)
+        try:
+            n = file.readinto(mv[done:done + piece], offset + done)
+        except OSError as e:
+            raise CheckpointingException(f"Reading {what} at {where} failed: {e}") from e
         if n <= 0:
             raise CheckpointingException(f"Unexpected end of file reading {what} at {where}")
         if verifier is not None:

@@ -12,6 +12,7 @@ import hashlib
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -28,18 +29,18 @@ from ...collectives import (
     raise_if_any,
     run_agreed,
 )
-from ...core import CheckpointingException, gc_paused
+from ...core import CheckpointingException, gc_paused, open_storage
 from ...mapping import ShardedStateDict
 from ..async_utils import AsyncRequest, ForkedCall
 from ..base import AsyncSaveShardedStrategy
-from ..filesystem_async import (
+from ...storage import Storage
+from ...storage.buffers import (
     BUFFERS_PER_FILE,
-    HostStaging,
     adopt_staging_buffers,
     reserve_staging_buffers,
     return_staging_buffers,
-    write_file,
 )
+from ..filesystem_async import HostStaging, write_file
 from ..memory_maps import not_isolated_by_fork
 from .metadata import Location, build_metadata, checksum_table, storage_meta, write_metadata
 from .save_plan import SaveItem, assign_files, collect_save_items
@@ -93,14 +94,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
-        checkpoint_dir = Path(checkpoint_dir)
+        storage = open_storage(checkpoint_dir)
         locations: List[Location] = []
         error: Optional[str] = None
         try:
-            locations = self._write_files(self._plan_files(sharded_state_dict), checkpoint_dir)
+            locations = self._write_files(self._plan_files(sharded_state_dict), storage)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = error_message(e)
-        self._publish(locations, error, checkpoint_dir)
+        self._publish(locations, error, storage)
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
         """Snapshot this rank's items and write them in the background.
@@ -116,14 +117,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed`` agrees on the
         preparation.
         """
-        checkpoint_dir = Path(checkpoint_dir)
+        storage = open_storage(checkpoint_dir)
         copy_all = self.async_snapshot == "copy"
         files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict), copy_all),
                            "Preparing the async save")
         written: Dict[str, Any] = {}
 
         def finalize() -> None:
-            self._publish(written["locations"], None, checkpoint_dir)
+            self._publish(written["locations"], None, storage)
 
         if copy_all:
             done = self._staging.hold([it.payload for items in files.values() for it in items
@@ -131,7 +132,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
             def write() -> None:
                 try:
-                    written["locations"] = self._write_files(files, checkpoint_dir)
+                    written["locations"] = self._write_files(files, storage)
                 finally:
                     done()
 
@@ -141,10 +142,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
         def write_in_child() -> List[Location]:
             adopt_staging_buffers(buffers)
-            return self._write_files(files, checkpoint_dir)
+            return self._write_files(files, storage)
 
         try:
-            writer = ForkedCall(write_in_child, f"Writing {checkpoint_dir} on rank {get_rank()}")
+            writer = ForkedCall(write_in_child, f"Writing {storage.describe()} on rank {get_rank()}")
         except BaseException:
             return_staging_buffers(buffers)
             raise
@@ -174,7 +175,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.last_written_bytes = sum(it.nbytes for it in items if it.tensor_meta is not None)
         return assign_files(items, get_rank(), self.thread_count, self.separation_hint)
 
-    def _publish(self, locations: List[Location], error: Optional[str], checkpoint_dir: Path) -> None:
+    def _publish(self, locations: List[Location], error: Optional[str], storage: Storage) -> None:
         """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective).
 
         One 2-byte ``all_reduce`` (did any rank fail? did any rank's layout change since the
@@ -193,9 +194,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # Same layout as last time: only the checksums (8 bytes per item) travel.
         with gc_paused():  # rank 0 unpickles and builds a million small objects at scale
             self._assemble(locations if not reuse else [(loc[2], loc[3], loc[5]) for loc in locations],
-                           reuse, digest, checkpoint_dir)
+                           reuse, digest, storage)
 
-    def _assemble(self, sent: List[Any], reuse: bool, digest: str, checkpoint_dir: Path) -> None:
+    def _assemble(self, sent: List[Any], reuse: bool, digest: str, storage: Storage) -> None:
         """Gather the locations (or checksums) to rank 0, which writes ``.metadata``; agree on
         its outcome."""
         rank = get_rank()
@@ -205,11 +206,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 if reuse:
                     metadata = self._cache[1]
-                    metadata.storage_meta = storage_meta(checkpoint_dir)
+                    metadata.storage_meta = storage_meta(storage)
                     metadata.checksums = checksum_table(per_rank)
                 else:
-                    metadata = build_metadata(per_rank, checkpoint_dir)
-                write_metadata(metadata, checkpoint_dir)
+                    metadata = build_metadata(per_rank, storage)
+                write_metadata(metadata, storage)
                 if self.cached_metadata:
                     self._cache = (digest, metadata)
             except Exception as e:  # noqa: BLE001 - broadcast below
@@ -220,18 +221,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if metadata_error is not None:
             raise CheckpointingException(f"Writing the checkpoint metadata failed on rank 0: {metadata_error}")
 
-    def _write_files(self, files: Dict[str, List[SaveItem]], checkpoint_dir: Path) -> List[Location]:
-        def write_one(fname: str) -> List[Location]:
-            bucket = files[fname]
-            spans = write_file(checkpoint_dir / fname, [it.payload for it in bucket], self.checksums)
-            return [(it.key, it.tensor_meta, fname, off, length, cs) for it, (off, length, cs) in zip(bucket, spans)]
-
+    def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[Location]:
+        """Each file through :func:`write_file` (one storage stream per file, files in
+        parallel on ``thread_count`` threads); the location of every item written."""
+        args = (repeat(storage), files, [[it.payload for it in items] for items in files.values()],
+                repeat(self.checksums))
         if len(files) <= 1:
-            results = [write_one(f) for f in files]
+            spans = list(map(write_file, *args))
         else:
             with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
-                results = list(pool.map(write_one, files))
-        return [loc for result in results for loc in result]
+                spans = list(pool.map(write_file, *args))
+        return [(it.key, it.tensor_meta, fname, off, length, cs)
+                for fname, file_spans in zip(files, spans) for it, (off, length, cs) in zip(files[fname], file_spans)]
 
 
 def _needs_staging(tensors: List[torch.Tensor]) -> List[bool]:

@@ -1,0 +1,140 @@
+"""The storage protocol: everything that touches the bytes of a checkpoint.
+
+A :class:`Storage` is one checkpoint location (a directory, later an object-store
+prefix). Its files are named by plain strings relative to that root (``"common.pt"``,
+``"__0_0.distcp"``); nothing above this layer builds paths. The protocol is what an
+object store can do too: stream a new file from staged buffers (:meth:`Storage.create_stream`),
+write a small file whole (:meth:`Storage.write_atomic`, :meth:`Storage.create_exclusive`),
+read ranges into the caller's buffers (:meth:`Storage.open_reader`), read a small file,
+list, stat, delete. Durability: a stream's bytes are durable once it is closed, a small
+file once written; no rename is needed anywhere (the commit of a checkpoint is writing
+``metadata.json`` last).
+
+Errors are ``OSError`` (``FileNotFoundError``, ``FileExistsError``, …); the callers turn
+them into ``CheckpointingException`` naming :meth:`Storage.describe` of the file. This
+package imports nothing else of the library.
+"""
+
+from __future__ import annotations
+
+import io
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Hashable, List, Optional
+
+
+class WriteStream(io.RawIOBase):
+    """A new file written front to back (``torch.save`` writes into it).
+
+    Bytes go into staging buffers and out to storage in large blocks in the background;
+    :meth:`close` writes the rest and makes the file durable (raising if any part of it
+    failed); :meth:`abort` drops it after an error. ``start_checksum(hasher)`` /
+    ``take_checksum()`` hash the bytes written in between, while they are hot in the CPU
+    cache. ``error`` keeps the storage error a :meth:`write` raised: ``torch.save``
+    replaces an error of the stream it writes into by its own, which does not say why."""
+
+    error: Optional[BaseException] = None
+
+    def writable(self) -> bool:
+        return True
+
+    @abstractmethod
+    def write(self, data) -> int:  # type: ignore[override]
+        """Append ``data`` (any bytes-like object); returns its length."""
+
+    @abstractmethod
+    def tell(self) -> int:
+        """Bytes written so far."""
+
+    @abstractmethod
+    def start_checksum(self, hasher) -> None:
+        """Feed every byte written from now on to ``hasher`` (``update(bytes)``, ``intdigest()``)."""
+
+    @abstractmethod
+    def take_checksum(self) -> int:
+        """The digest of the bytes written since :meth:`start_checksum`; stops hashing."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close without finishing (after an error); what was written is not a file to trust."""
+
+
+class RangeReader(ABC):
+    """Ranged reads of one stored file (``size`` bytes), safe to call from several threads."""
+
+    size: int
+
+    @abstractmethod
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+
+    @abstractmethod
+    def readinto(self, buf, offset: int) -> int:
+        """Fill as much of the writable buffer ``buf`` as one request gives from ``offset``;
+        returns the byte count (0 at the end of the file)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the file."""
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A stored file's size and a version stamp that changes whenever the file does."""
+
+    size: int
+    version: Hashable
+
+
+class Storage(ABC):
+    """The bytes of one checkpoint location; ``name`` arguments are relative to its root
+    (``""`` is the root itself)."""
+
+    @abstractmethod
+    def describe(self, name: str = "") -> str:
+        """The full name of ``name`` (a path or URL) for messages."""
+
+    # -- writing ------------------------------------------------------------------------
+    @abstractmethod
+    def create_stream(self, name: str) -> WriteStream:
+        """A new file ``name`` (it must not exist), written through a :class:`WriteStream`."""
+
+    @abstractmethod
+    def write_atomic(self, name: str, data) -> None:
+        """Write the small file ``name`` whole: readers see the old content (or nothing) or
+        all of ``data``, never a part; durable on return."""
+
+    @abstractmethod
+    def create_exclusive(self, name: str, data) -> None:
+        """Create the small file ``name`` holding ``data``, durable on return; raises
+        ``FileExistsError`` if it exists (of several racing creators exactly one wins)."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove the file ``name`` (nothing if it is missing)."""
+
+    @abstractmethod
+    def make_root(self) -> None:
+        """Create the root location if it is missing (and its parents)."""
+
+    # -- reading ------------------------------------------------------------------------
+    @abstractmethod
+    def read_bytes(self, name: str, max_bytes: Optional[int] = None) -> bytes:
+        """The content of ``name`` (at most ``max_bytes + 1`` bytes of it when given, so
+        the caller can tell a file that is too large)."""
+
+    @abstractmethod
+    def open_reader(self, name: str) -> RangeReader:
+        """Ranged reads of ``name``."""
+
+    @abstractmethod
+    def info(self, name: str) -> Optional[FileInfo]:
+        """Size and version of the file ``name``; ``None`` if it is not a file."""
+
+    @abstractmethod
+    def kind(self, name: str = "") -> Optional[str]:
+        """``"file"``, ``"dir"`` or ``None`` (missing) for ``name``."""
+
+    @abstractmethod
+    def list(self) -> List[str]:
+        """The names of the entries directly under the root, sorted (``[]`` if it is missing)."""

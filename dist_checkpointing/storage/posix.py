@@ -1,0 +1,305 @@
+"""The POSIX implementation of the storage protocol: a local directory.
+
+Data files are streamed through page-aligned staging buffers (:mod:`.buffers`) and
+written with ``O_DIRECT`` where the file system allows it: this bypasses the page cache,
+whose write-back throughput collapses after a few GB of dirty pages. Where ``O_DIRECT``
+is refused (e.g. tmpfs) the same code writes through the page cache. Reads are
+``preadv`` straight into the caller's buffers.
+
+The fsync rules: a streamed file is fsynced when it is closed; a small file is written to
+a temporary name of its own, fsynced, renamed over the target, and the directory fsynced
+(readers see the old file or the whole new one); an exclusively created file and a
+deletion are followed by a directory fsync.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import queue
+import stat
+import threading
+import uuid
+from pathlib import Path
+from typing import List, Optional, Tuple, Union
+
+from .base import FileInfo, RangeReader, Storage, WriteStream
+from .buffers import BUFFERS_PER_FILE, POOL
+
+_HASH_BATCH = 64 << 10  # small writes (torch.save's zip framing) are hashed together, up to this
+_ALIGN = 4096
+
+
+class StagedFileWriter(WriteStream):
+    """A write-only file object that stages bytes in reused page-aligned buffers and
+    writes them in large aligned blocks (``O_DIRECT`` when possible) from a background
+    I/O thread, so copying into one buffer overlaps writing the previous one."""
+
+    def __init__(self, path: Union[str, Path]):
+        super().__init__()
+        self._path = str(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self._direct = hasattr(os, "O_DIRECT")
+        try:
+            self._fd = os.open(self._path, flags | (os.O_DIRECT if self._direct else 0), 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            self._fd = os.open(self._path, flags, 0o644)
+        self._buffers = POOL.acquire(BUFFERS_PER_FILE)
+        self._free: "queue.Queue[mmap.mmap]" = queue.Queue()
+        for buf in self._buffers[1:]:
+            self._free.put(buf)
+        self._full: "queue.Queue[Optional[Tuple[mmap.mmap, int]]]" = queue.Queue()
+        self._io_error: Optional[BaseException] = None
+        self._io_thread = threading.Thread(target=self._io_loop, name="dist-ckpt-writer", daemon=True)
+        self._io_thread.start()
+        self._buf = self._buffers[0]
+        POOL.map_in(self._buf)
+        self._view = memoryview(self._buf)
+        self._fill = 0
+        self._flushed = 0
+        self._hasher = None  # an xxh3-64 hasher while a record is being checksummed
+        self._hashed = 0  # end of the current buffer's bytes already hashed (or not hashed at all)
+
+    def start_checksum(self, hasher) -> None:
+        """Feed every byte written from now on to ``hasher``, right after it is copied into
+        the staging buffer (hot in the CPU cache); see :meth:`take_checksum`."""
+        self._hasher, self._hashed = hasher, self._fill
+
+    def take_checksum(self) -> int:
+        """The checksum of the bytes written since :meth:`start_checksum`; stops hashing."""
+        self._hash_staged()
+        digest = self._hasher.intdigest()
+        self._hasher = None
+        return digest
+
+    def _hash_staged(self) -> None:
+        """Hash the bytes copied into the current buffer since the last call."""
+        self._hasher.update(self._view[self._hashed:self._fill])
+        self._hashed = self._fill
+
+    def tell(self) -> int:
+        return self._flushed + self._fill
+
+    def write(self, data) -> int:  # type: ignore[override]
+        src = memoryview(data)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        n = src.nbytes
+        pos = 0
+        size = len(self._view)
+        while pos < n:
+            k = min(size - self._fill, n - pos)
+            self._view[self._fill : self._fill + k] = src[pos : pos + k]
+            self._fill += k
+            pos += k
+            if self._hasher is not None and (self._fill - self._hashed >= _HASH_BATCH or self._fill == size):
+                self._hash_staged()
+            if self._fill == size:
+                self._hand_over(size)
+        return n
+
+    def _hand_over(self, nbytes: int) -> None:
+        """Queue the current buffer for writing and continue in a free one."""
+        if self._io_error is not None:
+            self.error = self._io_error
+            raise self._io_error
+        self._view.release()
+        self._full.put((self._buf, nbytes))
+        self._flushed += self._fill
+        self._fill = self._hashed = 0
+        self._buf = self._free.get()
+        POOL.map_in(self._buf)
+        self._view = memoryview(self._buf)
+
+    def _io_loop(self) -> None:
+        while True:
+            item = self._full.get()
+            if item is None:
+                return
+            buf, nbytes = item
+            try:
+                if self._io_error is None:
+                    self._write_out(memoryview(buf)[:nbytes])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
+                self._io_error = e
+            self._free.put(buf)
+
+    def _write_out(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.write(self._fd, view[done:])
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self._direct:
+                    raise
+                # The file system accepted O_DIRECT at open but refuses the write.
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self._direct = False
+
+    def flush(self) -> None:
+        """Data is written in blocks; :meth:`close` writes the rest."""
+
+    def _stop_io(self) -> None:
+        self._full.put(None)
+        self._io_thread.join()
+        self._view.release()
+        POOL.release_buffers(self._buffers)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            total = self.tell()
+            if self._fill:
+                fill = self._fill
+                padded = -(-fill // _ALIGN) * _ALIGN if self._direct else fill
+                self._hand_over(padded)
+            self._stop_io()
+            if self._io_error is not None:
+                raise self._io_error
+            if total % _ALIGN:
+                os.ftruncate(self._fd, total)
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            super().close()
+
+    def abort(self) -> None:
+        """Close without finishing (after an error)."""
+        if not self.closed:
+            self._stop_io()
+            os.close(self._fd)
+            super().close()
+
+
+class PosixReader(RangeReader):
+    """``pread``/``preadv`` on one open file descriptor."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def read(self, offset: int, n: int) -> bytes:
+        return os.pread(self._fd, n, offset)
+
+    def readinto(self, buf, offset: int) -> int:
+        return os.preadv(self._fd, [buf], offset)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def fsync_dir(path: Union[str, Path]) -> None:
+    """Make a directory entry (a rename, a new or removed file) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_file(path: Union[str, Path], data) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file (or nothing) or
+    the whole new one; durable on return."""
+    path = os.fspath(path)
+    directory, name = os.path.split(path)
+    # A name of its own: two writers of one path never write into each other's file.
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory or ".")
+
+
+class PosixStorage(Storage):
+    """A local directory ``root``; names are file names inside it."""
+
+    def __init__(self, root: Union[str, Path]):
+        self.root = os.fspath(root)
+
+    def __repr__(self) -> str:
+        return f"PosixStorage({self.root!r})"
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name) if name else self.root
+
+    def describe(self, name: str = "") -> str:
+        return self._path(name)
+
+    def create_stream(self, name: str) -> WriteStream:
+        return StagedFileWriter(self._path(name))
+
+    def write_atomic(self, name: str, data) -> None:
+        atomic_write_file(self._path(name), data)
+
+    def create_exclusive(self, name: str, data) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.root)
+        except BaseException:
+            self.delete(name)
+            raise
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            return
+        fsync_dir(self.root)
+
+    def make_root(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def read_bytes(self, name: str, max_bytes: Optional[int] = None) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
+
+    def open_reader(self, name: str) -> RangeReader:
+        return PosixReader(self._path(name))
+
+    def info(self, name: str) -> Optional[FileInfo]:
+        try:
+            st = os.stat(self._path(name))
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return FileInfo(st.st_size, (st.st_mtime_ns, st.st_size, st.st_ino))
+
+    def kind(self, name: str = "") -> Optional[str]:
+        path = self._path(name)
+        if os.path.isdir(path):
+            return "dir"
+        return "file" if os.path.exists(path) else None
+
+    def list(self) -> List[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
