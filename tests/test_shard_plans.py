@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing import CheckpointingException
 from dist_checkpointing.exchange_utils import ShardInfo, distribution_from_summaries
-from dist_checkpointing.shard_plans import plan_shards
+from dist_checkpointing.exchange.plan import plan_shards
 
 from .collective_counter import count_collectives
 from .conftest import get_pool

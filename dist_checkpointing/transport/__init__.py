@@ -42,53 +42,13 @@ and unpacking tensor bytes), :mod:`.protocol` (:class:`PGTransport`,
 (``dist_checkpointing.transport.BUCKET_BYTES = ...``) and take effect in :mod:`.wire`.
 """
 
-import sys
-import types
-from typing import Any
-
 from . import wire
+from ..forwarding import forward_settings
 from .leaves import _Columns, _LeafColumns
 from .plan import _plan_messages
 from .protocol import PGTransport, recover_from_peer
-from .wire import (
-    _TAG_ACK,
-    _TAG_ACK_TEXT,
-    _TAG_DATA,
-    _TAG_GO,
-    _TAG_GO_TEXT,
-    _TAG_HEADER,
-    _TAG_META,
-    PROTOCOL_VERSION,
-    _decode_meta,
-    _encode_meta,
-    _Meta,
-    _segments,
-)
+from .wire import _TAG_DATA, _TAG_GO, _TAG_HEADER, PROTOCOL_VERSION, _decode_meta, _encode_meta, _Meta, _segments
 
 __all__ = ["ALONE_BYTES", "BUCKET_BYTES", "PROTOCOL_VERSION", "PGTransport", "recover_from_peer"]
 
-_TUNING = ("BUCKET_BYTES", "ALONE_BYTES")
-
-
-def __getattr__(name: str) -> Any:
-    """The tuning sizes, read from :mod:`.wire` (where the transport reads them)."""
-    if name in _TUNING:
-        return getattr(wire, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """This package, with its tuning sizes stored in :mod:`.wire` when set here."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _TUNING:
-            setattr(wire, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name not in _TUNING:  # (monkeypatch restores a size by setting it)
-            super().__delattr__(name)
-
-
-sys.modules[__name__].__class__ = _Package
+forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES"))
