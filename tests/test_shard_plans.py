@@ -1,4 +1,4 @@
-"""``shard_plans.plan_shards`` on real gloo groups: every rank's part of the plan is
+"""``exchange.plan.plan_shards`` on real gloo groups: every rank's part of the plan is
 consistent with the others' and equal to the greedy assignment over every rank's summary
 at once (what the fully parallel wrappers computed from an all-gather before), and the
 bytes a rank receives while planning do not grow with the group size."""
