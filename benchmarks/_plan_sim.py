@@ -2,7 +2,7 @@
 
 ``FullyParallelSaveStrategyWrapper`` / ``FullyParallelLoadStrategyWrapper`` plan inside their
 parallelization group (the DP group: 64 ranks of the TP8 x PP16 x DP64 job of
-``_gpt_job.py``) with ``shard_plans.plan_shards``. This builds the 64 members' states with
+``_gpt_job.py``) with ``exchange.plan.plan_shards``. This builds the 64 members' states with
 ``rank_items`` and their ``local_tensor_summary``, computes with the library's own steps
 (``_to_judges``, ``_judge``, ``_balance``, ``_answers``) every message a member would receive
 — pickled as ``exchange_objects`` pickles them, unpickled where the real code unpickles
@@ -34,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks._gpt_job import GPTConfig, rank_items  # noqa: E402
 from benchmarks._scale_sim import SimulatedNetwork, config_for, simulated  # noqa: E402
 from dist_checkpointing.exchange_utils import distribution_from_summaries, local_tensor_summary  # noqa: E402
-from dist_checkpointing.shard_plans import (  # noqa: E402
+from dist_checkpointing.exchange.plan import (  # noqa: E402
     _answers, _balance, _digest, _judge, _to_judges, plan_shards,
 )
 

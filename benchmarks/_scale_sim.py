@@ -74,7 +74,8 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks._gpt_job import (  # noqa: E402
     GPTConfig, coords, judge_loads, rank_items, stage_names, stage_ranks,
 )
-from dist_checkpointing import collectives, exchange_utils, shard_plans, validation  # noqa: E402
+from dist_checkpointing import collectives, validation  # noqa: E402
+from dist_checkpointing.exchange import distribution, plan, tensors  # noqa: E402
 from dist_checkpointing.core import CheckpointingException  # noqa: E402
 from dist_checkpointing.storage import storage_for  # noqa: E402
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy  # noqa: E402
@@ -284,13 +285,13 @@ class SimulatedNetwork:
 
 @contextlib.contextmanager
 def simulated(net: SimulatedNetwork) -> Iterator[SimulatedNetwork]:
-    """Route ``dist_checkpointing.collectives`` (and ``shard_plans``) through ``net`` within the block."""
+    """Route ``dist_checkpointing.collectives`` (and ``exchange``) through ``net`` within the block."""
     real = collectives.dist
-    collectives.dist = shard_plans.dist = exchange_utils.dist = net
+    collectives.dist = distribution.dist = plan.dist = tensors.dist = net
     try:
         yield net
     finally:
-        collectives.dist = shard_plans.dist = exchange_utils.dist = real
+        collectives.dist = distribution.dist = plan.dist = tensors.dist = real
 
 
 # ----------------------------------------------------------------------------- measurements (child processes)

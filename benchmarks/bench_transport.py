@@ -432,8 +432,8 @@ def format_table(s: Dict[str, Any]) -> str:
     lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
     if "library" in s:
         lib = s["library"]
-        lines.append(f"library: commit {lib['commit']}{' + local changes to transport.py' if lib['transport_py_modified'] else ''}"
-                     f" (transport.py sha1 {lib['transport_py_sha1']}); torch {torch.__version__}")
+        lines.append(f"library: commit {lib['commit']}{' + local changes to transport/' if lib['transport_modified'] else ''}"
+                     f" (transport/ sha1 {lib['transport_sha1']}); torch {torch.__version__}")
     if s.get("malloc_mmap_threshold_kib"):
         lines.append(f"(children ran with MALLOC_MMAP_THRESHOLD_={s['malloc_mmap_threshold_kib']} KiB)")
     if "loadavg_before_after" in s:
@@ -444,17 +444,19 @@ def format_table(s: Dict[str, Any]) -> str:
 
 
 def library_version() -> Dict[str, Any]:
-    """The commit the library is at, whether its working tree differs, and a hash of
-    ``transport.py`` as it was when the run started (the file under test)."""
+    """The commit the library is at, whether its working tree differs, and a hash of the
+    ``transport/`` package's files as they were when the run started (the code under test)."""
     def git(*cmd: str) -> str:
         try:
             return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return "?"
-    src = Path(transport.__file__).read_bytes()
+    digest = hashlib.sha1()
+    for path in sorted(Path(transport.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return {"commit": git("rev-parse", "--short", "HEAD"),
-            "transport_py_modified": git("status", "--porcelain", "--", "dist_checkpointing/transport.py") != "",
-            "transport_py_sha1": hashlib.sha1(src).hexdigest()[:12]}
+            "transport_modified": git("status", "--porcelain", "--", "dist_checkpointing/transport") != "",
+            "transport_sha1": digest.hexdigest()[:12]}
 
 
 def parse_args() -> argparse.Namespace:

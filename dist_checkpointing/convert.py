@@ -39,7 +39,7 @@ from .strategies.filesystem_async import write_file
 from .storage import PosixStorage
 from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, checked_data_file_name, data_file_name, original_global_shape
 from .strategies.torch_dist.metadata import build_metadata, read_metadata, write_metadata
-from .tools import Progress, _move_into_place, _refuse_existing, staging_dir
+from .tools.output import Progress, move_into_place, refuse_existing, staging_dir
 from .whole_tensors import TensorReader, range_problem
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         config = load_config(src)
         if config.sharded_backend != "torch_dist":
             raise CheckpointingException(f"{src} is a {config.sharded_backend!r} checkpoint: only torch_dist converts")
-        _refuse_existing(dst, force)
+        refuse_existing(dst, force)
         return _convert(src, dst, config, progress)
 
 
@@ -109,7 +109,7 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
         new_metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
         write_metadata(new_metadata, out)
         save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
-        _move_into_place(tmp, location)
+        move_into_place(tmp, location)
     result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
                            objects=len(objects), nbytes=sum(sizes.values()))
     logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",

@@ -62,7 +62,7 @@ def dequantize(t: torch.Tensor) -> torch.Tensor:
     return _unwrap(t).dequantize().detach().to(t.dtype)
 
 
-def _float8_dtype(t: Any) -> torch.dtype:
+def float8_dtype(t: Any) -> torch.dtype:
     """The torch float8 dtype of an FP8 tensor's ``_data`` bytes."""
     fp8 = getattr(_unwrap(t), "_fp8_dtype", None)
     if isinstance(fp8, torch.dtype):
@@ -75,7 +75,9 @@ def _float8_dtype(t: Any) -> torch.dtype:
     raise TypeError(f"Cannot tell the float8 format of {type(t).__name__} (_fp8_dtype={fp8!r})")
 
 
-def _per_tensor_layout(t: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+def per_tensor_layout(t: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A per-tensor-scaled FP8 tensor's raw ``_data`` bytes and its one-element
+    ``_scale_inv``; raises ``TypeError`` for any other layout (e.g. block scales)."""
     t = _unwrap(t)
     data, scale_inv = getattr(t, "_data", None), getattr(t, "_scale_inv", None)
     if not isinstance(data, torch.Tensor) or not isinstance(scale_inv, torch.Tensor) or scale_inv.numel() != 1:
@@ -91,12 +93,12 @@ def fill_float8_(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     scales) go through ``t.copy_(values)``."""
     target = _unwrap(t)
     try:
-        data, scale_inv = _per_tensor_layout(target)
+        data, scale_inv = per_tensor_layout(target)
     except TypeError:
         with torch.no_grad():
             target.copy_(values.to(target.device))
         return t
-    fp8 = _float8_dtype(target)
+    fp8 = float8_dtype(target)
     limit = torch.finfo(fp8).max
     scaled = values.detach().to(torch.float32) * (1.0 / scale_inv.detach().to(device=values.device, dtype=torch.float32))
     quantized = scaled.clamp(-limit, limit).to(fp8).view(torch.uint8)

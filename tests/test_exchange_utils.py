@@ -531,6 +531,18 @@ def test_exchange_by_distribution_dispatch(pool4, algo):
     assert set().union(*(s["kinds"] for s in stats)) == set(_DEST_KINDS)
 
 
+def test_buffer_sizes_set_through_exchange_utils_reach_the_exchange_code(monkeypatch):
+    """``exchange_utils`` re-exports ``exchange/``: its buffer sizes, read or set (as
+    Megatron-Core code and these tests do), are those the exchange algorithms read."""
+    from dist_checkpointing.exchange import tensors
+
+    for n, name in enumerate(("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES")):
+        monkeypatch.setattr(eu, name, 1000 + n)
+        assert getattr(tensors, name) == getattr(eu, name) == 1000 + n
+    with pytest.raises(AttributeError):
+        del eu.BUCKET_BYTES
+
+
 # ----------------------------------------------------------------------------- distribution on real groups
 
 

@@ -92,7 +92,7 @@ def test_simulated_rank0_metadata_matches_a_real_save(name, tmp_path):
 
 def _real_plan(rank: int, world: int, cfg: sim.GPTConfig) -> int:
     from dist_checkpointing.exchange_utils import local_tensor_summary
-    from dist_checkpointing.shard_plans import plan_shards
+    from dist_checkpointing.exchange.plan import plan_shards
 
     summary = local_tensor_summary({str(i): sh for i, sh in enumerate(sim.rank_items(cfg, rank))})
     with count_collectives() as count:

@@ -1,4 +1,4 @@
-"""``shard_plans.plan_shards`` on real gloo groups: every rank's part of the plan is
+"""``exchange.plan.plan_shards`` on real gloo groups: every rank's part of the plan is
 consistent with the others' and equal to the greedy assignment over every rank's summary
 at once (what the fully parallel wrappers computed from an all-gather before), and the
 bytes a rank receives while planning do not grow with the group size."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing import CheckpointingException
 from dist_checkpointing.exchange_utils import ShardInfo, distribution_from_summaries
-from dist_checkpointing.shard_plans import plan_shards
+from dist_checkpointing.exchange.plan import plan_shards
 
 from .collective_counter import count_collectives
 from .conftest import get_pool

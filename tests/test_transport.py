@@ -1,4 +1,4 @@
-"""Live peer-to-peer transfer of training state (``dist_checkpointing/transport.py``).
+"""Live peer-to-peer transfer of training state (``dist_checkpointing/transport/``).
 
 Everything runs on real gloo groups (``tests/dist_pool.py``): rank 0 sends, the other ranks
 receive, at world 2 and world 3 (one ``send_checkpoint`` to two receivers). Values are

@@ -7,9 +7,9 @@ the ranks of a parallelization group (typically the data-parallel group).
 * :class:`FullyParallelLoadStrategyWrapper` has each shard the group needs read by one
   rank of the group (the rank that wrote it, when the layout and group are the same as at
   save time) and sends it to the other ranks that need it with one of three exchange
-  algorithms (see :mod:`dist_checkpointing.exchange_utils`).
+  algorithms (see :mod:`dist_checkpointing.exchange`).
 
-Both plan with :func:`~dist_checkpointing.shard_plans.plan_shards` (a per-rank cost flat in
+Both plan with :func:`~dist_checkpointing.exchange.plan.plan_shards` (a per-rank cost flat in
 the group size: nothing is gathered). Each call
 also agrees over the whole world, with a 2-byte ``all_reduce``, whether any rank has a
 problem or needs a new plan, so an error is raised on every rank and never leaves ranks
@@ -42,17 +42,11 @@ from ..collectives import (
 )
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
-from ..exchange_utils import (
-    ShardDistribution,
-    ShardId,
-    check_exchange_algo,
-    exchange_by_distribution,
-    local_tensor_summary,
-    shard_id,
-)
+from ..exchange.distribution import ShardDistribution, ShardId, local_tensor_summary, shard_id
+from ..exchange.plan import ShardPlan, plan_shards
+from ..exchange.tensors import check_exchange_algo, exchange_by_distribution, exchange_point_to_point
 from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..shard_plans import ShardPlan, exchange_point_to_point, plan_shards
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 
 

@@ -1,6 +1,5 @@
 """Which rank of a parallelization group writes or reads each shard, planned at a per-rank
-cost that does not grow with the group size, and the point-to-point exchange that goes
-with it (used by the fully parallel wrappers).
+cost that does not grow with the group size (used by the fully parallel wrappers).
 
 Each rank knows only its own shards. Two cases:
 
@@ -8,8 +7,8 @@ Each rank knows only its own shards. Two cases:
   data-parallel replicas. One 32-byte ``all_reduce`` of a digest of the shard list finds
   this out, one ``all_reduce`` of a byte per shard merges the main-replica flags, and every
   rank then runs the greedy balanced assignment
-  (:func:`~dist_checkpointing.exchange_utils.distribute_shards_to_ranks`) on the same input
-  — the assignment of :func:`~dist_checkpointing.exchange_utils.distribution_from_summaries`,
+  (:func:`~dist_checkpointing.exchange.distribution.distribute_shards_to_ranks`) on the same input
+  — the assignment of :func:`~dist_checkpointing.exchange.distribution.distribution_from_summaries`,
   without gathering anything.
 * **Otherwise** each shard is first looked at by one rank of the group, its *judge* (a
   hash of the shard id): every rank sends the summary of each shard it holds to that
@@ -24,9 +23,9 @@ Each rank knows only its own shards. Two cases:
   shards held by several ranks (at most the group's distinct shards).
 
 On load, shards that every rank of the group requests travel with the chosen exchange
-algorithm (:func:`~dist_checkpointing.exchange_utils.exchange_by_distribution`); shards
+algorithm (:func:`~dist_checkpointing.exchange.tensors.exchange_by_distribution`); shards
 that only some ranks request travel point to point from their reader to each of those
-ranks (:func:`exchange_point_to_point`), so no rank receives bytes it does not need.
+ranks (:func:`~dist_checkpointing.exchange.tensors.exchange_point_to_point`), so no rank receives bytes it does not need.
 """
 
 from __future__ import annotations
@@ -38,22 +37,18 @@ from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_max_uint8, error_message, exchange_objects, get_rank, get_world_size
-from .core import CheckpointingException
-from .exchange_utils import (
+from ..collectives import all_reduce_max_uint8, error_message, exchange_objects, get_rank, get_world_size
+from ..core import CheckpointingException
+from .distribution import (
     ShardDistribution,
     ShardId,
     ShardInfo,
     _describe,
-    _destination,
     _global_rank,
-    _Landing,
-    _source_bytes,
     collect_holders,
     comm_device,
     distribute_shards_to_ranks,
 )
-from .mapping import ShardedTensor
 
 Summary = List[Tuple[ShardId, ShardInfo, bool]]  # (shard, info, holds the main replica) per distinct shard
 
@@ -103,7 +98,7 @@ def _judge_of(sid: ShardId, size: int) -> int:
 def plan_shards(summary: Summary, group: Optional[Any] = None) -> ShardPlan:
     """Plan, collectively within ``group``, which group rank writes or reads each shard.
 
-    ``summary`` is this rank's :func:`~dist_checkpointing.exchange_utils.local_tensor_summary`
+    ``summary`` is this rank's :func:`~dist_checkpointing.exchange.distribution.local_tensor_summary`
     (of what it saves, or of what it requests). Shards whose main replica is held by no rank
     of the group are assigned after the others, so the shards a save of a layout assigns
     are assigned alike by a load of the same layout: the rank that wrote a shard reads it.
@@ -264,33 +259,3 @@ def _answers(holders: Dict[ShardId, List[int]], with_main: Set[ShardId], assignm
             others = [r for r in ranks if r != reader] if holder == reader and not whole else None
             answers.setdefault(holder, []).append((sid, reader, flags, others))
     return answers
-
-
-def exchange_point_to_point(loaded_tensors: Dict[ShardId, torch.Tensor],
-                            unloaded_shards: Dict[ShardId, ShardedTensor], plan: ShardPlan,
-                            group: Optional[Any] = None) -> Dict[ShardId, torch.Tensor]:
-    """Send each shard of ``plan.send_to`` to the ranks that requested it and receive each
-    of ``unloaded_shards`` from its reader, straight between the tensors (one batch of
-    ``isend``/``irecv``; messages between two ranks go in shard order on both sides).
-    Returns the received shards (by id), in the requests' own tensors where they have one.
-    """
-    device = comm_device(group)
-    ops: List[dist.P2POp] = []
-    keep: List[torch.Tensor] = []
-    for sid in sorted(plan.send_to):
-        if not plan.infos[sid].nbytes:
-            continue
-        buf = _source_bytes(loaded_tensors[sid])
-        buf = buf if buf.device == device and buf.is_contiguous() else buf.contiguous().to(device)
-        keep.append(buf)
-        ops += [dist.P2POp(dist.isend, buf, _global_rank(group, dst), group) for dst in plan.send_to[sid]]
-    landings: Dict[ShardId, _Landing] = {}
-    for sid in sorted(unloaded_shards):
-        landing = _Landing(_destination(unloaded_shards[sid], plan.infos[sid]), device)
-        landings[sid] = landing
-        if plan.infos[sid].nbytes:
-            ops.append(dist.P2POp(dist.irecv, landing.bytes, _global_rank(group, plan.reader[sid]), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return {sid: landing.finish() for sid, landing in landings.items()}

@@ -1,0 +1,100 @@
+"""``import``: a plain state dict (a ``torch.save`` file, or safetensors files) as a
+checkpoint of whole global tensors that loads under any layout."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, Iterator, Tuple
+
+import torch
+
+from ..core import CheckpointingException, malformed
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..mapping import ShardedTensor
+from ..path_overlap import refuse_overlap
+from ..safetensors_stream import INDEX_FNAME
+from ..serialization import save
+from .output import PathLike, refuse_existing, remove_path
+
+logger = logging.getLogger(__package__)  # (the package's name, as before the split)
+
+
+def _read_source(source: Path) -> Any:
+    """The state dict in a ``torch.save`` file, a ``.safetensors`` file, or a directory of
+    safetensors files (with or without an index)."""
+    if source.is_dir() or source.suffix == ".safetensors" or source.name == INDEX_FNAME:
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise CheckpointingException("Importing safetensors files needs the safetensors package "
+                                         "(pip install safetensors)") from e
+        files = sorted(source.glob("*.safetensors")) if source.is_dir() else (
+            sorted(source.parent.glob("*.safetensors")) if source.name == INDEX_FNAME else [source])
+        if not files:
+            raise CheckpointingException(f"{source} holds no .safetensors files")
+        state: Dict[str, torch.Tensor] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        return state
+    archive = zipfile.is_zipfile(source)  # torch.save's format; mmap needs it (older files are plain pickles)
+    try:
+        return torch.load(source, map_location="cpu", mmap=archive, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not a torch.save file, or unsafe content
+        logger.debug("torch.load(%s) failed", source, exc_info=True)
+        if not archive:
+            reason = "neither a torch.save archive nor a plain pickle of tensors"
+        elif isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+            reason = "it holds objects outside the safe allow-list"
+        else:
+            reason = "a damaged torch.save archive"
+        raise CheckpointingException(
+            f"Cannot import {source}: it is not a torch.save file of a state dict ({reason}), "
+            "a .safetensors file or a directory of them") from e
+
+
+def _keyed_leaves(state: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    if isinstance(state, dict):
+        for k, v in state.items():
+            yield from _keyed_leaves(v, f"{prefix}{k}.")
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            yield from _keyed_leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], state
+
+
+def import_checkpoint(source: PathLike, out: PathLike, force: bool = False) -> int:
+    """Turn a plain state dict (a ``torch.save`` file, or safetensors files) into a
+    checkpoint that :func:`~dist_checkpointing.load` reads under any layout: every tensor
+    becomes one whole global tensor keyed by its dotted path (``"layers.0.weight"``);
+    other values become common state. Returns the number of tensors. An ``out`` that is
+    the source (for an index file: its directory), holds it or lies inside it is refused
+    before anything is read. Raises only CheckpointingException."""
+    source, out = Path(source), Path(out)
+    if not source.exists():
+        raise CheckpointingException(f"{source} does not exist")
+    refuse_overlap(source.parent if source.name == INDEX_FNAME else source, out, "import")
+    with malformed(f"Cannot import {source} to {out}"):
+        return _import(source, out, force)
+
+
+def _import(source: Path, out: Path, force: bool) -> int:
+    occupied = out.is_file() or (out.is_dir() and any(out.iterdir()))
+    if occupied:
+        refuse_existing(out, force)
+    state = _read_source(source)
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{source} holds a {type(state).__name__}, not a state dict")
+    if occupied:
+        remove_path(out)
+    # Both walks visit the leaves in the same order: each tensor gets its own dotted key.
+    keys = iter([k for k, v in _keyed_leaves(state) if isinstance(v, torch.Tensor)])
+    sharded = dict_list_map_outplace(
+        lambda v: ShardedTensor.from_rank_offsets(next(keys), v) if isinstance(v, torch.Tensor) else v, state)
+    save(sharded, out)
+    return sum(1 for v in nested_values(sharded) if isinstance(v, ShardedTensor))

@@ -1,0 +1,81 @@
+"""Writing a tool's output safely: refuse to replace an existing output unless asked, write
+next to it, and move the finished output into place durably (for export, import and
+:mod:`dist_checkpointing.convert`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Tuple, Union
+
+from ..core import CheckpointingException
+from ..path_overlap import output_location
+from ..storage.posix import fsync_dir
+
+PathLike = Union[str, os.PathLike]
+# progress(done_bytes, total_bytes, what)
+Progress = Callable[[int, int, str], None]
+
+
+class OutputExistsError(CheckpointingException):
+    """The output of an export or import exists and replacing it was not asked for
+    (``force=True``; on the command line ``--force``)."""
+
+    def __init__(self, out: Path):
+        super().__init__(f"{out} already exists (pass force=True to replace it)")
+        self.out = out
+
+
+def _umask() -> int:
+    """The process's file mode creation mask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def refuse_existing(out: Path, force: bool) -> None:
+    """Raise :class:`OutputExistsError` if ``out`` exists and ``force`` is not set."""
+    if out.exists() and not force:
+        raise OutputExistsError(out)
+
+
+@contextmanager
+def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
+    """``(tmp, location)``: a new directory to write an output in, next to ``location``
+    (where ``out`` goes: :func:`~dist_checkpointing.path_overlap.output_location`, never
+    inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
+    ``0700``). The block moves what it wrote into place (:func:`move_into_place`);
+    whatever is left of ``tmp`` afterwards is removed, also when the block fails."""
+    location = output_location(out)
+    location.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{location.name}.", dir=location.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp, location
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into_place(src: Path, out: Path) -> None:
+    """Replace ``out`` (a symlink itself, not its target) by the finished ``src`` (a file
+    or directory) and make it durable."""
+    if src.is_dir():
+        for child in src.iterdir():  # the index and the files (already fsynced) and the entries
+            if child.suffix == ".json":
+                with open(child, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(src)
+    remove_path(out)
+    os.replace(src, out)
+    fsync_dir(out.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Delete ``path`` if there: a directory tree, a file, or a symlink itself (never its target)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()

@@ -1,0 +1,150 @@
+"""``validate``: check a checkpoint completely (commit, integrity manifest, checksums,
+chunk coverage, byte ranges, every stored item readable), reporting every problem
+instead of raising. Tensors are read whole, one at a time."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+from ..bytes_view import nbytes
+from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
+from ..manifest import MANIFEST_FNAME, manifest_problems
+from ..mapping import ShardedObject
+from ..serialization import get_default_load_sharded_strategy
+from ..strategies.base import StrategyAction, get_default_strategy
+from ..strategies.common import TorchCommonLoadStrategy
+from ..strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from ..strategies.torch_dist.metadata import read_metadata
+from ..whole_tensors import TensorReader, range_problem
+from .output import PathLike, Progress
+
+
+@dataclass
+class ValidationReport:
+    """What :func:`validate_checkpoint` found; ``ok`` when there is no problem."""
+
+    path: str
+    checked_tensors: int = 0
+    checked_objects: int = 0
+    checked_bytes: int = 0
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[str]:
+    problems = []
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            problems.append(f"tensor {key!r}: chunk at {offsets} of size {sizes} lies outside the shape {shape}")
+    volume = sum(math.prod(sizes) for _, sizes in chunks)
+    if volume != math.prod(shape):
+        problems.append(f"tensor {key!r}: its chunks hold {volume} elements, the tensor has {math.prod(shape)}")
+    if len(chunks) <= 4096:  # pairwise overlap check (exact cover = right volume and no overlap)
+        ordered = sorted(chunks)
+        for i, (o1, s1) in enumerate(ordered):
+            for o2, s2 in ordered[i + 1:]:
+                if o2[0] >= o1[0] + s1[0]:
+                    break
+                if all(a < b + t and b < a + s for a, s, b, t in zip(o1, s1, o2, s2)):
+                    problems.append(f"tensor {key!r}: chunks at {o1} and {o2} overlap")
+    return problems
+
+
+@contextmanager
+def _reported(report: ValidationReport, what: str) -> Iterator[None]:
+    """Record any error in the block as a problem of ``report`` (named ``what`` unless it
+    is a CheckpointingException, which names its key or file itself)."""
+    try:
+        with malformed(what):
+            yield
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+
+
+def _check_readable(report: ValidationReport, what: str, load: Callable[[], Any]) -> None:
+    """Run ``load``: a refusal to unpickle is a note (the checksum is verified before
+    unpickling, so it is not damage), any other failure a problem."""
+    try:
+        with malformed(what):
+            load()
+    except CheckpointingException as e:
+        (report.notes if "allow_pickle" in str(e) else report.problems).append(f"{what}: {e}")
+
+
+def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
+    """Check a checkpoint completely: it is committed (``metadata.json``), its files match
+    Megatron-Core's integrity manifest ``integrity.json`` if it has one, the common state
+    and ``.metadata`` match their checksums, every tensor's chunks cover it exactly, every
+    data file holds the byte ranges named for it, and every stored item can be read and
+    matches its checksum (tensors are read whole, one at a time; objects are checked
+    without being unpickled unsafely). Never raises for a damaged or hostile checkpoint:
+    every failure, whatever its type, is a problem in the report."""
+    report = ValidationReport(str(checkpoint_dir))
+    with _reported(report, f"Validating {checkpoint_dir}"):
+        _validate(checkpoint_location(checkpoint_dir), report, progress)
+    return report
+
+
+def _validate(checkpoint_dir: Union[Path, str], report: ValidationReport, progress: Optional[Progress]) -> None:
+    config = load_config(checkpoint_dir)
+    with _reported(report, open_storage(checkpoint_dir).describe(MANIFEST_FNAME)):
+        report.problems += manifest_problems(checkpoint_dir)
+    # What load would refuse (an unknown backend or version) is a problem here too.
+    if not isinstance(get_default_load_sharded_strategy(checkpoint_dir), TorchDistLoadShardedStrategy):
+        report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")
+        return
+    if config.common_backend is not None:
+        get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
+        _check_readable(report, "common state",
+                        lambda: TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir))
+    metadata = read_metadata(checkpoint_dir)
+    where = open_storage(checkpoint_dir).describe(".metadata")
+    if getattr(metadata, "checksums", None) is None:
+        report.notes.append("no item checksums are recorded (e.g. written by Megatron-Core): damage inside "
+                            "tensor data cannot be detected, only unreadable or truncated items")
+    # Every size the metadata claims is checked against the files before anything is allocated.
+    file_sizes: Dict[str, int] = {}
+    tensor_keys, object_keys = [], []
+    with malformed(f"{where} is malformed"):
+        for index, storage in metadata.storage_data.items():
+            with _reported(report, f"{where}: the storage entry of {getattr(index, 'fqn', index)!r} is malformed"):
+                problem = range_problem(checkpoint_dir, index, storage, file_sizes)
+                if problem is not None:
+                    report.problems.append(problem)
+        for key, md in sorted(metadata.state_dict_metadata.items()):
+            with _reported(report, f"{where}: the entry of {key!r} is malformed"):
+                if hasattr(md, "chunks"):
+                    report.problems += _coverage_problems(key, tuple(md.size),
+                                                          [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+                    tensor_keys.append(key)
+                else:
+                    object_keys.append(key)
+    if report.problems:
+        return
+
+    reader = TensorReader(checkpoint_dir, tensor_keys)
+    sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in tensor_keys}
+    total = sum(sizes.values())
+    try:
+        for key in tensor_keys:
+            with _reported(report, f"tensor {key!r}"):
+                reader.read(key)
+            report.checked_tensors += 1
+            report.checked_bytes += sizes[key]
+            if progress is not None:
+                progress(report.checked_bytes, total, key)
+    finally:
+        reader.close()
+    strategy = TorchDistLoadShardedStrategy(allow_pickle=False)
+    for key in object_keys:
+        _check_readable(report, f"object {key!r}", lambda k=key: strategy.load_local(
+            {"o": ShardedObject.empty_from_unique_key(k)}, checkpoint_dir))
+        report.checked_objects += 1

@@ -1,0 +1,54 @@
+"""Live peer-to-peer transfer of training state over a process group, without storage.
+
+When a data-parallel replica dies, its replacement can fetch the current state from a
+healthy replica: :class:`PGTransport` sends any nested state (dicts, lists, tuples of
+tensors of any dtype, ``ShardedTensor`` / ``ShardedObject`` leaves, DTensors, other
+picklable values) from one rank to one or more others; :func:`recover_from_peer` wraps it
+for a trainer.
+
+Protocol, between the sender and each receiver (point-to-point messages of the group):
+
+1. header (magic, version, metadata length) and the metadata — the structure and, one
+   column per field, every leaf's kind, shape, dtype and size, and the sender's bucket
+   sizes — pickled once for all receivers (each side plans the data messages from it:
+   the plan is not sent). A sender that cannot describe its state (a leaf it cannot send,
+   e.g. an FP8 layout that is not per-tensor scaled, or an unpicklable value) sends a
+   negative length and its reason instead, so every receiver raises at once;
+2. each receiver checks the metadata against its own state (same structure, same shapes
+   and dtypes) *before any tensor byte arrives* and answers ok or its error; with several
+   receivers, the sender then tells every receiver to go on or to abort (so one
+   receiver's mismatch stops the transfer on every rank, with the reason); a single
+   receiver's ok is its own go-ahead;
+3. the tensor bytes. Every tensor of ``ALONE_BYTES`` (or half a bucket) or more travels
+   alone, straight from the sender's memory into the receiver's (when both are
+   contiguous); these messages are all posted at once, so they stream back to back. The
+   smaller tensors are packed into buckets of up to ``BUCKET_BYTES`` (a few messages
+   instead of one per tensor), spread evenly among the large ones: the sender packs and
+   the receiver unpacks a bucket while large tensors stream. In a bucket the tensors are
+   grouped by dtype, each dtype's run packed with one ``torch.cat`` and unpacked with one
+   ``torch.split`` and one ``_foreach_copy_`` (no per-tensor Python work beyond a list
+   entry). Two bucket buffers per side are reused, so memory stays bounded whatever the
+   state size.
+
+A view travels as its own elements only (never its whole base storage); non-contiguous
+tensors arrive with the right values. Every wait is bounded by the transport's timeout: a
+peer that dies or stops answering raises :class:`CheckpointingException` on the surviving
+side. (After a timeout the process group may be unusable: recreate it.)
+
+The package: :mod:`.leaves` (describing leaves), :mod:`.plan` (the data messages),
+:mod:`.wire` (header, tags, tuning sizes, the metadata message), :mod:`.copies` (packing
+and unpacking tensor bytes), :mod:`.protocol` (:class:`PGTransport`,
+:func:`recover_from_peer`). The tuning sizes are set here as before
+(``dist_checkpointing.transport.BUCKET_BYTES = ...``) and take effect in :mod:`.wire`.
+"""
+
+from . import wire
+from ..forwarding import forward_settings
+from .leaves import _Columns, _LeafColumns
+from .plan import _plan_messages
+from .protocol import PGTransport, recover_from_peer
+from .wire import _TAG_DATA, _TAG_GO, _TAG_HEADER, PROTOCOL_VERSION, _decode_meta, _encode_meta, _Meta, _segments
+
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "PROTOCOL_VERSION", "PGTransport", "recover_from_peer"]
+
+forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES"))

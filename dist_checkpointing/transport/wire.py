@@ -1,0 +1,91 @@
+"""The transport's wire format: the header constants and message tags, the tuning sizes
+(``BUCKET_BYTES``, ``ALONE_BYTES``), and the metadata message (:class:`_Meta`), its
+encoding, and the byte runs of a planned data message."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from .leaves import _Columns, _Leaf, _LeafColumns, _wire_dtypes
+from .plan import _plan_messages
+
+PROTOCOL_VERSION = 2
+BUCKET_BYTES = 16 << 20
+ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
+_MAGIC = 0x44435054
+_TAG_HEADER, _TAG_META, _TAG_ACK, _TAG_ACK_TEXT, _TAG_GO, _TAG_GO_TEXT, _TAG_DATA = range(1, 8)
+
+
+@dataclass
+class _Meta:
+    """What the sender says about a transfer. The data messages are not part of it: each
+    side plans them from the columns and the sender's two sizes (:meth:`plan`), the
+    receiver after its check, while the sender plans its own."""
+
+    treespec: Any  # the state's structure (a pytree TreeSpec)
+    columns: _Columns
+    receivers: int = 1  # how many ranks the sender sends to (one: no go-ahead round)
+    bucket_bytes: Optional[int] = None  # the sender's bucket size (None: this process's BUCKET_BYTES)
+    alone_bytes: Optional[int] = None  # the sender's size for travelling alone (None: ALONE_BYTES)
+    treespec_pickle: bytes = b""  # the structure as sent (equal bytes: equal structures)
+
+    def __post_init__(self) -> None:
+        self.bucket_bytes = BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes
+        self.alone_bytes = ALONE_BYTES if self.alone_bytes is None else self.alone_bytes
+        self.leaves: Sequence[_Leaf] = _LeafColumns(self.columns)  # objects for the rarer paths
+        self.wire = _wire_dtypes(self.columns)  # each leaf's dtype on the wire
+        self.messages: List[Tuple[int, List[int]]] = []  # (nbytes, indices of the leaves it carries)
+        self.offsets: List[int] = []  # each leaf's offset in its message
+
+    def plan(self) -> None:
+        """Plan the data messages (see :func:`_plan_messages`)."""
+        self.messages, self.offsets = _plan_messages(self.columns, self.bucket_bytes, self.alone_bytes)
+
+    @property
+    def fp8_leaves(self) -> List[int]:
+        """The leaves that are FP8 tensors."""
+        return [i for i, f in enumerate(self.columns.fp8) if f is not None]
+
+def _encode_meta(meta: _Meta) -> bytes:
+    """The metadata as a pickle of plain columns (fast for thousands of leaves; dataclasses
+    and pytree's JSON serialization are ten times slower to encode and decode)."""
+    c = meta.columns
+    return pickle.dumps((_pickle_treespec(meta.treespec), c.kinds, c.shapes, c.dtypes, c.nbytes, c.requires_grad,
+                         c.fp8, c.values, meta.receivers, meta.bucket_bytes, meta.alone_bytes),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _pickle_treespec(treespec: Any) -> bytes:
+    return pickle.dumps(treespec, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode_meta(payload: bytes) -> _Meta:
+    with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
+        warnings.simplefilter("ignore", FutureWarning)
+        spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = pickle.loads(payload)
+        treespec = pickle.loads(spec_pickle)
+    return _Meta(treespec, _Columns(*fields), receivers, bucket_bytes, alone_bytes, spec_pickle)
+
+def _segments(meta: _Meta, members: List[int]) -> List[Tuple[torch.dtype, int, int, List[int]]]:
+    """A data message's runs: ``(dtype, start, end, leaves)`` for each stretch of bytes
+    that holds consecutive leaves of one wire dtype without gaps (a tensor travelling
+    alone is one run)."""
+    runs: List[Tuple[torch.dtype, int, int, List[int]]] = []
+    dtype, start, end, leaves = None, 0, -1, []
+    offsets, nbytes, wire = meta.offsets, meta.columns.nbytes, meta.wire
+    for i in members:
+        offset = offsets[i]
+        if offset != end or wire[i] != dtype:
+            if leaves:
+                runs.append((dtype, start, end, leaves))
+            dtype, start, end, leaves = wire[i], offset, offset, []
+        leaves.append(i)
+        end += nbytes[i]
+    if leaves:
+        runs.append((dtype, start, end, leaves))
+    return runs
