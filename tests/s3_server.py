@@ -119,6 +119,12 @@ class SeaweedFS:
         for attempt in range(3):
             self._launch()
             if self._wait_ready(t0 + timeout):
+                # the bucket's first write creates its volume: done here, so that no test's first
+                # write pays for it. ~0.2 s, or 2.5-5 s in about 1 start of 4: weed's volume
+                # server sometimes heartbeats just before its master becomes raft leader and
+                # retries later (start: ~3.3 s, or 5.8-8.2 s then)
+                self.request("PUT", f"/{self.bucket}/.warmup", b"x")
+                self.request("DELETE", f"/{self.bucket}/.warmup")
                 self.start_seconds = time.monotonic() - t0
                 return self
             exited = self.proc.poll() is not None
@@ -133,7 +139,7 @@ class SeaweedFS:
         self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         # weed reads master.toml from its working dir: how many volumes a bucket's first write
-        # creates (and waits for; SeaweedFS's default 7 costs ~2.5 s, 1 costs ~0.2 s)
+        # creates and waits for (SeaweedFS's default 7 took ~2.7 s, 1 takes ~0.2 s)
         (self.data_dir / "master.toml").write_text(f"[master.volume_growth]\ncopy_1 = {self.volume_growth}\n")
         config = self.data_dir / "s3.json"
         config.write_text(json.dumps({"identities": [{
@@ -165,7 +171,7 @@ class SeaweedFS:
             if self.proc.poll() is not None:
                 return False
             try:
-                self.request("PUT", f"/{self.bucket}")
+                self.request("PUT", f"/{self.bucket}", timeout=5)
                 return True
             except urllib.error.HTTPError as e:
                 if e.code == 409:  # BucketAlreadyOwnedByYou: ready
@@ -175,12 +181,12 @@ class SeaweedFS:
             time.sleep(0.1)
         return False
 
-    def request(self, method: str, path: str) -> bytes:
-        """A SigV4-signed request without a body (e.g. ``PUT /bucket``); HTTPError on failure."""
+    def request(self, method: str, path: str, body: bytes = b"", timeout: float = 30.0) -> bytes:
+        """A SigV4-signed request (e.g. ``PUT /bucket``); the response body, HTTPError on failure."""
         now = datetime.datetime.now(datetime.timezone.utc)
         amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         host = f"127.0.0.1:{self.ports['s3']}"
-        payload_hash = hashlib.sha256(b"").hexdigest()
+        payload_hash = hashlib.sha256(body).hexdigest()
         signed = "host;x-amz-content-sha256;x-amz-date"
         canonical = "\n".join([method, path, "", f"host:{host}", f"x-amz-content-sha256:{payload_hash}",
                                f"x-amz-date:{amz_date}", "", signed, payload_hash])
@@ -190,11 +196,11 @@ class SeaweedFS:
         for part in (day, self.region, "s3", "aws4_request"):
             key = hmac.new(key, part.encode(), hashlib.sha256).digest()
         signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-        req = urllib.request.Request(self.endpoint_url + path, method=method, headers={
+        req = urllib.request.Request(self.endpoint_url + path, data=body or None, method=method, headers={
             "x-amz-date": amz_date, "x-amz-content-sha256": payload_hash,
             "Authorization": f"AWS4-HMAC-SHA256 Credential={self.access_key}/{scope}, "
                              f"SignedHeaders={signed}, Signature={signature}"})
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.read()
 
     def _kill_group(self, grace: float = 1.0) -> None:
