@@ -213,6 +213,34 @@ def _check_written_by(save_id: str, checkpoint_dir: CkptDir) -> None:
             )
 
 
+def _claim_directory(checkpoint_dir: CkptDir) -> str:
+    """Rank 0 claims the directory (atomically: of concurrent saves into it, one wins);
+    every rank gets the save id, or raises rank 0's reason (collective)."""
+    claim: Tuple[Optional[str], Optional[str]] = (None, None)
+    if get_rank() == 0:
+        try:
+            claim = (None, claim_save_dir(checkpoint_dir))
+        except Exception as e:  # noqa: BLE001 - broadcast to every rank
+            claim = (error_message(e), None)
+    dir_error, save_id = broadcast_object(claim)
+    if dir_error is not None:
+        raise CheckpointingException(dir_error)
+    return save_id  # type: ignore[return-value]
+
+
+def _commit(checkpoint_dir: CkptDir, save_id: str, config: CheckpointingConfig, verify_integrity: bool) -> None:
+    """The last step of a save: with ``verify_integrity`` every rank hashes the files it
+    wrote (collective); rank 0 checks the directory is still this save's, writes
+    ``integrity.json`` (if any), then ``metadata.json`` — the commit — and drops the claim."""
+    digests = hash_written_files(checkpoint_dir) if verify_integrity else None
+    if get_rank() == 0:
+        _check_written_by(save_id, checkpoint_dir)
+        if digests is not None:  # before metadata.json: a committed checkpoint has all of it
+            write_manifest(checkpoint_dir, digests, config)
+        save_config(config, checkpoint_dir)
+        release_claim(checkpoint_dir, save_id)
+
+
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CkptDir,
@@ -290,16 +318,7 @@ def save(
     )
     check_common_state_consistency(common_view)
 
-    # Rank 0 claims the directory (atomically: of concurrent saves into it, one wins).
-    claim: Tuple[Optional[str], Optional[str]] = (None, None)
-    if rank == 0:
-        try:
-            claim = (None, claim_save_dir(checkpoint_dir))
-        except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            claim = (error_message(e), None)
-    dir_error, save_id = broadcast_object(claim)
-    if dir_error is not None:
-        raise CheckpointingException(dir_error)
+    save_id = _claim_directory(checkpoint_dir)
 
     def save_common():
         if rank != 0:
@@ -312,16 +331,11 @@ def save(
     phases.end("plan")
     write_common = run_agreed(save_common, "Saving the common state")
 
-    def commit():
-        digests = hash_written_files(checkpoint_dir) if verify_integrity else None  # collective
-        if rank == 0:
-            _check_written_by(save_id, checkpoint_dir)
-            config = CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
-                                         common_strategy_.backend, common_strategy_.version)
-            if digests is not None:  # before metadata.json: a committed checkpoint has all of it
-                write_manifest(checkpoint_dir, digests, config)
-            save_config(config, checkpoint_dir)
-            release_claim(checkpoint_dir, save_id)
+    config = CheckpointingConfig(sharded_strategy_.backend, sharded_strategy_.version,
+                                 common_strategy_.backend, common_strategy_.version)
+
+    def commit() -> None:
+        _commit(checkpoint_dir, save_id, config, verify_integrity)
 
     if async_sharded_save:
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
