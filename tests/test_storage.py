@@ -24,15 +24,15 @@ _TIMEOUT = 60.0
 N = 1 << 16  # elements per rank: several staging-buffer writes per file
 
 
-def test_posix_storage_contract(tmp_path):
-    storage = PosixStorage(tmp_path / "ckpt")
-    assert storage.kind() is None and storage.list() == []
+def check_storage_contract(storage: Storage) -> None:
+    """The protocol's contract on an empty location ``storage`` (shared with the S3 tests)."""
+    assert storage.list() == [] and storage.info("data") is None
     storage.make_root()
-    assert storage.kind() == "dir"
     stream = storage.create_stream("data")
     stream.write(b"abc" * 1000)
     assert stream.tell() == 3000
     stream.close()
+    assert storage.kind() == "dir"
     with pytest.raises(FileExistsError):
         storage.create_stream("data")  # a new file only
     storage.write_atomic("small", b"1")
@@ -40,19 +40,35 @@ def test_posix_storage_contract(tmp_path):
     storage.create_exclusive("claim", b"x")
     with pytest.raises(FileExistsError):
         storage.create_exclusive("claim", b"y")
+    assert storage.read_bytes("claim") == b"x"
     assert storage.read_bytes("small") == b"22"
     assert storage.read_bytes("data", max_bytes=10) == (b"abc" * 4)[:11]  # one byte more: the caller sees it is too large
     reader = storage.open_reader("data")
     buf = bytearray(4)
     assert reader.size == 3000 and reader.read(2998, 10) == b"bc" and reader.readinto(buf, 1) == 4 and buf == b"bcab"
+    assert reader.readinto(bytearray(8), 3000) == 0 and reader.read(3000, 5) == b""
     reader.close()
     assert storage.list() == ["claim", "data", "small"]  # no temporary files left
     assert storage.info("data").size == 3000 and storage.info("nope") is None and storage.kind("data") == "file"
+    assert storage.kind("nope") is None
+    version = storage.info("small").version
+    storage.write_atomic("small", b"333")
+    assert storage.info("small").version != version
     storage.delete("claim")
     storage.delete("claim")  # missing: nothing
     assert storage.list() == ["data", "small"]
     with pytest.raises(FileNotFoundError):
         storage.read_bytes("claim")
+    stream = storage.create_stream("dropped")
+    stream.write(b"x" * 100)
+    stream.abort()  # the implementation's tests check what is left of "dropped"
+
+
+def test_posix_storage_contract(tmp_path):
+    storage = PosixStorage(tmp_path / "ckpt")
+    assert storage.kind() is None
+    check_storage_contract(storage)
+    assert storage.list() == ["data", "dropped", "small"]  # an aborted stream leaves its partial file
 
 
 def test_storage_for_locations(tmp_path):

@@ -1,6 +1,7 @@
 """Every byte of a checkpoint goes through here: the :class:`Storage` protocol and its
-implementations, chosen by location (:func:`storage_for`). Today: local directories
-(:class:`PosixStorage`); other schemes are registered with :func:`register_storage`."""
+implementations, chosen by location (:func:`storage_for`): local directories
+(:class:`PosixStorage`) and ``s3://bucket/prefix`` (:mod:`.s3`, imported on first use);
+other schemes are registered with :func:`register_storage`."""
 
 from __future__ import annotations
 
@@ -44,3 +45,12 @@ def storage_for(location: Union[str, "os.PathLike[str]", Storage]) -> Storage:
     if factory is None:
         raise ValueError(f"No storage is registered for {scheme}:// (location {location!r})")
     return factory(location)
+
+
+def _s3_storage(location: str) -> Storage:
+    from .s3 import S3Storage  # imports obstore: only when an s3:// location is used
+
+    return S3Storage(location)
+
+
+register_storage("s3", _s3_storage)

@@ -1,0 +1,294 @@
+"""The S3 implementation of the storage protocol: ``s3://bucket/prefix`` through obstore.
+
+The client is obstore (``pip install dist_checkpointing[s3]``; benchmarks/README.md says
+why), imported when the first :class:`S3Storage` is made. It is configured from the
+standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, …); ``storage_options``
+override it (obstore ``S3Store`` keyword arguments). obstore retries 5xx, throttling and
+dropped connections with backoff.
+
+The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
+``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
+copied once from the written bytes into a part of its own that obstore uploads without
+copying (at most :data:`PARTS_IN_FLIGHT` + 2 parts held per file); it is durable once
+:meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and an error or
+:meth:`S3WriteStream.abort` aborts the upload. Small files are single PUTs (atomic on S3);
+:meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+from .base import FileInfo, RangeReader, Storage, WriteStream
+from .buffers import STAGING_BUFFER_BYTES
+
+PART_BYTES = STAGING_BUFFER_BYTES
+PARTS_IN_FLIGHT = 4
+_ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
+
+
+def _obstore():
+    """The obstore module, or an ImportError saying how to install it."""
+    try:
+        import obstore
+    except ImportError as e:
+        raise ImportError("s3:// checkpoint locations need obstore: pip install dist_checkpointing[s3]") from e
+    return obstore
+
+
+@contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``."""
+    from obstore.exceptions import AlreadyExistsError, BaseError
+
+    try:
+        yield
+    except AlreadyExistsError as e:
+        raise FileExistsError(errno.EEXIST, f"{what} exists") from e
+    except BaseError as e:
+        raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+class S3WriteStream(WriteStream):
+    """A new object written front to back as a multipart upload from a background thread."""
+
+    def __init__(self, store: Any, key: str, url: str):
+        super().__init__()
+        self._url = url
+        self._part = bytearray(PART_BYTES)
+        self._fill = 0
+        self._flushed = 0
+        self._hasher = None
+        self._parts: "queue.Queue[Any]" = queue.Queue(maxsize=1)
+        self._io_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._upload, args=(store, key), name="dist-ckpt-s3-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _next_parts(self) -> Iterator[memoryview]:
+        while True:
+            item = self._parts.get()
+            if item is None:
+                return
+            if item is _ABORT:
+                raise OSError(errno.ECANCELED, f"upload of {self._url} aborted")
+            yield item
+
+    def _upload(self, store: Any, key: str) -> None:
+        try:
+            with _os_errors(f"multipart upload of {self._url}"):
+                _obstore().put(store, key, self._next_parts(), use_multipart=True, chunk_size=PART_BYTES,
+                               max_concurrency=PARTS_IN_FLIGHT)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
+            self._io_error = e
+
+    def start_checksum(self, hasher) -> None:
+        self._hasher = hasher
+
+    def take_checksum(self) -> int:
+        digest = self._hasher.intdigest()
+        self._hasher = None
+        return digest
+
+    def tell(self) -> int:
+        return self._flushed + self._fill
+
+    def write(self, data) -> int:  # type: ignore[override]
+        src = memoryview(data)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        if self._hasher is not None:
+            self._hasher.update(src)
+        n, pos = src.nbytes, 0
+        while pos < n:
+            k = min(PART_BYTES - self._fill, n - pos)
+            self._part[self._fill:self._fill + k] = src[pos:pos + k]
+            self._fill += k
+            pos += k
+            if self._fill == PART_BYTES:
+                self._hand_over()
+        return n
+
+    def _hand_over(self) -> None:
+        """Queue the current part for upload (a new part of its own: obstore keeps a
+        reference to it until it is uploaded) and start the next."""
+        part = memoryview(self._part)[:self._fill]
+        self._flushed += self._fill
+        self._part, self._fill = bytearray(PART_BYTES), 0
+        self._queue(part)
+
+    def _queue(self, item: Any) -> None:
+        while True:
+            if self._io_error is not None:
+                self.error = self._io_error
+                raise self._io_error
+            try:
+                self._parts.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                pass
+
+    def flush(self) -> None:
+        """Parts are uploaded as they fill; :meth:`close` uploads the rest."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._fill:
+                self._hand_over()
+            self._queue(None)
+            self._thread.join()
+            if self._io_error is not None:
+                raise self._io_error
+        except BaseException:
+            self._stop(_ABORT)
+            raise
+        finally:
+            self._part = bytearray()
+            super().close()
+
+    def _stop(self, item: Any) -> None:
+        """Hand ``item`` to the uploader unless it has stopped; wait for it."""
+        while self._thread.is_alive():
+            try:
+                self._parts.put(item, timeout=0.2)
+                break
+            except queue.Full:
+                pass
+        self._thread.join()
+
+    def abort(self) -> None:
+        """Abort the multipart upload: no object is created."""
+        if not self.closed:
+            self._stop(_ABORT)
+            self._part = bytearray()
+            super().close()
+
+
+class S3Reader(RangeReader):
+    """Ranged GETs of one object; each copied once from obstore's buffer."""
+
+    def __init__(self, store: Any, key: str, size: int, url: str):
+        self._store, self._key, self.size, self._url = store, key, size, url
+
+    def _get(self, offset: int, n: int):
+        with _os_errors(f"read of {self._url}"):
+            return _obstore().get_range(self._store, self._key, start=offset, length=n)
+
+    def read(self, offset: int, n: int) -> bytes:
+        n = min(n, self.size - offset)
+        return bytes(self._get(offset, n)) if n > 0 else b""
+
+    def readinto(self, buf, offset: int) -> int:
+        dst = memoryview(buf)
+        if dst.format != "B" or dst.ndim != 1:
+            dst = dst.cast("B")
+        n = min(dst.nbytes, self.size - offset)
+        if n <= 0:
+            return 0
+        data = memoryview(self._get(offset, n))
+        dst[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        """Nothing is held open between requests."""
+
+
+class S3Storage(Storage):
+    """The objects under ``s3://bucket/prefix``; names are the keys below the prefix."""
+
+    def __init__(self, location: str, storage_options: Optional[Dict[str, Any]] = None):
+        scheme, _, rest = location.partition("://")
+        if scheme.lower() != "s3" or not rest.split("/", 1)[0]:
+            raise ValueError(f"Not an s3://bucket/prefix location: {location!r}")
+        self.bucket, _, prefix = rest.partition("/")
+        self.prefix = prefix.strip("/")
+        _obstore()
+        from obstore.store import S3Store
+
+        self._store = S3Store(self.bucket, prefix=self.prefix or None, **(storage_options or {}))
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.describe()!r})"
+
+    def describe(self, name: str = "") -> str:
+        path = "/".join(p for p in (self.prefix, name) if p)
+        return f"s3://{self.bucket}/{path}"
+
+    def create_stream(self, name: str) -> WriteStream:
+        if self.info(name) is not None:
+            raise FileExistsError(errno.EEXIST, f"{self.describe(name)} exists")
+        return S3WriteStream(self._store, name, self.describe(name))
+
+    def _put(self, name: str, data, mode: str) -> None:
+        with _os_errors(f"write of {self.describe(name)}"):
+            _obstore().put(self._store, name, memoryview(data), mode=mode, use_multipart=False)
+
+    def write_atomic(self, name: str, data) -> None:
+        self._put(name, data, "overwrite")
+
+    def create_exclusive(self, name: str, data) -> None:
+        self._put(name, data, "create")
+
+    def delete(self, name: str) -> None:
+        try:
+            with _os_errors(f"delete of {self.describe(name)}"):
+                _obstore().delete(self._store, name)
+        except FileNotFoundError:
+            pass
+
+    def make_root(self) -> None:
+        """A prefix needs no creating; one listing checks the bucket and the credentials."""
+        self.list()
+
+    def read_bytes(self, name: str, max_bytes: Optional[int] = None) -> bytes:
+        with _os_errors(f"read of {self.describe(name)}"):
+            result = _obstore().get(self._store, name)
+            if max_bytes is None:
+                return bytes(result.bytes())
+            chunks, got = [], 0
+            for chunk in result.stream(min_chunk_size=1 << 20):
+                chunks.append(bytes(chunk))
+                got += len(chunks[-1])
+                if got > max_bytes:
+                    break
+            return b"".join(chunks)[:max_bytes + 1]
+
+    def open_reader(self, name: str) -> RangeReader:
+        info = self.info(name)
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, f"{self.describe(name)} does not exist")
+        return S3Reader(self._store, name, info.size, self.describe(name))
+
+    def info(self, name: str) -> Optional[FileInfo]:
+        if not name:
+            return None
+        try:
+            with _os_errors(f"stat of {self.describe(name)}"):
+                meta = _obstore().head(self._store, name)
+        except FileNotFoundError:
+            return None
+        return FileInfo(meta["size"], (meta["e_tag"], meta["size"], meta["last_modified"]))
+
+    def _has_children(self, name: str) -> bool:
+        with _os_errors(f"list of {self.describe(name)}"):
+            for chunk in _obstore().list(self._store, name or None, chunk_size=1):
+                return len(chunk) > 0
+        return False
+
+    def kind(self, name: str = "") -> Optional[str]:
+        if self.info(name) is not None:
+            return "file"
+        return "dir" if self._has_children(name) else None
+
+    def list(self) -> List[str]:
+        with _os_errors(f"list of {self.describe()}"):
+            result = _obstore().list_with_delimiter(self._store, None)
+        names = [o["path"] for o in result["objects"]] + list(result["common_prefixes"])
+        return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)

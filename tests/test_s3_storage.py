@@ -1,0 +1,143 @@
+"""The S3 storage (``s3://bucket/prefix`` through obstore) against a real SeaweedFS server
+(``tests/s3_server.py``; skipped when SeaweedFS or obstore is not installed): the protocol's
+contract, multipart uploads and their abort, exclusive creation, prefixes as directories, and
+whole saves and loads at world 1 and 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+import dist_checkpointing as dc
+from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
+from dist_checkpointing.storage import storage_for
+
+from .conftest import get_pool
+from .test_storage import check_storage_contract
+
+pytest.importorskip("obstore")
+from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
+
+_TIMEOUT = 120.0
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The server's AWS environment in this process."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.env()
+
+
+def _url(s3_server, name: str = "") -> str:
+    return f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:10]}{name}"
+
+
+def _unfinished_uploads(s3_server) -> list:
+    """The multipart uploads in progress (SeaweedFS keeps them under the bucket's .uploads/
+    in its filer)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{s3_server.ports['filer']}/buckets/{s3_server.bucket}/.uploads/",
+                                 headers={"Accept": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())["Entries"] or []
+
+
+def test_s3_storage_contract(s3_server, s3_env):
+    storage = storage_for(_url(s3_server))
+    assert isinstance(storage, S3Storage) and storage.kind() is None
+    check_storage_contract(storage)
+    assert storage.list() == ["data", "small"] and storage.info("dropped") is None  # the aborted upload left nothing
+    assert storage.describe("data") == f"s3://{s3_server.bucket}/{storage.prefix}/data"
+
+
+def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env):
+    storage = S3Storage(_url(s3_server))
+    data = torch.randint(0, 255, (2 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
+    stream = storage.create_stream("big")
+    for i in range(0, len(data), 3 << 20):  # writes that straddle the parts
+        stream.write(memoryview(data)[i:i + (3 << 20)])
+    stream.close()
+    assert storage.info("big").size == len(data) and storage.read_bytes("big") == data
+    reader = storage.open_reader("big")
+    buf = bytearray(PART_BYTES)
+    assert reader.readinto(buf, PART_BYTES - 7) == PART_BYTES and buf == data[PART_BYTES - 7:2 * PART_BYTES - 7]
+    reader.close()
+
+    stream = storage.create_stream("aborted")
+    stream.write(data)
+    deadline = time.monotonic() + 30
+    while not _unfinished_uploads(s3_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _unfinished_uploads(s3_server), "the multipart upload was never started"
+    stream.abort()
+    assert _unfinished_uploads(s3_server) == [] and storage.info("aborted") is None
+
+
+def test_exclusive_create_conflict(s3_server, s3_env):
+    storage = S3Storage(_url(s3_server))
+    storage.create_exclusive("claim", b"first")
+    with pytest.raises(FileExistsError):
+        storage.create_exclusive("claim", b"second")
+    assert storage.read_bytes("claim") == b"first"
+
+
+def test_a_prefix_is_a_directory(s3_server, s3_env):
+    base = _url(s3_server)
+    S3Storage(base + "/iter_10").write_atomic("x", b"1")
+    S3Storage(base + "/iter_1x").write_atomic("y", b"2")
+    iter_1 = S3Storage(base + "/iter_1/")  # a trailing slash is the same prefix
+    assert iter_1.list() == [] and iter_1.kind() is None and iter_1.info("x") is None
+    assert S3Storage(base).list() == ["iter_10", "iter_1x"] and S3Storage(base).kind("iter_10") == "dir"
+    assert S3Storage(base + "/iter_10").list() == ["x"]
+
+
+def _state(rank: int, world: int, fill: float) -> dict:
+    n = 1 << 20  # 4 MiB of float32 per rank
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.full((n,), fill + rank), (0, rank, world)),
+        "o": ShardedObject("o", {"rank": rank, "fill": fill}, (world,), (rank,)),
+        "step": 7,
+    }
+
+
+def _save_load(rank, world, env, url):
+    os.environ.update(env)
+    dc.save(_state(rank, world, 1.0), url)
+    request = _state(rank, world, 0.0)
+    request["w"].data.zero_()
+    loaded = dc.load(request, url)
+    return float(loaded["w"][0]), float(loaded["w"][-1]), loaded["o"], loaded["step"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_and_load_round_trip(world, s3_server, s3_env):
+    url = _url(s3_server)
+    results = get_pool(world).run(_save_load, s3_server.env(), url, timeout=_TIMEOUT)
+    assert results == [(1.0 + r, 1.0 + r, {"rank": r, "fill": 1.0}, 7) for r in range(world)]
+    assert dc.check_is_distributed_checkpoint(url)
+    assert dc.load_common_state_dict(url)["step"] == 7
+    with pytest.raises(CheckpointingException, match="not empty"):
+        dc.save(_state(0, 1, 2.0), url)
+
+    # the same objects without the commit (metadata.json): nothing loads
+    incomplete = S3Storage(_url(s3_server))
+    for name in S3Storage(url).list():
+        if name != "metadata.json":
+            incomplete.write_atomic(name, S3Storage(url).read_bytes(name))
+    assert not dc.check_is_distributed_checkpoint(incomplete.describe())
+    with pytest.raises(CheckpointingException, match="incomplete checkpoint|not a distributed checkpoint"):
+        dc.load(_state(0, 1, 0.0), incomplete.describe())
+
+
+def test_missing_obstore_says_how_to_install(monkeypatch):
+    for name in ("obstore", "obstore.store"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it fails
+    with pytest.raises(ImportError, match=r"pip install dist_checkpointing\[s3\]"):
+        storage_for("s3://bucket/prefix")
