@@ -68,6 +68,7 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env):
     reader = storage.open_reader("big")
     buf = bytearray(PART_BYTES)
     assert reader.readinto(buf, PART_BYTES - 7) == PART_BYTES and buf == data[PART_BYTES - 7:2 * PART_BYTES - 7]
+    assert reader.readinto(bytearray(len(data)), 0) == PART_BYTES  # one request: at most one part's bytes
     reader.close()
 
     stream = storage.create_stream("aborted")
@@ -99,7 +100,7 @@ def test_a_prefix_is_a_directory(s3_server, s3_env):
 
 
 def _state(rank: int, world: int, fill: float) -> dict:
-    n = 1 << 20  # 4 MiB of float32 per rank
+    n = 5 << 20  # 20 MiB of float32 per rank: a data file of two parts, read in two requests
     return {
         "w": ShardedTensor.from_rank_offsets("w", torch.full((n,), fill + rank), (0, rank, world)),
         "o": ShardedObject("o", {"rank": rank, "fill": fill}, (world,), (rank,)),

@@ -172,7 +172,9 @@ class S3WriteStream(WriteStream):
 
 
 class S3Reader(RangeReader):
-    """Ranged GETs of one object; each copied once from obstore's buffer."""
+    """Ranged GETs of one object; each copied once from obstore's buffer. A
+    :meth:`readinto` fetches at most :data:`PART_BYTES` (obstore holds a whole response
+    in memory: this bounds the transient copy)."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
@@ -189,7 +191,7 @@ class S3Reader(RangeReader):
         dst = memoryview(buf)
         if dst.format != "B" or dst.ndim != 1:
             dst = dst.cast("B")
-        n = min(dst.nbytes, self.size - offset)
+        n = min(dst.nbytes, self.size - offset, PART_BYTES)
         if n <= 0:
             return 0
         data = memoryview(self._get(offset, n))
