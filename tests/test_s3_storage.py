@@ -23,6 +23,7 @@ from .conftest import get_pool
 from .test_storage import check_storage_contract
 
 pytest.importorskip("obstore")
+from dist_checkpointing.storage import s3  # noqa: E402
 from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
 
 _TIMEOUT = 120.0
@@ -57,7 +58,7 @@ def test_s3_storage_contract(s3_server, s3_env):
     assert storage.describe("data") == f"s3://{s3_server.bucket}/{storage.prefix}/data"
 
 
-def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env):
+def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monkeypatch):
     storage = S3Storage(_url(s3_server))
     data = torch.randint(0, 255, (2 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
     stream = storage.create_stream("big")
@@ -68,8 +69,26 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env):
     reader = storage.open_reader("big")
     buf = bytearray(PART_BYTES)
     assert reader.readinto(buf, PART_BYTES - 7) == PART_BYTES and buf == data[PART_BYTES - 7:2 * PART_BYTES - 7]
-    assert reader.readinto(bytearray(len(data)), 0) == PART_BYTES  # one request: at most one part's bytes
+    whole = bytearray(len(data) + 10)
+    assert reader.readinto(whole, 0) == len(data) and whole[:len(data)] == data  # three parts, fetched in parallel
     reader.close()
+    monkeypatch.setattr(s3, "PARTS_IN_FLIGHT", 2)
+    reader = storage.open_reader("big")
+    assert reader.readinto(whole, 0) == 2 * PART_BYTES  # at most PARTS_IN_FLIGHT parts per call
+    reader.close()
+    # read front to back in small pieces: the read-ahead window grows, the bytes stay right
+    reader, got, windows = storage.open_reader("big"), bytearray(), []
+    while True:
+        piece = bytearray(1 << 20)
+        n = reader.readinto(piece, len(got))
+        if n == 0:
+            break
+        got += piece[:n]
+        if not windows or reader._local.window is not windows[-1]:
+            windows.append(reader._local.window)
+    reader.close()
+    fetched = [sum(len(piece) for _, piece in window) for window in windows]
+    assert got == data and fetched == [1 << 20, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, len(data) - (32 << 20)]
 
     stream = storage.create_stream("aborted")
     stream.write(data)

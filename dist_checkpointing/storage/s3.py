@@ -22,7 +22,7 @@ import errno
 import queue
 import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .base import FileInfo, RangeReader, Storage, WriteStream
 from .buffers import STAGING_BUFFER_BYTES
@@ -172,34 +172,56 @@ class S3WriteStream(WriteStream):
 
 
 class S3Reader(RangeReader):
-    """Ranged GETs of one object; each copied once from obstore's buffer. A
-    :meth:`readinto` fetches at most :data:`PART_BYTES` (obstore holds a whole response
-    in memory: this bounds the transient copy)."""
+    """Ranged GETs of one object, each copied once from obstore's buffer; up to
+    :data:`PARTS_IN_FLIGHT` GETs of :data:`PART_BYTES` at once. A thread reading front to
+    back in small pieces (a checksummed record is read 1 MiB at a time) gets a read-ahead
+    window that doubles with each sequential read, up to ``PARTS_IN_FLIGHT * PART_BYTES``:
+    what is fetched beyond the request never exceeds what was read in sequence."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
+        self._local = threading.local()  # per thread: window [(start, bytes)], end of the last read, run length
 
-    def _get(self, offset: int, n: int):
+    def _fetch(self, offset: int, n: int) -> List[Tuple[int, memoryview]]:
+        starts = list(range(offset, offset + n, PART_BYTES))
+        lengths = [min(PART_BYTES, offset + n - start) for start in starts]
         with _os_errors(f"read of {self._url}"):
-            return _obstore().get_range(self._store, self._key, start=offset, length=n)
+            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
+        return [(start, memoryview(piece)) for start, piece in zip(starts, pieces)]
 
     def read(self, offset: int, n: int) -> bytes:
         n = min(n, self.size - offset)
-        return bytes(self._get(offset, n)) if n > 0 else b""
+        if n <= 0:
+            return b""
+        with _os_errors(f"read of {self._url}"):
+            return bytes(_obstore().get_range(self._store, self._key, start=offset, length=n))
 
     def readinto(self, buf, offset: int) -> int:
         dst = memoryview(buf)
         if dst.format != "B" or dst.ndim != 1:
             dst = dst.cast("B")
-        n = min(dst.nbytes, self.size - offset, PART_BYTES)
-        if n <= 0:
+        want = min(dst.nbytes, self.size - offset)
+        if want <= 0:
             return 0
-        data = memoryview(self._get(offset, n))
-        dst[:len(data)] = data
-        return len(data)
+        local = self._local
+        window = getattr(local, "window", [])
+        if not any(start <= offset < start + len(data) for start, data in window):
+            limit = PARTS_IN_FLIGHT * PART_BYTES
+            run = getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0
+            window = local.window = self._fetch(offset, min(self.size - offset, max(min(want, limit), min(run, limit))))
+        done = 0
+        for start, data in window:
+            if start <= offset + done < start + len(data) and done < want:
+                k = min(want - done, start + len(data) - offset - done)
+                dst[done:done + k] = data[offset + done - start:offset + done - start + k]
+                done += k
+        local.run = (getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0) + done
+        local.end = offset + done
+        return done
 
     def close(self) -> None:
-        """Nothing is held open between requests."""
+        """Drops this thread's read-ahead window; nothing else is held between requests."""
+        self._local = threading.local()
 
 
 class S3Storage(Storage):
