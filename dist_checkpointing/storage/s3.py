@@ -19,7 +19,9 @@ copying (at most :data:`PARTS_IN_FLIGHT` + 2 parts held per file); it is durable
 from __future__ import annotations
 
 import errno
+import os
 import queue
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -32,8 +34,24 @@ PARTS_IN_FLIGHT = 4
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
 
 
+_forked_after_use = False  # set in a forked child of a process that had imported obstore
+
+
+def _mark_forked() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or "obstore" in sys.modules
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
 def _obstore():
-    """The obstore module, or an ImportError saying how to install it."""
+    """The obstore module, or an ImportError saying how to install it; an OSError in a forked
+    child of a process that used it (its runtime does not survive a fork: every request would
+    hang), e.g. the writer of an async save."""
+    if _forked_after_use:
+        raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
+                                     "(async save to s3:// is not supported yet)")
     try:
         import obstore
     except ImportError as e:
