@@ -10,10 +10,15 @@ dropped connections with backoff.
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
 ``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
 copied once from the written bytes into a part of its own that obstore uploads without
-copying (at most :data:`PARTS_IN_FLIGHT` + 2 parts held per file); it is durable once
-:meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and an error or
-:meth:`S3WriteStream.abort` aborts the upload. Small files are single PUTs (atomic on S3);
+copying (:data:`PARTS_IN_FLIGHT` parts uploading, plus the one being filled and the few
+queued between them); it is durable once :meth:`S3WriteStream.close` returns
+(CompleteMultipartUpload), and :meth:`S3WriteStream.abort` aborts the upload. That a
+streamed file does not exist yet is checked with a HEAD (not atomic: the checkpoint's
+directory claim is). Small files are single PUTs (atomic on S3);
 :meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
+
+obstore's runtime does not survive a fork: in a process forked after obstore was used
+(an async save's writer) every call raises an OSError instead of hanging.
 """
 
 from __future__ import annotations
