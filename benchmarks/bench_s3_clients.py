@@ -258,7 +258,7 @@ def main() -> None:
                     if op == "put":
                         obstore.delete(store, f"put-{name}-{s}")
     load_after = os.getloadavg()
-    print(f"\n| client | op | MiB | median s | MiB/s | peak extra RSS MiB (median) | rounds |")
+    print("\n| client | op | MiB | median s | MiB/s | peak extra RSS MiB (median) | rounds |")
     print("|---|---|---:|---:|---:|---:|---:|")
     summary = []
     for (name, op, s), rs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):

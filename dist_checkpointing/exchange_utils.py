@@ -14,10 +14,6 @@ from .exchange.distribution import (
     ShardDistribution,
     ShardId,
     ShardInfo,
-    _describe,
-    _global_rank,
-    _group_rank_or_raise,
-    _shard_info,
     collect_holders,
     comm_device,
     determine_main_replica_uniform_distribution,
@@ -29,9 +25,6 @@ from .exchange.distribution import (
 from .exchange.objects import exchange_loaded_objects_gather_object, local_object_keys, object_loaders
 from .exchange.tensors import (
     EXCHANGE_ALGORITHMS,
-    _destination,
-    _Landing,
-    _source_bytes,
     check_exchange_algo,
     exchange_by_distribution,
     exchange_loaded_tensors_broadcast,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 import torch.distributed as dist

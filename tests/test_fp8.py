@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import zlib
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
-from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing.fp8 import is_float8tensor
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from dist_checkpointing.strategies.fully_parallel import (
@@ -490,7 +489,7 @@ def test_fully_parallel_load_with_per_rank_scales_matches_plain_load(pool2, tmp_
 
     Known library bug (fails when written): the reader loads the shard into *its own* FP8
     request (quantized with its scale, ``fully_parallel.py`` ``base_strategy.load`` of the
-    reader's request), and ``exchange_utils._source_bytes`` sends ``dequantize()`` of that,
+    reader's request), and ``exchange.tensors._source_bytes`` sends ``dequantize()`` of that,
     so receivers requantize already-quantized values (double quantization) instead of
     the stored values."""
     results = pool2.run(_requant_via_wrapper_rank, str(tmp_path / "c"), ALGOS)

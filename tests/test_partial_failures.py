@@ -11,8 +11,6 @@ that rank for the duration of the call.
 from __future__ import annotations
 
 import contextlib
-import logging
-from pathlib import Path
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ locations must describe the same tensors, chunks and files as the real save's.
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,7 @@ bytes a rank receives while planning do not grow with the group size."""
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import pytest
 import torch

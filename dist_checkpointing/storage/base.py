@@ -23,6 +23,12 @@ from dataclasses import dataclass
 from typing import Hashable, List, Optional
 
 
+def byte_view(data) -> memoryview:
+    """``data`` (any bytes-like object) as a flat view of unsigned bytes, without a copy."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class WriteStream(io.RawIOBase):
     """A new file written front to back (``torch.save`` writes into it).
 

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
-from .base import FileInfo, RangeReader, Storage, WriteStream
+from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE, POOL
 
 _HASH_BATCH = 64 << 10  # small writes (torch.save's zip framing) are hashed together, up to this
@@ -86,9 +86,7 @@ class StagedFileWriter(WriteStream):
         return self._flushed + self._fill
 
     def write(self, data) -> int:  # type: ignore[override]
-        src = memoryview(data)
-        if src.format != "B" or src.ndim != 1:
-            src = src.cast("B")
+        src = byte_view(data)
         n = src.nbytes
         pos = 0
         size = len(self._view)

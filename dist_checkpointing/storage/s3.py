@@ -31,7 +31,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .base import FileInfo, RangeReader, Storage, WriteStream
+from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import STAGING_BUFFER_BYTES
 
 PART_BYTES = STAGING_BUFFER_BYTES
@@ -122,9 +122,7 @@ class S3WriteStream(WriteStream):
         return self._flushed + self._fill
 
     def write(self, data) -> int:  # type: ignore[override]
-        src = memoryview(data)
-        if src.format != "B" or src.ndim != 1:
-            src = src.cast("B")
+        src = byte_view(data)
         if self._hasher is not None:
             self._hasher.update(src)
         n, pos = src.nbytes, 0
