@@ -9,6 +9,7 @@ prefix and model code written for it works unchanged.
 import torch.distributed.checkpoint  # noqa: F401
 
 from .core import CheckpointingConfig, CheckpointingException
+from .manager import CheckpointManager
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -37,7 +38,7 @@ from .validation import StrictHandling
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointingConfig", "CheckpointingException", "LocalNonpersistentObject", "ShardedObject",
+    "CheckpointManager", "CheckpointingConfig", "CheckpointingException", "LocalNonpersistentObject", "ShardedObject",
     "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "StrictHandling",
     "apply_factories", "apply_factory_merges", "check_is_distributed_checkpoint", "is_main_replica",
     "load", "load_common_state_dict", "load_content_metadata", "load_plain_tensors",

@@ -119,6 +119,12 @@ class Storage(ABC):
     def delete(self, name: str) -> None:
         """Remove the file ``name`` (nothing if it is missing)."""
 
+    def delete_tree(self, name: str) -> None:
+        """Remove ``name`` and everything under it (nothing if it is missing); not atomic: a
+        caller that must never leave something that looks whole deletes its marker file
+        first. Storages that cannot do it raise ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a tree ({self.describe(name)})")
+
     @abstractmethod
     def make_root(self) -> None:
         """Create the root location if it is missing (and its parents)."""

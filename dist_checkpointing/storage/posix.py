@@ -19,6 +19,7 @@ import fcntl
 import mmap
 import os
 import queue
+import shutil
 import stat
 import threading
 import uuid
@@ -270,6 +271,17 @@ class PosixStorage(Storage):
         except FileNotFoundError:
             return
         fsync_dir(self.root)
+
+    def delete_tree(self, name: str) -> None:
+        path = self._path(name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            self.delete(name)
+            return
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            return
+        fsync_dir(os.path.dirname(path) or ".")
 
     def make_root(self) -> None:
         os.makedirs(self.root, exist_ok=True)

@@ -288,6 +288,12 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
 
+    def delete_tree(self, name: str) -> None:
+        with _os_errors(f"delete of {self.describe(name)}"):
+            keys = [o["path"] for chunk in _obstore().list(self._store, name or None) for o in chunk]
+            if keys:
+                _obstore().delete(self._store, keys)
+
     def make_root(self) -> None:
         """A prefix needs no creating; one listing checks the bucket and the credentials."""
         self.list()

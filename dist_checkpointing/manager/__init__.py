@@ -1,0 +1,14 @@
+"""The checkpoint manager: when to save, what to keep, where to resume — crash-safe.
+
+* :mod:`.manager` — :class:`CheckpointManager`, the entry point;
+* :mod:`.layout` — Megatron-LM's root layout (``iter_{step:07d}/``, the tracker), the index;
+* :mod:`.retention` — the retention policies;
+* :mod:`.deleter` — background deletion;
+* :mod:`.lock` — one manager per root;
+* :mod:`.crash` — test-only crash points.
+"""
+
+from .manager import CheckpointManager
+from .retention import RetentionPolicy
+
+__all__ = ["CheckpointManager", "RetentionPolicy"]

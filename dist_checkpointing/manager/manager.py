@@ -1,0 +1,397 @@
+"""``CheckpointManager``: when to save, what to keep, where to resume — crash-safe.
+
+Every rank builds the manager and calls ``save``/``load`` (collective); rank 0 alone
+touches the root's own files (lock, index, tracker) and deletes checkpoints, in a
+background thread. Rank 0 decides (which step to save or load, whether it is allowed) and
+broadcasts the decision; retention is a pure function of state every rank holds alike.
+The commit order is what makes a kill at any moment safe (docs/architecture.md):
+checkpoint data → ``metadata.json`` (the library's commit) → index → tracker → deletions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
+
+from .. import serialization
+from ..collectives import broadcast_object, error_message, get_rank, run_agreed
+from ..core import CheckpointingException, open_storage
+from ..mapping import ShardedStateDict, StateDict
+from ..storage import Storage, url_scheme
+from ..strategies.async_utils import AsyncCallsQueue
+from ..validation import StrictHandling
+from .crash import crash_point
+from .deleter import BackgroundDeleter
+from .layout import (
+    CONTENT_KEY, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
+    write_tracker,
+)
+from .lock import RootLock
+from .retention import RetentionPolicy, metric_value
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Location = Union[str, "os.PathLike[str]"]
+
+
+def _decided_on_rank0(fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` on rank 0 and return its result on every rank, or raise its error on every
+    rank (one broadcast)."""
+    outcome: Tuple[Optional[str], Any] = (None, None)
+    if get_rank() == 0:
+        try:
+            outcome = (None, fn())
+        except Exception as e:  # noqa: BLE001 - broadcast to every rank
+            outcome = (error_message(e), None)
+    error, result = broadcast_object(outcome)
+    if error is not None:
+        raise CheckpointingException(error if error.startswith("CheckpointManager") else f"{what}: {error}")
+    return result
+
+
+def _check_same_step(step: int, rank0_step: int) -> None:
+    if rank0_step != step:
+        raise CheckpointingException(f"CheckpointManager: rank {get_rank()} saves step {step}, rank 0 step {rank0_step}")
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointingException(f"CheckpointManager: a step is a non-negative integer, not {step!r}")
+    return step
+
+
+class CheckpointManager:
+    """Checkpoints of a training run under ``root`` in Megatron-LM's layout
+    (``root/iter_{step:07d}/`` and ``root/latest_checkpointed_iteration.txt``).
+
+    Args:
+        root: a local directory or a URL (``s3://bucket/prefix``); created if missing.
+        save_interval_steps: :meth:`should_save` is true every that many steps (``None``:
+            at every step).
+        keep_last, keep_every_n_steps, keep_best: retention policies, combined (a
+            checkpoint is kept if any keeps it; the newest is always kept; none set: all
+            are kept). ``keep_best`` ranks by ``metrics[best_metric]``, ``best_mode``
+            ``'min'`` or ``'max'``.
+        async_save: write in the background; a checkpoint counts once every rank has
+            finished it (finalized at the next ``save``, ``load``, :meth:`wait_until_finished`
+            or :meth:`close`).
+        storage_options: options of the object store client (``s3://`` roots).
+
+    Collective (every rank calls them): the constructor, :meth:`save`, :meth:`load`,
+    :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
+    :meth:`all_steps`, :meth:`best_step`, :meth:`metrics`, :meth:`should_save`) and
+    :meth:`load_common` work on one rank alone. Errors are :class:`CheckpointingException`,
+    raised on every rank.
+    """
+
+    def __init__(self, root: Location, *, save_interval_steps: Optional[int] = None, keep_last: Optional[int] = None,
+                 keep_every_n_steps: Optional[int] = None, keep_best: Optional[int] = None,
+                 best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
+                 storage_options: Optional[Dict[str, Any]] = None):
+        self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
+        if save_interval_steps is not None and (not isinstance(save_interval_steps, int) or save_interval_steps < 1):
+            raise CheckpointingException(
+                f"CheckpointManager: save_interval_steps must be a positive integer or None, not {save_interval_steps!r}")
+        self.save_interval_steps = save_interval_steps
+        self.async_save = async_save
+        self._root = os.fspath(root) if not isinstance(root, str) else root
+        self._storage_options = storage_options
+        self.storage = self._open(self._root)
+        self._rank = get_rank()
+        self._lock: Optional[RootLock] = None
+        self._deleter: Optional[BackgroundDeleter] = None
+        self._queue: Optional[AsyncCallsQueue] = AsyncCallsQueue() if async_save else None
+        self._pending: Optional[int] = None  # the step of the async save in flight
+        self._closed = False
+        self._steps: Dict[int, Metrics]  # complete checkpoints kept: step -> metrics
+        self._steps, leftovers = _decided_on_rank0(self._open_root, f"Opening checkpoint root {self.storage.describe()}")
+        if self._rank == 0:
+            self._deleter = BackgroundDeleter(self.storage, self._child)
+            for name in leftovers:
+                self._deleter.delete(name, committed=False)
+
+    # -- storage ---------------------------------------------------------------------------
+    def _open(self, location: str) -> Storage:
+        if self._storage_options is None:
+            return open_storage(location)
+        if url_scheme(location) != "s3":
+            raise CheckpointingException(f"CheckpointManager: storage_options are for s3:// roots, not {location!r}")
+        from ..storage.s3 import S3Storage  # noqa: PLC0415 - imports obstore: only for s3://
+
+        return S3Storage(location, self._storage_options)
+
+    def _location(self, name: str) -> str:
+        if url_scheme(self._root):
+            return f"{self._root.rstrip('/')}/{name}"
+        return os.path.join(self._root, name)
+
+    def _child(self, name: str) -> Storage:
+        return self._open(self._location(name))
+
+    def _checkpoint_dir(self, step: int) -> Union[str, Storage]:
+        """What ``save``/``load`` get for ``step``: the location, or its storage when the
+        store needs options."""
+        location = self._location(step_dir(step))
+        return location if self._storage_options is None else self._open(location)
+
+    def _open_root(self) -> Tuple[Dict[int, Metrics], List[str]]:
+        """Rank 0: create the root, take its lock, find its checkpoints (metrics from the
+        index, else from the checkpoints themselves) and repair the tracker."""
+        kind = self.storage.kind()
+        if kind == "file":
+            raise CheckpointingException(f"Checkpoint root {self.storage.describe()} is a file, not a directory")
+        try:
+            self.storage.make_root()
+        except OSError as e:
+            raise CheckpointingException(f"Cannot create checkpoint root {self.storage.describe()}: {e}") from e
+        self._lock = RootLock(self.storage)
+        self._lock.acquire()
+        try:
+            scan = scan_root(self.storage, self._child)
+            index = read_index(self.storage)
+            steps = {s: (index or {}).get(s) for s in scan.complete}
+            missing = [s for s in steps if index is None or s not in index]
+            for step in missing:
+                steps[step] = self._read_recorded_metrics(step)
+            if missing:
+                write_index(self.storage, steps)
+            if steps and scan.tracker != str(max(steps)):
+                logger.warning("Tracker of %s names %s; the newest complete checkpoint is %d: rewriting it",
+                               self.storage.describe(), scan.tracker, max(steps))
+                write_tracker(self.storage, max(steps))
+            return steps, scan.leftovers
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _read_recorded_metrics(self, step: int) -> Metrics:
+        try:
+            return recorded_metrics(serialization.load_content_metadata(self._checkpoint_dir(step)))
+        except CheckpointingException as e:
+            logger.warning("No metrics for step %d: %s", step, e)
+            return None
+
+    # -- queries (one rank alone) -------------------------------------------------------------
+    def latest_step(self) -> Optional[int]:
+        """The newest complete step (``None`` if there is none)."""
+        return max(self._steps) if self._steps else None
+
+    def all_steps(self) -> List[int]:
+        """The complete steps kept, ascending."""
+        return sorted(self._steps)
+
+    def best_step(self) -> Optional[int]:
+        """The best complete step by ``metrics[best_metric]`` (``None`` without ``best_metric``
+        or when no step has it)."""
+        ranked = self.policy.ranked(self._steps)
+        return ranked[0] if ranked else None
+
+    def metrics(self, step: int) -> Optional[dict]:
+        """The metrics saved with ``step`` (``None`` if none were, or it is not kept)."""
+        metrics = self._steps.get(step)
+        return dict(metrics) if metrics is not None else None
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a save step: on the interval and newer than every checkpoint
+        (complete or in flight)."""
+        step = _check_step(step)
+        newest = max([*self._steps, *([self._pending] if self._pending is not None else [])], default=-1)
+        on_interval = self.save_interval_steps is None or step % self.save_interval_steps == 0
+        return on_interval and step > newest
+
+    # -- saving ------------------------------------------------------------------------------
+    def _decide_save(self, step: int, metrics: Metrics, force: bool) -> Tuple[int, bool, Metrics]:
+        """Rank 0: whether to save ``step`` (errors for bad input), and clear a leftover
+        of an interrupted save of it out of the way."""
+        newest = max(self._steps, default=None)
+        if newest is not None and step < newest:
+            raise CheckpointingException(
+                f"CheckpointManager: step {step} is older than the newest checkpoint {newest} of "
+                f"{self.storage.describe()}: steps must increase (delete the newer checkpoints or use another root)")
+        if step in self._steps:
+            if force:
+                raise CheckpointingException(
+                    f"CheckpointManager: step {step} is already saved ({self.storage.describe(step_dir(step))})")
+            return step, False, None
+        if not (force or self.should_save(step)):
+            return step, False, None
+        if metrics is not None and not isinstance(metrics, dict):
+            raise CheckpointingException(f"CheckpointManager: metrics must be a dict, not {type(metrics).__name__}")
+        if self.policy.keep_best is not None and metric_value(metrics, self.policy.best_metric) is None:
+            raise CheckpointingException(
+                f"CheckpointManager: keep_best needs metrics[{self.policy.best_metric!r}] as a finite number "
+                f"for step {step}, got {(metrics or {}).get(self.policy.best_metric)!r}")
+        name = step_dir(step)
+        if self.storage.kind(name) is not None:
+            assert self._deleter is not None
+            if self.storage.info(name) is not None or self.storage.info(config_name(step)) is not None:
+                raise CheckpointingException(f"CheckpointManager: {self.storage.describe(name)} is in the way")
+            self._deleter.remove_now(name)  # the leftover of an interrupted save of this step
+            if self.storage.kind(name) is not None:
+                raise CheckpointingException(
+                    f"CheckpointManager: {self.storage.describe(name)} holds files this library did not write")
+        return step, True, (dict(metrics) if metrics is not None else None)
+
+    def save(self, step: int, sharded_state_dict: ShardedStateDict, metrics: Optional[dict] = None,
+             force: bool = False, content_metadata: Optional[dict] = None) -> bool:
+        """Save ``step`` if :meth:`should_save` says so (or ``force``); returns whether it
+        saved (collective). ``metrics`` (JSON-serializable, rank 0's are used) are stored with
+        the checkpoint, also in its ``content_metadata`` under ``"dist_checkpointing_manager"``.
+
+        A step older than the newest checkpoint, or a ``force`` d save of a step already saved,
+        is an error. An earlier async save is finalized first (its failure is raised here).
+        """
+        self._check_open()
+        step = _check_step(step)
+        self._finalize(blocking=True)
+        step0, do_save, metrics = _decided_on_rank0(lambda: self._decide_save(step, metrics, force),
+                                                    f"Saving step {step}")
+        run_agreed(lambda: _check_same_step(step, step0), f"Saving step {step}")
+        if not do_save:
+            return False
+        content = dict(content_metadata or {})
+        content[CONTENT_KEY] = {"step": step, "metrics": metrics}
+        commit = self._after_commit_fn(step, metrics)
+        if not self.async_save:
+            try:
+                serialization.save(sharded_state_dict, self._checkpoint_dir(step), content_metadata=content)
+            except CheckpointingException:
+                self._discard(step)
+                raise
+            run_agreed(commit, f"Recording checkpoint {step}")
+            return True
+        assert self._queue is not None
+        try:
+            request = serialization.save(sharded_state_dict, self._checkpoint_dir(step), async_sharded_save=True,
+                                         content_metadata=content)
+        except CheckpointingException:
+            self._discard(step)
+            raise
+        request.add_pre_finalize_fn(lambda: crash_point("finalize", step))
+        request.add_finalize_fn(commit)
+        self._pending = step
+        self._queue.schedule_async_request(request)
+        crash_point("save", step)
+        return True
+
+    def _after_commit_fn(self, step: int, metrics: Metrics) -> Callable[[], None]:
+        """What follows the commit of ``step`` on every rank: count it, apply retention;
+        rank 0 writes the index, then the tracker, then queues the deletions."""
+
+        def after_commit() -> None:
+            self._pending = None
+            self._steps[step] = metrics
+            doomed = self.policy.to_delete(self._steps)
+            for old in doomed:
+                del self._steps[old]
+            if self._rank != 0:
+                return
+            write_index(self.storage, self._steps)
+            crash_point("tracker", step)
+            write_tracker(self.storage, step)
+            assert self._deleter is not None
+            for old in doomed:
+                self._deleter.delete(step_dir(old), committed=True)
+
+        return after_commit
+
+    def _discard(self, step: int) -> None:
+        """After a failed save of ``step``: its directory is a leftover (rank 0 deletes it)."""
+        self._pending = None
+        if self._deleter is not None:
+            self._deleter.delete(step_dir(step), committed=False)
+
+    def _finalize(self, blocking: bool) -> None:
+        """Finalize the async save in flight if it is done (every rank agrees), or wait for it."""
+        if self._queue is None or self._pending is None:
+            return
+        pending = self._pending
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointingException as e:
+            self._discard(pending)
+            raise CheckpointingException(f"Async save of step {pending} failed; no checkpoint was deleted: {e}") from e
+
+    def wait_until_finished(self) -> None:
+        """Finalize the async save in flight (collective); on rank 0 also wait for the
+        background deletions."""
+        self._check_open()
+        self._finalize(blocking=True)
+        if self._deleter is not None:
+            self._deleter.wait()
+
+    # -- loading -----------------------------------------------------------------------------
+    def _pick(self, step: Optional[int]) -> int:
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                raise CheckpointingException(f"CheckpointManager: no complete checkpoint in {self.storage.describe()}")
+            return latest
+        step = _check_step(step)
+        if step not in self._steps:
+            raise CheckpointingException(
+                f"CheckpointManager: step {step} is not a complete checkpoint of {self.storage.describe()} "
+                f"(complete: {self.all_steps()})")
+        return step
+
+    def load(self, sharded_state_dict: ShardedStateDict, step: Optional[int] = None,
+             strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED) -> Any:
+        """Load ``step`` (default: the newest complete checkpoint) into ``sharded_state_dict``
+        (collective; rank 0's choice of step is used on every rank); returns what
+        :func:`dist_checkpointing.load` returns. The step is not deleted while it loads."""
+        self._check_open()
+        self._finalize(blocking=True)
+        with ExitStack() as held:
+            def pick_and_hold() -> int:  # rank 0: the step, kept from deletion until every rank has read it
+                chosen = self._pick(step)
+                assert self._deleter is not None
+                held.enter_context(self._deleter.loading(step_dir(chosen)))
+                return chosen
+
+            chosen = _decided_on_rank0(pick_and_hold, "Loading")
+            result = serialization.load(sharded_state_dict, self._checkpoint_dir(chosen), strict=strict)
+            run_agreed(lambda: None, "Loading")  # every rank is done reading
+        return result
+
+    def load_common(self, step: Optional[int] = None) -> StateDict:
+        """The common (non-sharded) state of ``step`` (default: the newest complete one);
+        one rank alone."""
+        self._check_open()
+        chosen = self._pick(step)
+        if self._deleter is None:
+            return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
+        with self._deleter.loading(step_dir(chosen)):
+            return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointingException(f"CheckpointManager of {self.storage.describe()} is closed")
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize the async save in flight, finish the deletions and release the root
+        (collective). With ``abort`` (not collective, e.g. after an error on this rank) the
+        save in flight is dropped — left incomplete, removed by the next manager — and
+        queued deletions are left to it too."""
+        if self._closed:
+            return
+        try:
+            if not abort:
+                self._finalize(blocking=True)
+        finally:
+            self._closed = True
+            if self._queue is not None:
+                self._queue.close(abort=abort)
+            if self._deleter is not None:
+                self._deleter.stop(finish=not abort)
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abort=exc_type is not None)
