@@ -315,6 +315,13 @@ class CheckpointManager:
             self._discard(pending)
             raise CheckpointingException(f"Async save of step {pending} failed; no checkpoint was deleted: {e}") from e
 
+    def maybe_finalize(self) -> None:
+        """Finalize the async save in flight if every rank has finished writing it, without
+        waiting (collective: one small ``all_reduce``; nothing without a save in flight).
+        Call it every step, as Megatron-LM does, so a checkpoint counts as soon as it is done."""
+        self._check_open()
+        self._finalize(blocking=False)
+
     def wait_until_finished(self) -> None:
         """Finalize the async save in flight (collective); on rank 0 also wait for the
         background deletions."""
