@@ -21,7 +21,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.manager.deleter import BackgroundDeleter
+from dist_checkpointing.manager.worker import RootWorker
 from dist_checkpointing.manager.layout import CONTENT_KEY, INDEX_FNAME, TRACKER_FNAME
 from dist_checkpointing.manager.lock import LOCK_FNAME
 from dist_checkpointing.manager.retention import RetentionPolicy
@@ -410,11 +410,11 @@ def test_deletion_waits_for_a_load_in_progress(tmp_path):
     for step in (1, 2):
         dc.save(_state(0, 1, step), str(tmp_path / f"iter_{step:07d}"))
     storage = PosixStorage(str(tmp_path))
-    deleter = BackgroundDeleter(storage, lambda name: PosixStorage(str(tmp_path / name)))
+    worker = RootWorker(storage, lambda name: PosixStorage(str(tmp_path / name)))
     try:
-        with deleter.loading("iter_0000001"):
-            deleter.delete("iter_0000001", committed=True)
-            deleter.delete("iter_0000002", committed=True)
+        with worker.loading("iter_0000001"):
+            worker.delete("iter_0000001", committed=True)
+            worker.delete("iter_0000002", committed=True)
             deadline = time.monotonic() + 10
             while (tmp_path / "iter_0000002").exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -422,12 +422,12 @@ def test_deletion_waits_for_a_load_in_progress(tmp_path):
             time.sleep(0.2)
             assert (tmp_path / "iter_0000001" / CONFIG_FNAME).exists()  # the one loading is untouched
             with pytest.raises(CheckpointingException, match="is being deleted"):
-                with deleter.loading("iter_0000001"):
+                with worker.loading("iter_0000001"):
                     pass
-        deleter.wait()
+        worker.wait()
         assert not (tmp_path / "iter_0000001").exists()
     finally:
-        deleter.stop()
+        worker.stop()
 
 
 def test_deletion_runs_in_the_background(tmp_path):
@@ -445,6 +445,9 @@ def test_deletion_runs_in_the_background(tmp_path):
             for step in (1, 2, 3):
                 assert mgr.save(step, _state(0, 1, step))
             assert mgr.all_steps() == [3]
+            deadline = time.monotonic() + 10
+            while (tmp_path / "iter_0000001" / CONFIG_FNAME).exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert not (tmp_path / "iter_0000001" / CONFIG_FNAME).exists()  # the commit marker goes first
             assert (tmp_path / "iter_0000001").exists()  # the rest is still waiting
             release.set()

@@ -46,7 +46,8 @@ def _job(mode: str, root: str, async_save: bool) -> None:
     with CheckpointManager(root, save_interval_steps=INTERVAL, keep_last=2, async_save=async_save) as mgr:
         if mode == "train":
             for step in range(INTERVAL, LAST + 1):
-                mgr.save(step, _state(rank, world, step), metrics={"loss": 1.0 / step})
+                if mgr.save(step, _state(rank, world, step), metrics={"loss": 1.0 / step}):
+                    mgr.wait_until_finished()  # the crash point in rank 0's worker is reached before step + 1
         else:
             found = mgr.all_steps()
             latest = mgr.latest_step()

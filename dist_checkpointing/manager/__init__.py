@@ -3,7 +3,7 @@
 * :mod:`.manager` — :class:`CheckpointManager`, the entry point;
 * :mod:`.layout` — Megatron-LM's root layout (``iter_{step:07d}/``, the tracker), the index;
 * :mod:`.retention` — the retention policies;
-* :mod:`.deleter` — background deletion;
+* :mod:`.worker` — rank 0's background thread: index and tracker writes, deletions;
 * :mod:`.lock` — one manager per root;
 * :mod:`.crash` — test-only crash points.
 """

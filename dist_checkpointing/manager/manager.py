@@ -23,13 +23,13 @@ from ..storage import Storage, url_scheme
 from ..strategies.async_utils import AsyncCallsQueue
 from ..validation import StrictHandling
 from .crash import crash_point
-from .deleter import BackgroundDeleter
 from .layout import (
     CONTENT_KEY, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
     write_tracker,
 )
 from .lock import RootLock
 from .retention import RetentionPolicy, metric_value
+from .worker import RootWorker
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +102,16 @@ class CheckpointManager:
         self.storage = self._open(self._root)
         self._rank = get_rank()
         self._lock: Optional[RootLock] = None
-        self._deleter: Optional[BackgroundDeleter] = None
+        self._worker: Optional[RootWorker] = None  # rank 0: bookkeeping writes and deletions
         self._queue: Optional[AsyncCallsQueue] = AsyncCallsQueue() if async_save else None
         self._pending: Optional[int] = None  # the step of the async save in flight
         self._closed = False
         self._steps: Dict[int, Metrics]  # complete checkpoints kept: step -> metrics
         self._steps, leftovers = _decided_on_rank0(self._open_root, f"Opening checkpoint root {self.storage.describe()}")
         if self._rank == 0:
-            self._deleter = BackgroundDeleter(self.storage, self._child)
+            self._worker = RootWorker(self.storage, self._child)
             for name in leftovers:
-                self._deleter.delete(name, committed=False)
+                self._worker.delete(name, committed=False)
 
     # -- storage ---------------------------------------------------------------------------
     def _open(self, location: str) -> Storage:
@@ -226,10 +226,10 @@ class CheckpointManager:
                 f"for step {step}, got {(metrics or {}).get(self.policy.best_metric)!r}")
         name = step_dir(step)
         if self.storage.kind(name) is not None:
-            assert self._deleter is not None
+            assert self._worker is not None
             if self.storage.info(name) is not None or self.storage.info(config_name(step)) is not None:
                 raise CheckpointingException(f"CheckpointManager: {self.storage.describe(name)} is in the way")
-            self._deleter.remove_now(name)  # the leftover of an interrupted save of this step
+            self._worker.remove_now(name)  # the leftover of an interrupted save of this step
             if self.storage.kind(name) is not None:
                 raise CheckpointingException(
                     f"CheckpointManager: {self.storage.describe(name)} holds files this library did not write")
@@ -261,7 +261,7 @@ class CheckpointManager:
             except CheckpointingException:
                 self._discard(step)
                 raise
-            run_agreed(commit, f"Recording checkpoint {step}")
+            commit()  # the same on every rank, and nothing in it can fail: no collective needed
             return True
         assert self._queue is not None
         try:
@@ -278,8 +278,9 @@ class CheckpointManager:
         return True
 
     def _after_commit_fn(self, step: int, metrics: Metrics) -> Callable[[], None]:
-        """What follows the commit of ``step`` on every rank: count it, apply retention;
-        rank 0 writes the index, then the tracker, then queues the deletions."""
+        """What follows the commit of ``step`` on every rank (no collective): count it and
+        apply retention; rank 0's worker then writes the index, then the tracker, then
+        deletes what retention dropped — in that order, in the background."""
 
         def after_commit() -> None:
             self._pending = None
@@ -287,22 +288,26 @@ class CheckpointManager:
             doomed = self.policy.to_delete(self._steps)
             for old in doomed:
                 del self._steps[old]
-            if self._rank != 0:
+            if self._worker is None:
                 return
-            write_index(self.storage, self._steps)
-            crash_point("tracker", step)
-            write_tracker(self.storage, step)
-            assert self._deleter is not None
+            kept = dict(self._steps)
+
+            def record() -> None:
+                write_index(self.storage, kept)
+                crash_point("tracker", step)
+                write_tracker(self.storage, step)
+
+            self._worker.submit(record)
             for old in doomed:
-                self._deleter.delete(step_dir(old), committed=True)
+                self._worker.delete(step_dir(old), committed=True)
 
         return after_commit
 
     def _discard(self, step: int) -> None:
         """After a failed save of ``step``: its directory is a leftover (rank 0 deletes it)."""
         self._pending = None
-        if self._deleter is not None:
-            self._deleter.delete(step_dir(step), committed=False)
+        if self._worker is not None:
+            self._worker.delete(step_dir(step), committed=False)
 
     def _finalize(self, blocking: bool) -> None:
         """Finalize the async save in flight if it is done (every rank agrees), or wait for it."""
@@ -327,8 +332,8 @@ class CheckpointManager:
         background deletions."""
         self._check_open()
         self._finalize(blocking=True)
-        if self._deleter is not None:
-            self._deleter.wait()
+        if self._worker is not None:
+            self._worker.wait()
 
     # -- loading -----------------------------------------------------------------------------
     def _pick(self, step: Optional[int]) -> int:
@@ -354,8 +359,8 @@ class CheckpointManager:
         with ExitStack() as held:
             def pick_and_hold() -> int:  # rank 0: the step, kept from deletion until every rank has read it
                 chosen = self._pick(step)
-                assert self._deleter is not None
-                held.enter_context(self._deleter.loading(step_dir(chosen)))
+                assert self._worker is not None
+                held.enter_context(self._worker.loading(step_dir(chosen)))
                 return chosen
 
             chosen = _decided_on_rank0(pick_and_hold, "Loading")
@@ -368,9 +373,9 @@ class CheckpointManager:
         one rank alone."""
         self._check_open()
         chosen = self._pick(step)
-        if self._deleter is None:
+        if self._worker is None:
             return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
-        with self._deleter.loading(step_dir(chosen)):
+        with self._worker.loading(step_dir(chosen)):
             return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -392,8 +397,8 @@ class CheckpointManager:
             self._closed = True
             if self._queue is not None:
                 self._queue.close(abort=abort)
-            if self._deleter is not None:
-                self._deleter.stop(finish=not abort)
+            if self._worker is not None:
+                self._worker.stop(finish=not abort)
             if self._lock is not None:
                 self._lock.release()
 

@@ -1,9 +1,12 @@
-"""Background deletion of checkpoint directories (rank 0's thread).
+"""Rank 0's background worker: the root's bookkeeping writes and checkpoint deletions.
 
-A complete checkpoint is deleted ``metadata.json`` first — from then on it is incomplete
-and never loaded — then the rest; a crash in between leaves a leftover that the next
-manager recognises and removes. Deletion never blocks the caller, and a directory that
-is being loaded in this process waits until the load is over.
+Tasks run in one thread, in the order they are queued (the tracker of a step is written
+before the deletions its retention decided), so neither the writes (each one ``fsync``)
+nor the deletions hold up training. A complete checkpoint is deleted ``metadata.json``
+first — from then on it is incomplete and never loaded — then the rest; a crash in
+between leaves a leftover that the next manager recognises and removes. The deletion of a
+directory that is being loaded in this process waits until the load is over (later tasks
+go on meanwhile).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import logging
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Deque, Iterator, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Callable, Deque, Iterator, Optional, Set
 
 from ..core import CONFIG_FNAME, CheckpointingException
 from ..storage import Storage
@@ -22,8 +26,16 @@ from .layout import is_ours, parse_step_dir
 logger = logging.getLogger(__name__)
 
 
-class BackgroundDeleter:
-    """Deletes directories under ``storage`` in a thread, one after another.
+@dataclass(frozen=True)
+class _Task:
+    name: Optional[str]  # the directory to delete (None: run ``fn``)
+    committed: bool = False
+    fn: Optional[Callable[[], None]] = None
+
+
+class RootWorker:
+    """Runs rank 0's root tasks in a thread, one after another: :meth:`submit` (a write)
+    and :meth:`delete` (a directory under ``storage``).
 
     ``child(name)`` opens the storage of a directory under the root (to check that a
     leftover holds only this library's files before deleting it).
@@ -33,28 +45,38 @@ class BackgroundDeleter:
         self.storage = storage
         self.child = child
         self._cond = threading.Condition()
-        self._queue: Deque[Tuple[str, bool]] = deque()
+        self._queue: Deque[_Task] = deque()
         self._loading: Set[str] = set()
-        self._current: Optional[str] = None
+        self._current: Optional[str] = None  # the directory being deleted
+        self._busy = False
         self._stopped = False
         self.errors: list = []
-        self._thread = threading.Thread(target=self._loop, name="dist_checkpointing-manager-delete", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="dist_checkpointing-manager", daemon=True)
         self._thread.start()
+
+    def _queued(self, name: str) -> bool:
+        return self._current == name or any(task.name == name for task in self._queue)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` (its errors are logged)."""
+        with self._cond:
+            self._queue.append(_Task(None, fn=fn))
+            self._cond.notify_all()
 
     def delete(self, name: str, committed: bool) -> None:
         """Queue ``name`` for deletion: a complete checkpoint (``committed``: its
         ``metadata.json`` goes first) or a leftover (deleted only if it is still incomplete
         and holds only this library's files)."""
         with self._cond:
-            if name != self._current and all(n != name for n, _ in self._queue):
-                self._queue.append((name, committed))
+            if not self._queued(name):
+                self._queue.append(_Task(name, committed))
                 self._cond.notify_all()
 
     def remove_now(self, name: str) -> None:
         """Delete the leftover ``name`` now, in the caller's thread (a new save needs its
         directory); waits for a deletion of it already running."""
         with self._cond:
-            self._queue = deque(item for item in self._queue if item[0] != name)
+            self._queue = deque(task for task in self._queue if task.name != name)
             while self._current == name:
                 self._cond.wait()
         self._delete(name, committed=False)
@@ -63,7 +85,7 @@ class BackgroundDeleter:
     def loading(self, name: str) -> Iterator[None]:
         """Keep ``name`` from being deleted while the block runs; raises if it is being deleted."""
         with self._cond:
-            if self._current == name or any(n == name for n, _ in self._queue):
+            if self._queued(name):
                 raise CheckpointingException(f"{self.storage.describe(name)} is being deleted: cannot load it")
             self._loading.add(name)
         try:
@@ -74,9 +96,9 @@ class BackgroundDeleter:
                 self._cond.notify_all()
 
     def wait(self) -> None:
-        """Wait until the queue is empty and nothing is being deleted."""
+        """Wait until every queued task is done."""
         with self._cond:
-            while self._queue or self._current is not None:
+            while self._queue or self._busy:
                 self._cond.wait()
 
     def stop(self, finish: bool = True) -> None:
@@ -88,13 +110,14 @@ class BackgroundDeleter:
             self._cond.notify_all()
         self._thread.join()
 
-    def _next(self) -> Optional[Tuple[str, bool]]:
+    def _next(self) -> Optional[_Task]:
         with self._cond:
             while True:
-                ready = [item for item in self._queue if item[0] not in self._loading]
+                ready = [task for task in self._queue if task.name is None or task.name not in self._loading]
                 if ready:
                     self._queue.remove(ready[0])
-                    self._current = ready[0][0]
+                    self._current = ready[0].name
+                    self._busy = True
                     return ready[0]
                 if self._stopped and not self._queue:
                     return None
@@ -102,17 +125,22 @@ class BackgroundDeleter:
 
     def _loop(self) -> None:
         while True:
-            item = self._next()
-            if item is None:
+            task = self._next()
+            if task is None:
                 return
             try:
-                self._delete(*item)
-            except Exception as e:  # noqa: BLE001 - logged; the leftover is retried by a later manager
-                logger.warning("Could not delete %s: %s", self.storage.describe(item[0]), e)
-                self.errors.append(f"{self.storage.describe(item[0])}: {e}")
+                if task.fn is not None:
+                    task.fn()
+                else:
+                    self._delete(task.name, task.committed)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - logged; a later write or manager retries
+                what = f"deleting {self.storage.describe(task.name)}" if task.name else "updating the root"
+                logger.warning("CheckpointManager: %s failed: %s", what, e)
+                self.errors.append(f"{what}: {e}")
             finally:
                 with self._cond:
                     self._current = None
+                    self._busy = False
                     self._cond.notify_all()
 
     def _delete(self, name: str, committed: bool) -> None:

@@ -1,0 +1,180 @@
+"""The checkpoint manager's cost: its own overhead per save, and background deletion vs a save.
+
+* ``overhead`` (world sizes ``--world-sizes``): per round, interleaved in rotating order,
+  ``plain`` = ``dist_checkpointing.save(state, fresh_dir)`` and ``manager`` =
+  ``CheckpointManager.save(step, state, metrics)`` (sync, ``keep_last=2``; its background
+  deletions are waited for, untimed, before the next measurement), each timed between
+  barriers, max over ranks. ``--state-mib`` MiB of float32 tensors, split over the ranks.
+  Reported: the medians, and the median over rounds of ``manager - plain`` (target ≤ 5 ms).
+* ``deletion`` (world 1): a ``--save-mib`` MiB save into a fresh directory, ``alone`` and
+  ``with deletion`` (the manager's background worker, :class:`RootWorker`, deleting a committed
+  ``--delete-gib`` GiB checkpoint, started right before the save), interleaved; the victim
+  is written and ``sync``-ed before each round, untimed. Reported: median save times, their
+  ratio (target ≤ 1.10) and how long the deletion took.
+
+Run: ``python benchmarks/bench_manager.py [--rounds 21] [--state-mib 16] [--world-sizes 1,2]
+[--delete-rounds 7] [--save-mib 256] [--delete-gib 1.0]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+import dist_checkpointing as dc
+from dist_checkpointing import CheckpointManager, ShardedTensor
+from dist_checkpointing.manager.worker import RootWorker
+from dist_checkpointing.storage import PosixStorage
+
+from _common import add_scratch_and_output_flags, closing_lines, spawn_ranks, write_report
+
+HERE = Path(__file__).resolve().parent
+TENSORS = 8
+
+
+def _state(rank: int, world: int, mib: float) -> dict:
+    """``TENSORS`` float32 tensors of ``mib`` MiB in all, each split over the ranks."""
+    per = max(world, int(mib * (1 << 20) / 4 / TENSORS) // world * world)
+    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(per // world), (0, rank, world))
+            for i in range(TENSORS)}
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    out = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item())
+
+
+def _overhead_worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    scratch = Path(args.dir) / f"overhead_w{world}"
+    state = _state(rank, world, args.state_mib)
+    rounds: List[Dict[str, float]] = []
+    with CheckpointManager(str(scratch / "root"), keep_last=2) as mgr:
+        for rnd in range(args.rounds + 1):  # round 0 warms up
+            order = ["plain", "manager"] if rnd % 2 == 0 else ["manager", "plain"]
+            times: Dict[str, float] = {}
+            for method in order:
+                if method == "plain":
+                    target = scratch / f"plain_{rnd}"
+                    times[method] = _timed(lambda: dc.save(state, str(target)))
+                    dist.barrier()
+                    if rank == 0:
+                        shutil.rmtree(target)
+                else:
+                    times[method] = _timed(lambda: mgr.save(rnd, state, metrics={"loss": 1.0 / (rnd + 1)}))
+                    mgr.wait_until_finished()
+                dist.barrier()
+            if rnd:
+                rounds.append(times)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rounds))
+
+
+def _deletion_rounds(args: argparse.Namespace) -> List[Dict[str, float]]:
+    scratch = Path(args.dir) / "deletion"
+    scratch.mkdir(parents=True)
+    storage = PosixStorage(str(scratch))
+    worker = RootWorker(storage, lambda name: PosixStorage(str(scratch / name)))
+    victim_state = _state(0, 1, args.delete_gib * 1024)
+    state = _state(0, 1, args.save_mib)
+    rounds = []
+    try:
+        for rnd in range(args.delete_rounds + 1):  # round 0 warms up
+            dc.save(victim_state, str(scratch / "iter_0000001"))
+            os.sync()
+            times: Dict[str, float] = {}
+            for method in (["alone", "with_deletion"] if rnd % 2 == 0 else ["with_deletion", "alone"]):
+                target = scratch / f"save_{method}"
+                start = time.perf_counter()
+                if method == "with_deletion":
+                    worker.delete("iter_0000001", committed=True)
+                dc.save(state, str(target))
+                times[method] = time.perf_counter() - start
+                if method == "with_deletion":
+                    worker.wait()
+                    times["deletion_s"] = time.perf_counter() - start  # an upper bound: polled after the save
+                    assert not (scratch / "iter_0000001").exists()
+                shutil.rmtree(target)
+                os.sync()
+            if rnd:
+                rounds.append(times)
+    finally:
+        worker.stop()
+    return rounds
+
+
+def _deletion_worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rounds = _deletion_rounds(args)
+    dist.destroy_process_group()
+    Path(out_path).write_text(json.dumps(rounds))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--state-mib", type=float, default=16.0)
+    ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--delete-rounds", type=int, default=7)
+    ap.add_argument("--save-mib", type=float, default=256.0)
+    ap.add_argument("--delete-gib", type=float, default=1.0)
+    add_scratch_and_output_flags(ap, HERE.parent.parent / "bench_tmp", HERE / "results" / "bench_manager.json")
+    args = ap.parse_args()
+    base = Path(args.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    args.dir = tempfile.mkdtemp(prefix="bench_manager_", dir=base)
+    started = datetime.datetime.now().astimezone()
+    results: Dict[str, object] = {"loadavg_before": os.getloadavg()}
+    met: Dict[str, bool] = {}
+    try:
+        for world in [int(w) for w in args.world_sizes.split(",") if w.strip()]:
+            rounds = spawn_ranks(_overhead_worker, world, args)
+            plain = statistics.median(r["plain"] for r in rounds)
+            managed = statistics.median(r["manager"] for r in rounds)
+            overhead = statistics.median(r["manager"] - r["plain"] for r in rounds)
+            results[f"overhead_world{world}"] = {"plain_s": plain, "manager_s": managed, "overhead_s": overhead,
+                                                 "rounds": rounds}
+            met[f"overhead world {world} <= 5 ms"] = overhead <= 0.005
+            print(f"[world {world}] {args.state_mib:g} MiB: plain save {plain * 1e3:.1f} ms, manager.save "
+                  f"{managed * 1e3:.1f} ms, overhead (median of per-round differences) {overhead * 1e3:.2f} ms",
+                  flush=True)
+        rounds = spawn_ranks(_deletion_worker, 1, args)
+        alone = statistics.median(r["alone"] for r in rounds)
+        with_del = statistics.median(r["with_deletion"] for r in rounds)
+        deletion = statistics.median(r["deletion_s"] for r in rounds)
+        results["deletion"] = {"alone_s": alone, "with_deletion_s": with_del, "ratio": with_del / alone,
+                               "deletion_s": deletion, "rounds": rounds}
+        met["save with a 1 GiB deletion <= 1.10x"] = with_del / alone <= 1.10
+        print(f"[deletion] {args.save_mib:g} MiB save: alone {alone:.3f} s, with a {args.delete_gib:g} GiB deletion "
+              f"running {with_del:.3f} s (x{with_del / alone:.3f}); deletion done within {deletion:.3f} s", flush=True)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    results["loadavg_after"] = os.getloadavg()
+    summary = {"targets_met": met, "loadavg_before_after": [results["loadavg_before"], results["loadavg_after"]]}
+    for line in closing_lines(summary):
+        print(line)
+    out = write_report(args.output, started, vars(args), "results", results)
+    print(f"JSON results: {out}")
+
+
+if __name__ == "__main__":
+    main()
