@@ -24,7 +24,7 @@ from ..strategies.async_utils import AsyncCallsQueue
 from ..validation import StrictHandling
 from .crash import crash_point
 from .layout import (
-    CONTENT_KEY, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
+    CONTENT_KEY, RELEASE, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
     write_tracker,
 )
 from .lock import RootLock
@@ -158,7 +158,7 @@ class CheckpointManager:
                 steps[step] = self._read_recorded_metrics(step)
             if missing:
                 write_index(self.storage, steps)
-            if steps and scan.tracker != str(max(steps)):
+            if steps and scan.tracker not in (str(max(steps)), RELEASE):
                 logger.warning("Tracker of %s names %s; the newest complete checkpoint is %d: rewriting it",
                                self.storage.describe(), scan.tracker, max(steps))
                 write_tracker(self.storage, max(steps))
