@@ -473,3 +473,38 @@ def _abort_on_error(rank, world, root):
 def test_exception_in_the_with_block_releases_the_root(pool12, tmp_path):
     assert pool12.run(_abort_on_error, str(tmp_path)) == [[]] * pool12.world_size
     assert _dirs(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- object storage
+
+
+def test_manager_on_s3(s3_server, monkeypatch):
+    """The manager on an ``s3://`` root: saves, retention deletes a prefix (metadata.json
+    first), the tracker and index are objects, a leftover is removed, a new manager resumes."""
+    pytest.importorskip("obstore")
+    from dist_checkpointing.storage.s3 import S3Storage
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    url = f"s3://{s3_server.bucket}/manager-{os.getpid()}-{time.monotonic_ns()}"
+    root = S3Storage(url)
+
+    def listing():  # SeaweedFS lists a prefix whose objects are all deleted until it drops it
+        return [name for name in root.list() if root.kind(name) is not None]
+
+    with CheckpointManager(url, keep_last=2, storage_options={}) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, _state(0, 1, step), metrics={"loss": float(step)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 3] and mgr.metrics(3) == {"loss": 3.0}
+        assert listing() == [LOCK_FNAME, INDEX_FNAME, "iter_0000002", "iter_0000003", TRACKER_FNAME]
+        assert root.read_bytes(TRACKER_FNAME) == b"3"
+        _check_loaded(mgr.load(_state(0, 1, 0, fill=False)), 0, 3)
+    root.write_atomic("iter_0000004/__0_0.distcp", b"partial")  # an interrupted save of step 4
+    with CheckpointManager(url) as mgr:
+        assert mgr.latest_step() == 3
+        _check_loaded(mgr.load(_state(0, 1, 0, fill=False)), 0, 3)
+        mgr.wait_until_finished()
+        assert root.kind("iter_0000004") is None  # the leftover is gone
+        assert mgr.save(4, _state(0, 1, 4))
+    assert listing() == [INDEX_FNAME, "iter_0000002", "iter_0000003", "iter_0000004", TRACKER_FNAME]

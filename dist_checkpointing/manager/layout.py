@@ -114,6 +114,8 @@ def scan_root(storage: Storage, child: Any) -> RootScan:
             continue
         if storage.info(config_name(step)) is not None:
             scan.complete[step] = None
+        elif storage.kind(name) is None:  # an object store listing a prefix whose objects are gone
+            continue
         elif is_ours(child(name)):
             scan.leftovers.append(name)
         else:
