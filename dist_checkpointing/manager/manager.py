@@ -104,7 +104,7 @@ class CheckpointManager:
         self._lock: Optional[RootLock] = None
         self._worker: Optional[RootWorker] = None  # rank 0: bookkeeping writes and deletions
         self._queue: Optional[AsyncCallsQueue] = AsyncCallsQueue() if async_save else None
-        self._pending: Optional[int] = None  # the step of the async save in flight
+        self._pending: Optional[int] = None  # the step being saved (async: until finalized)
         self._closed = False
         self._steps: Dict[int, Metrics]  # complete checkpoints kept: step -> metrics
         self._steps, leftovers = _decided_on_rank0(self._open_root, f"Opening checkpoint root {self.storage.describe()}")
@@ -255,24 +255,21 @@ class CheckpointManager:
         content = dict(content_metadata or {})
         content[CONTENT_KEY] = {"step": step, "metrics": metrics}
         commit = self._after_commit_fn(step, metrics)
-        if not self.async_save:
-            try:
-                serialization.save(sharded_state_dict, self._checkpoint_dir(step), content_metadata=content)
-            except CheckpointingException:
-                self._discard(step)
-                raise
-            commit()  # the same on every rank, and nothing in it can fail: no collective needed
-            return True
-        assert self._queue is not None
+        self._pending = step
+        if self._worker is not None:
+            self._worker.hold_deletions()  # until the save is committed or failed
         try:
-            request = serialization.save(sharded_state_dict, self._checkpoint_dir(step), async_sharded_save=True,
-                                         content_metadata=content)
+            request = serialization.save(sharded_state_dict, self._checkpoint_dir(step),
+                                         async_sharded_save=self.async_save, content_metadata=content)
         except CheckpointingException:
             self._discard(step)
             raise
+        if request is None:
+            commit()  # the same on every rank, and nothing in it can fail: no collective needed
+            return True
+        assert self._queue is not None
         request.add_pre_finalize_fn(lambda: crash_point("finalize", step))
         request.add_finalize_fn(commit)
-        self._pending = step
         self._queue.schedule_async_request(request)
         crash_point("save", step)
         return True
@@ -283,7 +280,7 @@ class CheckpointManager:
         deletes what retention dropped — in that order, in the background."""
 
         def after_commit() -> None:
-            self._pending = None
+            self._end_save()
             self._steps[step] = metrics
             doomed = self.policy.to_delete(self._steps)
             for old in doomed:
@@ -303,9 +300,15 @@ class CheckpointManager:
 
         return after_commit
 
+    def _end_save(self) -> None:
+        """The save in progress is over (committed or failed): deletions may go on."""
+        if self._pending is not None and self._worker is not None:
+            self._worker.release_deletions()
+        self._pending = None
+
     def _discard(self, step: int) -> None:
         """After a failed save of ``step``: its directory is a leftover (rank 0 deletes it)."""
-        self._pending = None
+        self._end_save()
         if self._worker is not None:
             self._worker.delete(step_dir(step), committed=False)
 
@@ -397,6 +400,7 @@ class CheckpointManager:
             self._closed = True
             if self._queue is not None:
                 self._queue.close(abort=abort)
+            self._end_save()  # an aborted save in flight stays incomplete: a leftover
             if self._worker is not None:
                 self._worker.stop(finish=not abort)
             if self._lock is not None:
