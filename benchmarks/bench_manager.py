@@ -4,8 +4,8 @@
   ``plain`` = ``dist_checkpointing.save(state, fresh_dir)`` and ``manager`` =
   ``CheckpointManager.save(step, state, metrics)`` (sync, ``keep_last=2``; its background
   deletions are waited for, untimed, before the next measurement), each timed between
-  barriers, max over ranks. ``--state-mib`` MiB of float32 tensors, split over the ranks.
-  Reported: the medians, and the median over rounds of ``manager - plain`` (target ≤ 5 ms).
+  barriers, max over ranks (``_common.timed_collective``). ``--state-mib`` MiB of float32
+  tensors, split over the ranks. Reported: the medians, and the median over rounds of ``manager - plain`` (target ≤ 5 ms).
 * ``deletion`` (world 1): a ``--save-mib`` MiB save into a fresh directory, interleaved:
   ``alone``; ``with_deletion``: the manager's background worker (:class:`RootWorker`) has
   started deleting a committed ``--delete-gib`` GiB checkpoint (its ``metadata.json`` is
@@ -40,7 +40,7 @@ from dist_checkpointing import CheckpointManager, ShardedTensor
 from dist_checkpointing.manager.worker import RootWorker
 from dist_checkpointing.storage import PosixStorage
 
-from _common import add_scratch_and_output_flags, closing_lines, spawn_ranks, write_report
+from _common import add_scratch_and_output_flags, closing_lines, spawn_ranks, timed_collective, write_report
 
 HERE = Path(__file__).resolve().parent
 TENSORS = 8
@@ -51,16 +51,6 @@ def _state(rank: int, world: int, mib: float) -> dict:
     per = max(world, int(mib * (1 << 20) / 4 / TENSORS) // world * world)
     return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(per // world), (0, rank, world))
             for i in range(TENSORS)}
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    out = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out.item())
 
 
 def _overhead_worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -76,12 +66,13 @@ def _overhead_worker(rank: int, world: int, port: int, args: argparse.Namespace,
             for method in order:
                 if method == "plain":
                     target = scratch / f"plain_{rnd}"
-                    times[method] = _timed(lambda: dc.save(state, str(target)))
+                    times[method] = timed_collective(lambda: dc.save(state, str(target)))[0]
                     dist.barrier()
                     if rank == 0:
                         shutil.rmtree(target)
                 else:
-                    times[method] = _timed(lambda: mgr.save(rnd, state, metrics={"loss": 1.0 / (rnd + 1)}))
+                    times[method] = timed_collective(
+                        lambda: mgr.save(rnd, state, metrics={"loss": 1.0 / (rnd + 1)}))[0]
                     mgr.wait_until_finished()
                 dist.barrier()
             if rnd:

@@ -301,10 +301,13 @@ def _missing_metric(rank, world, root, metrics):
             assert mgr.all_steps() == [5]
 
 
-@pytest.mark.parametrize("metrics", [None, {"acc": 1.0}, {"loss": "low"}, {"loss": float("nan")}])
-def test_metric_missing_for_keep_best(pool12, tmp_path, metrics):
+@pytest.mark.parametrize("metrics, msg", [
+    (None, "keep_best needs metrics['loss']"), ({"acc": 1.0}, "keep_best needs metrics['loss']"),
+    ({"loss": "low"}, "keep_best needs metrics['loss']"), ({"loss": float("nan")}, "keep_best needs metrics['loss']"),
+    ([1.0], "must be a JSON object"), ({"loss": 1.0, "obj": object()}, "must be a JSON object")])
+def test_metric_missing_for_keep_best_or_not_json(pool12, tmp_path, metrics, msg):
     excs = pool12.run_expect_error(_missing_metric, str(tmp_path), metrics)
-    assert_all_raise(excs, pool12.world_size, "keep_best needs metrics['loss']", "step 10")
+    assert_all_raise(excs, pool12.world_size, msg, "step 10")
     assert _dirs(tmp_path) == ["iter_0000005"]
 
 

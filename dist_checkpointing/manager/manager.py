@@ -10,6 +10,7 @@ checkpoint data → ``metadata.json`` (the library's commit) → index → track
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from contextlib import ExitStack
@@ -28,7 +29,7 @@ from .layout import (
     write_tracker,
 )
 from .lock import RootLock
-from .retention import RetentionPolicy, metric_value
+from .retention import RetentionPolicy, check_positive, metric_value
 from .worker import RootWorker
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,7 @@ class CheckpointManager:
                  best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
                  storage_options: Optional[Dict[str, Any]] = None):
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
-        if save_interval_steps is not None and (not isinstance(save_interval_steps, int) or save_interval_steps < 1):
-            raise CheckpointingException(
-                f"CheckpointManager: save_interval_steps must be a positive integer or None, not {save_interval_steps!r}")
+        check_positive("save_interval_steps", save_interval_steps)
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self._root = os.fspath(root) if not isinstance(root, str) else root
@@ -218,8 +217,13 @@ class CheckpointManager:
             return step, False, None
         if not (force or self.should_save(step)):
             return step, False, None
-        if metrics is not None and not isinstance(metrics, dict):
-            raise CheckpointingException(f"CheckpointManager: metrics must be a dict, not {type(metrics).__name__}")
+        if metrics is not None:
+            try:
+                if not isinstance(metrics, dict):
+                    raise TypeError(f"a dict is expected, not {type(metrics).__name__}")
+                json.dumps(metrics)
+            except (TypeError, ValueError) as e:
+                raise CheckpointingException(f"CheckpointManager: metrics of step {step} must be a JSON object: {e}") from e
         if self.policy.keep_best is not None and metric_value(metrics, self.policy.best_metric) is None:
             raise CheckpointingException(
                 f"CheckpointManager: keep_best needs metrics[{self.policy.best_metric!r}] as a finite number "

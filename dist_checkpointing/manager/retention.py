@@ -11,7 +11,8 @@ from ..core import CheckpointingException
 from .layout import Metrics
 
 
-def _positive(name: str, value: Optional[int]) -> None:
+def check_positive(name: str, value: Optional[int]) -> None:
+    """``value`` must be a positive integer or ``None`` (the setting ``name`` of the manager)."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise CheckpointingException(f"CheckpointManager: {name} must be a positive integer or None, not {value!r}")
 
@@ -39,7 +40,7 @@ class RetentionPolicy:
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every_n_steps", "keep_best"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.best_mode not in ("min", "max"):
             raise CheckpointingException(f"CheckpointManager: best_mode must be 'min' or 'max', not {self.best_mode!r}")
         if self.keep_best is not None and not isinstance(self.best_metric, str):
