@@ -410,6 +410,22 @@ def test_megatron_lm_root_written_by_hand_is_resumed(pool12, tmp_path):
 # ----------------------------------------------------------------------------- background deletion
 
 
+def test_posix_delete_tree(tmp_path):
+    """``Storage.delete_tree`` (added for the manager): a directory with everything under it,
+    a single file, nothing at all."""
+    storage = PosixStorage(str(tmp_path))
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_text("a")
+    (tmp_path / "d" / "sub" / "b").write_text("b")
+    (tmp_path / "f").write_text("f")
+    (tmp_path / "keep").write_text("k")
+    storage.delete_tree("d")
+    storage.delete_tree("f")
+    storage.delete_tree("missing")
+    assert storage.list() == ["keep"]
+
+
+
 def test_deletion_waits_for_a_load_in_progress(tmp_path):
     for step in (1, 2):
         dc.save(_state(0, 1, step), str(tmp_path / f"iter_{step:07d}"))
