@@ -66,7 +66,6 @@ class RootWorker:
         self._busy = False
         self._saves = 0  # saves in progress: deletions wait for them
         self._stopped = False
-        self.errors: list = []
         self._thread = threading.Thread(target=self._loop, name="dist_checkpointing-manager", daemon=True)
         self._thread.start()
 
@@ -172,7 +171,6 @@ class RootWorker:
             except Exception as e:  # noqa: BLE001 - logged; a later write or manager retries
                 what = f"deleting {self.storage.describe(task.name)}" if task.name else "updating the root"
                 logger.warning("CheckpointManager: %s failed: %s", what, e)
-                self.errors.append(f"{what}: {e}")
             finally:
                 with self._cond:
                     self._current = None
