@@ -15,8 +15,8 @@
   ``sync``-ed before, untimed. Reported: median save times, the median per-round ratio to
   ``alone`` (target ≤ 1.10 for ``with_deletion``), and when each deletion ended.
 
-Run: ``python benchmarks/bench_manager.py [--rounds 21] [--state-mib 16] [--world-sizes 1,2]
-[--delete-rounds 7] [--save-mib 256] [--delete-gib 1.0]``
+Run: ``python benchmarks/bench_manager.py [--rounds 41] [--state-mib 4] [--world-sizes 1,2]
+[--delete-rounds 9] [--save-mib 256] [--delete-gib 1.0]``
 """
 
 from __future__ import annotations
@@ -135,10 +135,10 @@ def _deletion_worker(rank: int, world: int, port: int, args: argparse.Namespace,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=21)
-    ap.add_argument("--state-mib", type=float, default=16.0)
+    ap.add_argument("--rounds", type=int, default=41)
+    ap.add_argument("--state-mib", type=float, default=4.0)
     ap.add_argument("--world-sizes", default="1,2")
-    ap.add_argument("--delete-rounds", type=int, default=7)
+    ap.add_argument("--delete-rounds", type=int, default=9)
     ap.add_argument("--save-mib", type=float, default=256.0)
     ap.add_argument("--delete-gib", type=float, default=1.0)
     add_scratch_and_output_flags(ap, HERE.parent.parent / "bench_tmp", HERE / "results" / "bench_manager.json")
