@@ -2,8 +2,9 @@
 
 Every rank builds the manager and calls ``save``/``load`` (collective); rank 0 alone
 touches the root's own files (lock, index, tracker) and deletes checkpoints, in a
-background thread. Rank 0 decides (which step to save or load, whether it is allowed) and
-broadcasts the decision; retention is a pure function of state every rank holds alike.
+background thread. Every rank decides whether to save from the same state and one small
+``all_reduce`` agrees (rank 0's metrics are broadcast when it saves); rank 0 picks the step
+to load and broadcasts it; retention is a pure function of state every rank holds alike.
 The commit order is what makes a kill at any moment safe (docs/architecture.md):
 checkpoint data → ``metadata.json`` (the library's commit) → index → tracker → deletions.
 """
@@ -17,7 +18,7 @@ from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from .. import serialization
-from ..collectives import broadcast_object, error_message, get_rank, run_agreed
+from ..collectives import broadcast_object, error_message, get_rank, run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException, open_storage
 from ..mapping import ShardedStateDict, StateDict
 from ..storage import Storage, url_scheme
@@ -53,15 +54,21 @@ def _decided_on_rank0(fn: Callable[[], T], what: str) -> T:
     return result
 
 
-def _check_same_step(step: int, rank0_step: int) -> None:
-    if rank0_step != step:
-        raise CheckpointingException(f"CheckpointManager: rank {get_rank()} saves step {step}, rank 0 step {rank0_step}")
-
-
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointingException(f"CheckpointManager: a step is a non-negative integer, not {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointingException(f"CheckpointManager: a step is a non-negative integer below 2**63, not {step!r}")
     return step
+
+
+def _step_flags(step: int) -> List[int]:
+    """The bytes of ``step`` and their complements: after an element-wise max over the
+    ranks, each pair sums to 255 only if every rank passed the same step."""
+    raw = step.to_bytes(8, "little")
+    return list(raw) + [255 - b for b in raw]
+
+
+def _same_on_every_rank(agreed: List[int]) -> bool:
+    return all(a + b == 255 for a, b in zip(agreed[:8], agreed[8:16]))
 
 
 class CheckpointManager:
@@ -202,9 +209,10 @@ class CheckpointManager:
         return on_interval and step > newest
 
     # -- saving ------------------------------------------------------------------------------
-    def _decide_save(self, step: int, metrics: Metrics, force: bool) -> Tuple[int, bool, Metrics]:
-        """Rank 0: whether to save ``step`` (errors for bad input), and clear a leftover
-        of an interrupted save of it out of the way."""
+    def _decide_save(self, step: int, metrics: Metrics, force: bool) -> Tuple[bool, Metrics]:
+        """Whether to save ``step``: every rank decides the same from the same state; rank 0
+        also checks the metrics and clears a leftover of an interrupted save of it out of
+        the way."""
         newest = max(self._steps, default=None)
         if newest is not None and step < newest:
             raise CheckpointingException(
@@ -214,9 +222,11 @@ class CheckpointManager:
             if force:
                 raise CheckpointingException(
                     f"CheckpointManager: step {step} is already saved ({self.storage.describe(step_dir(step))})")
-            return step, False, None
+            return False, None
         if not (force or self.should_save(step)):
-            return step, False, None
+            return False, None
+        if self._worker is None:  # not rank 0: rank 0's metrics are recorded
+            return True, None
         if metrics is not None:
             try:
                 if not isinstance(metrics, dict):
@@ -230,14 +240,13 @@ class CheckpointManager:
                 f"for step {step}, got {(metrics or {}).get(self.policy.best_metric)!r}")
         name = step_dir(step)
         if self.storage.kind(name) is not None:
-            assert self._worker is not None
             if self.storage.info(name) is not None or self.storage.info(config_name(step)) is not None:
                 raise CheckpointingException(f"CheckpointManager: {self.storage.describe(name)} is in the way")
             self._worker.remove_now(name)  # the leftover of an interrupted save of this step
             if self.storage.kind(name) is not None:
                 raise CheckpointingException(
                     f"CheckpointManager: {self.storage.describe(name)} holds files this library did not write")
-        return step, True, (dict(metrics) if metrics is not None else None)
+        return True, (dict(metrics) if metrics is not None else None)
 
     def save(self, step: int, sharded_state_dict: ShardedStateDict, metrics: Optional[dict] = None,
              force: bool = False, content_metadata: Optional[dict] = None) -> bool:
@@ -251,11 +260,14 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         self._finalize(blocking=True)
-        step0, do_save, metrics = _decided_on_rank0(lambda: self._decide_save(step, metrics, force),
-                                                    f"Saving step {step}")
-        run_agreed(lambda: _check_same_step(step, step0), f"Saving step {step}")
+        (do_save, metrics), agreed = run_agreed_with_flags(
+            lambda: self._decide_save(step, metrics, force), lambda _: _step_flags(step), f"Saving step {step}")
+        if not _same_on_every_rank(agreed):
+            raise CheckpointingException(
+                f"CheckpointManager: the ranks pass different steps to save (rank {self._rank}: step {step})")
         if not do_save:
             return False
+        metrics = broadcast_object(metrics)  # rank 0's
         content = dict(content_metadata or {})
         content[CONTENT_KEY] = {"step": step, "metrics": metrics}
         commit = self._after_commit_fn(step, metrics)
