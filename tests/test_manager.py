@@ -410,19 +410,27 @@ def test_megatron_lm_root_written_by_hand_is_resumed(pool12, tmp_path):
 # ----------------------------------------------------------------------------- background deletion
 
 
-def test_posix_delete_tree(tmp_path):
-    """``Storage.delete_tree`` (added for the manager): a directory with everything under it,
-    a single file, nothing at all."""
+def test_posix_delete_tree(tmp_path, monkeypatch):
+    """``Storage.delete_tree`` (added for the manager): a directory with everything under it
+    (a large file in pieces, ``pause`` before each), a single file, nothing at all."""
+    from dist_checkpointing.storage import posix
+
+    monkeypatch.setattr(posix, "DELETE_PIECE_BYTES", 1000)
     storage = PosixStorage(str(tmp_path))
     (tmp_path / "d" / "sub").mkdir(parents=True)
-    (tmp_path / "d" / "a").write_text("a")
+    (tmp_path / "d" / "big").write_bytes(b"x" * 3500)  # 3 truncations, then the unlink
     (tmp_path / "d" / "sub" / "b").write_text("b")
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "keep")
     (tmp_path / "f").write_text("f")
     (tmp_path / "keep").write_text("k")
-    storage.delete_tree("d")
+    sizes = []
+    storage.delete_tree("d", pause=lambda: sizes.append(
+        (tmp_path / "d" / "big").stat().st_size if (tmp_path / "d" / "big").exists() else None))
+    # a pause before each piece of the large file (3 truncations, its unlink), one per other file
+    assert len(sizes) == 6 and sorted({s for s in sizes if s}, reverse=True) == [3500, 2500, 1500, 500]
     storage.delete_tree("f")
     storage.delete_tree("missing")
-    assert storage.list() == ["keep"]
+    assert storage.list() == ["keep"] and (tmp_path / "keep").read_text() == "k"
 
 
 
@@ -455,9 +463,9 @@ def test_deletion_runs_in_the_background(tmp_path):
     release = threading.Event()
     orig = PosixStorage.delete_tree
 
-    def slow_delete_tree(self, name):
+    def slow_delete_tree(self, name, pause=None):
         release.wait(30)
-        orig(self, name)
+        orig(self, name, pause)
 
     PosixStorage.delete_tree = slow_delete_tree
     try:

@@ -97,7 +97,7 @@ class RootWorker:
         self._delete(name, committed=False)
 
     def hold_deletions(self) -> None:
-        """A save starts: no deletion starts, and one running pauses at its next file, until
+        """A save starts: no deletion starts, and one running pauses at its next piece, until
         :meth:`release_deletions` (deleting a large checkpoint slows a concurrent save down:
         the file system frees its blocks and pages while the save writes and syncs)."""
         with self._cond:
@@ -184,9 +184,5 @@ class RootWorker:
         elif self.storage.info(f"{name}/{CONFIG_FNAME}") is not None or not is_ours(self.child(name)):
             logger.warning("Not deleting %s: it is not a leftover of this library's saves", self.storage.describe(name))
             return
-        for entry in self.child(name).list():  # file by file, pausing while a save runs
-            self._wait_for_saves()
-            if self.storage.info(f"{name}/{entry}") is not None:
-                self.storage.delete(f"{name}/{entry}")
-        self.storage.delete_tree(name)  # the directory itself and anything not a file
+        self.storage.delete_tree(name, pause=self._wait_for_saves)  # in pieces, held while a save runs
         logger.info("Deleted %s", self.storage.describe(name))

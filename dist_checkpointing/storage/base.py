@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Hashable, List, Optional
+from typing import Callable, Hashable, List, Optional
 
 
 def byte_view(data) -> memoryview:
@@ -119,10 +119,11 @@ class Storage(ABC):
     def delete(self, name: str) -> None:
         """Remove the file ``name`` (nothing if it is missing)."""
 
-    def delete_tree(self, name: str) -> None:
+    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
         """Remove ``name`` and everything under it (nothing if it is missing); not atomic: a
         caller that must never leave something that looks whole deletes its marker file
-        first. Storages that cannot do it raise ``NotImplementedError``."""
+        first. ``pause``, if given, is called between pieces of the work and may block (to
+        let other I/O go first). Storages that cannot do it raise ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} cannot delete a tree ({self.describe(name)})")
 
     @abstractmethod

@@ -19,12 +19,11 @@ import fcntl
 import mmap
 import os
 import queue
-import shutil
 import stat
 import threading
 import uuid
 from pathlib import Path
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE, POOL
@@ -231,6 +230,37 @@ def atomic_write_file(path: Union[str, Path], data) -> None:
     fsync_dir(directory or ".")
 
 
+#: a large file is deleted in pieces of this size, truncated from its end: freeing a file's
+#: blocks and cached pages is work the file system does at once, which a concurrent save
+#: would otherwise wait behind (``delete_tree``'s ``pause`` runs between pieces)
+DELETE_PIECE_BYTES = 64 << 20
+
+
+def _ignore_missing(fn: Callable[[str], None], path: str) -> None:
+    try:
+        fn(path)
+    except FileNotFoundError:
+        pass
+
+
+def _delete_in_pieces(path: str, pause: Optional[Callable[[], None]]) -> None:
+    """Unlink ``path``; a large regular file is first truncated piece by piece, ``pause``
+    called before each piece."""
+    try:
+        st = os.lstat(path)
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        while size > DELETE_PIECE_BYTES:
+            if pause is not None:
+                pause()
+            size -= DELETE_PIECE_BYTES
+            os.truncate(path, size)
+        if pause is not None:
+            pause()
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class PosixStorage(Storage):
     """A local directory ``root``; names are file names inside it."""
 
@@ -272,15 +302,18 @@ class PosixStorage(Storage):
             return
         fsync_dir(self.root)
 
-    def delete_tree(self, name: str) -> None:
+    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
         path = self._path(name)
         if not os.path.isdir(path) or os.path.islink(path):
             self.delete(name)
             return
-        try:
-            shutil.rmtree(path)
-        except FileNotFoundError:
-            return
+        for directory, subdirs, files in os.walk(path, topdown=False):
+            for entry in files:
+                _delete_in_pieces(os.path.join(directory, entry), pause)
+            for entry in subdirs:  # emptied already (bottom-up), or a link to a directory
+                sub = os.path.join(directory, entry)
+                _ignore_missing(os.unlink if os.path.islink(sub) else os.rmdir, sub)
+        _ignore_missing(os.rmdir, path)
         fsync_dir(os.path.dirname(path) or ".")
 
     def make_root(self) -> None:

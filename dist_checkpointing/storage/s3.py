@@ -29,13 +29,14 @@ import queue
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import STAGING_BUFFER_BYTES
 
 PART_BYTES = STAGING_BUFFER_BYTES
 PARTS_IN_FLIGHT = 4
+_DELETE_BATCH = 100  # keys per delete request of delete_tree (its pause runs between them)
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
 
 
@@ -288,11 +289,13 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
 
-    def delete_tree(self, name: str) -> None:
+    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
         with _os_errors(f"delete of {self.describe(name)}"):
             keys = [o["path"] for chunk in _obstore().list(self._store, name or None) for o in chunk]
-            if keys:
-                _obstore().delete(self._store, keys)
+            for start in range(0, len(keys), _DELETE_BATCH):
+                if pause is not None:
+                    pause()
+                _obstore().delete(self._store, keys[start:start + _DELETE_BATCH])
 
     def make_root(self) -> None:
         """A prefix needs no creating; one listing checks the bucket and the credentials."""
