@@ -14,12 +14,12 @@
   started deleting a committed ``--delete-gib`` GiB checkpoint (its ``metadata.json`` is
   gone) when the save starts, and the save holds further deletion as
   ``CheckpointManager.save`` does (the file being deleted finishes, the rest waits);
-  ``with_deletion_unpaused``: the same without the hold. The victim is written and
-  ``sync``-ed before, untimed. Reported: median save times, the median per-round ratio to
+  ``with_deletion_unpaused``: the same without the hold. Before every method (``alone``
+  too, which deletes it after its save) the victim is written and ``sync``-ed, untimed. Reported: median save times, the median per-round ratio to
   ``alone`` (target ≤ 1.10 for ``with_deletion``), and when each deletion ended.
 
 Run: ``python benchmarks/bench_manager.py [--rounds 41] [--state-mib 4] [--world-sizes 1,2]
-[--delete-rounds 9] [--save-mib 256] [--delete-gib 1.0]``
+[--delete-rounds 15] [--save-mib 256] [--delete-gib 1.0]``
 """
 
 from __future__ import annotations
@@ -101,9 +101,8 @@ def _deletion_rounds(args: argparse.Namespace) -> List[Dict[str, float]]:
         for rnd in range(args.delete_rounds + 1):  # round 0 warms up
             times: Dict[str, float] = {}
             for method in methods[rnd % 3:] + methods[:rnd % 3]:
-                if method != "alone":
-                    dc.save(victim_state, str(victim))
-                    os.sync()
+                dc.save(victim_state, str(victim))  # for every method: the same state of the disk
+                os.sync()
                 target = scratch / f"save_{method}"
                 start = time.perf_counter()
                 if method != "alone":
@@ -117,10 +116,12 @@ def _deletion_rounds(args: argparse.Namespace) -> List[Dict[str, float]]:
                 times[method] = time.perf_counter() - save_start
                 if method == "with_deletion":
                     worker.release_deletions()
+                if method == "alone":
+                    worker.delete(victim.name, committed=True)  # untimed
+                worker.wait()
                 if method != "alone":
-                    worker.wait()
                     times[f"{method}_deletion_s"] = time.perf_counter() - start  # until the deletion ended
-                    assert not victim.exists()
+                assert not victim.exists()
                 shutil.rmtree(target)
                 os.sync()
             if rnd:
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--state-mib", type=float, default=4.0)
     ap.add_argument("--world-sizes", default="1,2")
-    ap.add_argument("--delete-rounds", type=int, default=9)
+    ap.add_argument("--delete-rounds", type=int, default=15)
     ap.add_argument("--save-mib", type=float, default=256.0)
     ap.add_argument("--delete-gib", type=float, default=1.0)
     add_scratch_and_output_flags(ap, HERE.parent.parent / "bench_tmp", HERE / "results" / "bench_manager.json")
