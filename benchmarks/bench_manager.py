@@ -15,10 +15,11 @@
   ``alone``; ``with_deletion``: the manager's background worker (:class:`RootWorker`) has
   started deleting a committed ``--delete-gib`` GiB checkpoint (its ``metadata.json`` is
   gone) when the save starts, and the save holds further deletion as
-  ``CheckpointManager.save`` does (the file being deleted finishes, the rest waits);
-  ``with_deletion_unpaused``: the same without the hold. Before every method (``alone``
-  too, which deletes it after its save) the victim is written and ``sync``-ed, untimed. Reported: median save times, the median per-round ratio to
-  ``alone`` (target ≤ 1.10 for ``with_deletion``), and when each deletion ended.
+  ``CheckpointManager.save`` does (the 64 MiB piece being deleted finishes, the rest
+  waits); ``with_deletion_unpaused``: the same without the hold. Before every method
+  (``alone`` too, which deletes it after its save) the victim is written and ``sync``-ed,
+  untimed. Reported: median save times, the median per-round ratio to ``alone`` (target
+  ≤ 1.10 for ``with_deletion``), and when each deletion ended.
 
 Run: ``python benchmarks/bench_manager.py [--rounds 41] [--state-mib 4] [--world-sizes 1,2]
 [--delete-rounds 15] [--save-mib 256] [--delete-gib 1.0]``

@@ -317,7 +317,10 @@ def _different_steps(rank, world, root):
 
 
 def test_ranks_disagreeing_on_the_step(pool2, tmp_path):
-    assert_all_raise(pool2.run_expect_error(_different_steps, str(tmp_path)), 2, "the ranks pass different steps to save")
+    excs = pool2.run_expect_error(_different_steps, str(tmp_path))
+    assert_all_raise(excs, 2, "the ranks pass different steps to save")
+    assert "rank 0: step 10" in str(excs[0]) and "rank 1: step 11" in str(excs[1])
+    assert _dirs(tmp_path) == []
 
 
 def _no_checkpoint(rank, world, root, step):

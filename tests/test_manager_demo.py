@@ -19,6 +19,7 @@ def test_manager_demo_resumes_bit_exactly(tmp_path: Path) -> None:
     assert proc.returncode == 0, report
     assert "manager demo OK" in proc.stdout, report
     assert "every rank SIGKILLed itself at step 90" in proc.stdout, report
-    assert "resumed from the newest, step 80" in proc.stdout or "resumed from the newest, step 60" in proc.stdout, report
+    # 80 if its async save was finalized before the kill at 90, else 60 (the demo checks which)
+    assert any(f"resumed from the newest, step {s} " in proc.stdout for s in (60, 80)), report
     assert proc.stdout.count("(bit-exact)") == 2, report
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("iter_*")) == ["iter_0000100", "iter_0000120"]

@@ -113,7 +113,8 @@ class CheckpointManager:
         self._pending: Optional[int] = None  # the step being saved (async: until finalized)
         self._closed = False
         self._steps: Dict[int, Metrics]  # complete checkpoints kept: step -> metrics
-        self._steps, leftovers = _decided_on_rank0(self._open_root, f"Opening checkpoint root {self.storage.describe()}")
+        self._steps, leftovers = _decided_on_rank0(self._open_root,
+                                                   f"Opening checkpoint root {self.storage.describe()}")
         if self._rank == 0:
             self._worker = RootWorker(self.storage, self._child)
             for name in leftovers:
@@ -233,7 +234,8 @@ class CheckpointManager:
                     raise TypeError(f"a dict is expected, not {type(metrics).__name__}")
                 json.dumps(metrics)
             except (TypeError, ValueError) as e:
-                raise CheckpointingException(f"CheckpointManager: metrics of step {step} must be a JSON object: {e}") from e
+                raise CheckpointingException(
+                    f"CheckpointManager: metrics of step {step} must be a JSON object: {e}") from e
         if self.policy.keep_best is not None and metric_value(metrics, self.policy.best_metric) is None:
             raise CheckpointingException(
                 f"CheckpointManager: keep_best needs metrics[{self.policy.best_metric!r}] as a finite number "
