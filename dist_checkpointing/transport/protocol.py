@@ -323,7 +323,7 @@ class PGTransport:
 
         A tensor travelling alone lands straight in its destination when that is
         contiguous; all those messages are posted at once. The others (buckets, and tensors
-        that need a copy or a conversion) go through two reused buffers, each unpacked
+        that need a copy or a conversion) go through three reused buffers, each unpacked
         before it is posted again: one typed copy call per dtype run of a bucket."""
         c = meta.columns
         count, device, wire = len(c.kinds), self._device, meta.wire
