@@ -28,8 +28,7 @@ Protocol, between the sender and each receiver (point-to-point messages of the g
    the receiver unpacks a bucket while large tensors stream. In a bucket the tensors are
    grouped by dtype, each dtype's run packed with one ``torch.cat`` and unpacked with one
    ``torch.split`` and one ``_foreach_copy_`` (no per-tensor Python work beyond a list
-   entry). Two bucket buffers on the sender and three on the receiver (each
-   bucket's receive is posted before it is sent) are reused, so memory stays bounded
+   entry). Two bucket buffers per side are reused, so memory stays bounded
    whatever the state size.
 
 A view travels as its own elements only (never its whole base storage); non-contiguous

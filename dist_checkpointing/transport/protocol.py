@@ -42,7 +42,6 @@ from .wire import (
 )
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
-_RECV_BUFFERS = 3  # the receiver's bucket buffers (the sender packs into two)
 
 
 class PGTransport:
@@ -258,21 +257,25 @@ class PGTransport:
             dests = self._destinations(meta, own)
         except CheckpointingException as e:
             error = str(e)
-        self._send_text([src_rank], int(error is not None), error or "", (_TAG_ACK, _TAG_ACK_TEXT),
-                        "answering the metadata check")
         if error is not None:
+            self._send_text([src_rank], 1, error, (_TAG_ACK, _TAG_ACK_TEXT), "answering the metadata check")
             raise CheckpointingException(f"Peer transfer from rank {src_rank} refused: {error}")
         if own is None or not own.plan_into(meta):
             meta.plan()  # the sender's plan, made here too
-        if meta.receivers > 1:  # another receiver may refuse: the sender says whether to go on
-            go = torch.zeros(2, dtype=torch.int64, device=self._device)
-            self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
-            status, length = (int(v) for v in go.tolist())
-            reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
-            if status:
-                raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
 
-        out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results))
+        def ready() -> None:
+            """Accept, once the data receives can be posted at once (so they are waiting
+            when the data arrives); with several receivers, wait for the go-ahead."""
+            self._send_text([src_rank], 0, "", (_TAG_ACK, _TAG_ACK_TEXT), "answering the metadata check")
+            if meta.receivers > 1:  # another receiver may refuse: the sender says whether to go on
+                go = torch.zeros(2, dtype=torch.int64, device=self._device)
+                self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
+                status, length = (int(v) for v in go.tolist())
+                reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
+                if status:
+                    raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
+
+        out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results), ready)
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
@@ -316,14 +319,15 @@ class PGTransport:
         return dests
 
     def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int,
-                      assemble: Callable[[List[Optional[torch.Tensor]]], Any]) -> Any:
+                      assemble: Callable[[List[Optional[torch.Tensor]]], Any], ready: Callable[[], None]) -> Any:
         """Receive every data message; returns ``assemble(tensor of each leaf)`` (``None``
         for values), computed while the last messages arrive unless FP8 leaves need their
-        data first.
+        data first. ``ready()`` (the answer to the sender) is called once everything is
+        prepared, right before the receives are posted.
 
         A tensor travelling alone lands straight in its destination when that is
         contiguous; all those messages are posted at once. The others (buckets, and tensors
-        that need a copy or a conversion) go through three reused buffers, each unpacked
+        that need a copy or a conversion) go through two reused buffers, each unpacked
         before it is posted again: one typed copy call per dtype run of a bucket."""
         c = meta.columns
         count, device, wire = len(c.kinds), self._device, meta.wire
@@ -361,11 +365,11 @@ class PGTransport:
                             _convert(p, meta.leaves[i].tensor, results[i])
 
         what = "receiving tensor data"
-        # one buffer more than the sender's two: each bucket's receive is posted before it is sent
-        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(_RECV_BUFFERS)]
-        pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None] * _RECV_BUFFERS  # (work, message, buffer)
+        buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
+        pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
         straight: List[Any] = []
         buffered = 0
+        ready()
         for m, (size, members) in enumerate(meta.messages):
             if _alone(c, size, members):
                 if not inplace:
@@ -374,7 +378,7 @@ class PGTransport:
                 if t is not None and t.is_contiguous() and _is_on(t, device):
                     straight.append(self._post_recv(t, src, _TAG_DATA + m, what))
                     continue
-            slot = buffered % _RECV_BUFFERS
+            slot = buffered % 2
             buffered += 1
             if pending[slot] is not None:  # the buffer's last message first
                 work, prev, buf = pending[slot]
