@@ -146,21 +146,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class TimedTransport(PGTransport):
-    """``PGTransport`` that records when things happen (library code unchanged): on the
-    sender, when the header goes out (after flattening the state and pickling the metadata)
-    and when the first data message goes out; on the receiver, how long its check of the
-    metadata takes and when the data phase starts and ends (everything before it is the
-    header, the metadata and the agreement), and how many data messages the sender planned."""
+    """``PGTransport`` that records when things happen (library code unchanged, nothing
+    added per message): on the sender, when the first message goes out (after flattening
+    the state and pickling the metadata) and when the data phase starts (its first message
+    is posted at once); on the receiver, how long its check of the metadata takes and when
+    the data phase starts and ends (everything before it is the header, the metadata and
+    the agreement), and how many data messages the sender planned."""
 
     phases: Dict[str, float] = {}
 
-    def _send(self, tensor, dst, tag, *args, **kwargs):  # type: ignore[override]
-        now = time.perf_counter()
-        if tag == transport._TAG_HEADER:
-            TimedTransport.phases["header_sent"] = now
-        elif tag >= transport._TAG_DATA and "first_data_sent" not in TimedTransport.phases:
-            TimedTransport.phases["first_data_sent"] = now
-        return super()._send(tensor, dst, tag, *args, **kwargs)
+    def _send_head(self, *args, **kwargs):  # type: ignore[override]
+        TimedTransport.phases["header_sent"] = time.perf_counter()
+        return super()._send_head(*args, **kwargs)
+
+    def _send_data(self, *args, **kwargs):  # type: ignore[override]
+        TimedTransport.phases["first_data_sent"] = time.perf_counter()
+        return super()._send_data(*args, **kwargs)
 
     def _destinations(self, meta, *args, **kwargs):  # type: ignore[override]
         t0 = time.perf_counter()
@@ -427,7 +428,7 @@ def format_table(s: Dict[str, Any]) -> str:
     lines.append(f"ours_inplace, medians: receiver: header+metadata+check {oi['recv_meta_s_median']:.3f} s "
                  f"(its check of the metadata {oi['recv_check_s_median']:.3f} s), data {oi['recv_data_s_median']:.3f} s, "
                  f"unflatten {oi['recv_after_s_median']:.3f} s; sender: flatten+pickle until the header goes out "
-                 f"{oi['send_plan_s_median']:.3f} s, first data message at {oi['send_first_data_s_median']:.3f} s")
+                 f"{oi['send_plan_s_median']:.3f} s, data phase starts at {oi['send_first_data_s_median']:.3f} s")
     lines.append("x single: ratio of the medians to single_send's (the physical reference, not a target)")
     lines.append("targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in s["targets_met"].items()))
     if "library" in s:

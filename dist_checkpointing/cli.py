@@ -64,7 +64,7 @@ def _positive_gib(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export and import "
-                                     "distributed checkpoints (torch_dist format).")
+                                     "distributed checkpoints (of any registered backend).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="describe a checkpoint: backend, common state, tensors, objects, size")
     p.add_argument("dir")

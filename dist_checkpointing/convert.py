@@ -28,19 +28,20 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from .bytes_view import nbytes
 from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, open_storage, save_config
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
+from .strategies.base import StoredItems
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
 from .storage import PosixStorage
-from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, checked_data_file_name, data_file_name, original_global_shape
-from .strategies.torch_dist.metadata import build_metadata, read_metadata, write_metadata
+from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, original_global_shape
+from .strategies.torch_dist.metadata import build_metadata, read_metadata, stored_items, write_metadata
 from .tools.output import Progress, move_into_place, refuse_existing, staging_dir
-from .whole_tensors import TensorReader, range_problem
+from .whole_tensors import TensorReader
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +85,10 @@ def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Option
     start = time.perf_counter()
     metadata = read_metadata(src)
     keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
-    objects = _object_payloads(src, config, sorted(
+    items = stored_items(src)
+    objects = _object_payloads(src, config, items, sorted(
         k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)))
-    reader = TensorReader(src, keys)
+    reader = TensorReader(src, keys, items)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     with staging_dir(dst) as (tmp, location), contextlib.closing(reader):
 
@@ -124,22 +126,20 @@ def _whole_tensor_meta(reader: TensorReader, key: str) -> tuple:
     return shape, reader.meta[key].dtype, (0,) * len(shape), shape, None
 
 
-def _object_payloads(src: Path, config: CheckpointingConfig, keys: List[str]) -> List[Tuple[str, bytes]]:
+def _object_payloads(src: Path, config: CheckpointingConfig, items: StoredItems,
+                     keys: List[str]) -> List[Tuple[str, bytes]]:
     """Every ShardedObject's stored bytes, and the common state as the ``common_state`` object."""
-    metadata = read_metadata(src)
-    file_sizes: dict = {}
     out = []
     for key in keys:
-        index = MetadataIndex(key)
-        storage = metadata.storage_data.get(index)
-        if storage is None:
+        at = items.object_locations.get(key)
+        if at is None:
             raise CheckpointingException(f"{src / '.metadata'} has no storage entry for object {key!r}")
-        problem = range_problem(src, index, storage, file_sizes)
+        problem = items.range_problem(f"item {key!r}", at)
         if problem is not None:
             raise CheckpointingException(f"{src}: {problem}")
-        file = open_storage(src).open_reader(checked_data_file_name(str(src), storage.relative_path))
+        file = open_storage(src).open_reader(at.file)
         try:
-            out.append((key, file.read(storage.offset, storage.length)))
+            out.append((key, file.read(at.offset, at.length)))
         finally:
             file.close()
     if config.common_backend is not None:

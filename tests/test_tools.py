@@ -13,6 +13,7 @@ under test, so an export or import that returns wrong bytes fails.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -406,6 +407,18 @@ def test_validate_custom_class_object_is_a_note(tmp_path, capsys):
     flip_byte(d / info.relative_path, info.offset + info.length // 2)
     report = validate_checkpoint(d)
     assert not report.ok and "tokenizer/shard_0_1" in report.problems[0]
+
+
+@needs_fixtures
+def test_catalog_of_a_megatron_checkpoint_records_no_checksums():
+    from dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    path = FIXTURES / "mcore_v0_15/tp1_single/checkpoint"
+    items = get_default_load_sharded_strategy(path).stored_items(path)
+    assert items.located and not items.checksums_recorded and items.tensors and items.object_locations
+    locations = [c.location for t in items.tensors for c in t.chunks] + list(items.object_locations.values())
+    assert all(at.checksum is None and items.range_problem("item", at) is None for at in locations)
+    assert sorted(items.files) == sorted(p.name for p in path.glob("*.distcp"))
 
 
 @needs_fixtures
@@ -911,6 +924,39 @@ def test_world2_save_reports_each_ranks_bytes(w2):
     expected = [48 + 12 + 48 + 10 * 4, 48 + 48 + 14 * 4]
     for rank, evs in enumerate(events):
         _check_events(evs, ["plan", "write", "finalize"], expected[rank])
+
+
+def test_world2_catalog_locates_every_chunk(w2):
+    """The strategy-level catalog the tools read names, for every chunk and object, the
+    data file, byte range and checksum that ``.metadata`` records, and the size of every
+    data file; it is the same whatever load strategy reads the checkpoint."""
+    from dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    path, _ = w2
+    items = TorchDistLoadShardedStrategy().stored_items(path)
+    assert items.located and items.checksums_recorded
+    metadata = read_metadata(path)
+    table = metadata.checksums["items"]
+    recorded = {(i.fqn, None if i.offset is None else tuple(i.offset)):
+                (s.relative_path, s.offset, s.length, table[(s.relative_path, s.offset)])
+                for i, s in metadata.storage_data.items()}
+    located = {(t.key, c.offsets): dataclasses.astuple(c.location) for t in items.tensors for c in t.chunks}
+    located.update({(k, None): dataclasses.astuple(at) for k, at in items.object_locations.items()})
+    assert located == recorded
+    assert items.files == {f: (path / f).stat().st_size for f, *_ in recorded.values()}
+    w = {t.key: t for t in items.tensors}
+    # each rank's rows of model.w are in that rank's data files
+    assert [(c.offsets, c.location.file.split("_")[2]) for c in w["model.w"].chunks] == [((0, 0), "0"), ((2, 0), "1")]
+    for t in items.tensors:  # the chunks tile the stored shape (flattened keys: the reformulated one)
+        assert (t.stored_shape != t.shape) == t.flattened, t
+        assert sum(math.prod(c.sizes) for c in t.chunks) == math.prod(t.stored_shape)
+    assert items.objects == {k: at.length for k, at in items.object_locations.items()}
+    for strategy in (FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
+                     TorchDistLoadShardedStrategy(thread_count=1, verify_checksums=False),
+                     get_default_load_sharded_strategy(path)):
+        assert strategy.stored_items(path) == items, strategy
 
 
 def test_world2_fully_parallel_load_reports_exchange(w2):

@@ -331,6 +331,7 @@ SIZE_ATTACKS: Dict[str, Callable] = {
     "huge_storage_length": lambda md, d: _set_storage(md, "w", length=HUGE),
     "negative_offset": lambda md, d: _set_storage(md, "w", offset=-8),
     "offset_past_eof": _past_eof,
+    "chunk_without_storage_entry": lambda md, d: md.storage_data.pop(_storage(md, "w")[0]),
 }
 TYPE_ATTACKS: Dict[str, Callable] = {
     "size_is_a_string": lambda md, d: setattr(md.state_dict_metadata["w"], "size", "abc"),

@@ -689,6 +689,52 @@ def test_group_usable_after_a_refused_transfer(pool2):
     assert pool2.run(_refused_then_good, timeout=POOL_TIMEOUT) == ["sent", "ok"]
 
 
+def _first_message_too_small(rank: int, world_size: int, head_bytes: int) -> Any:
+    """With the first message ``head_bytes`` long on both sides, the metadata and then a
+    sender's error follow it as their own messages: a transfer still arrives, and the
+    error (longer than the first message) still reaches the receiver."""
+    old = transport.wire.HEAD_BYTES
+    transport.wire.HEAD_BYTES = head_bytes
+    try:
+        with _fresh_group() as g:
+            state = {"a": torch.arange(6.0), "name": "x" * 200, "step": 3}
+            if rank == 0:
+                PGTransport(g, ERR_T, "cpu").send_checkpoint([1], state)
+                with contextlib.suppress(CheckpointingException):
+                    PGTransport(g, ERR_T, "cpu").send_checkpoint([1], {"a": torch.ones(3), "bad": lambda: None})
+                return None
+            got = PGTransport(g, ERR_T, "cpu").recv_checkpoint(0)
+            assert got["name"] == state["name"] and got["step"] == 3 and torch.equal(got["a"], state["a"])
+            with pytest.raises(CheckpointingException, match="rank 0.*cannot be serialized") as e:
+                PGTransport(g, ERR_T, "cpu").recv_checkpoint(0)
+            return len(str(e.value))
+    finally:
+        transport.wire.HEAD_BYTES = old
+
+
+def test_metadata_and_error_larger_than_the_first_message(pool2):
+    head_bytes = 64
+    _, error_length = pool2.run(_first_message_too_small, head_bytes, timeout=POOL_TIMEOUT)
+    assert error_length > head_bytes
+
+
+def _another_version(rank: int, world_size: int) -> Any:
+    """Rank 0 speaks protocol version 2 (a 3 x int64 header): rank 1 refuses it, naming both versions."""
+    with _fresh_group() as g:
+        if rank == 0:
+            header = torch.tensor([transport.wire._MAGIC, 2, 10], dtype=torch.int64)
+            g.send([header], 1, transport.wire._TAG_HEADER).wait(ERR_T)
+            return None
+        with pytest.raises(CheckpointingException, match="rank 0 speaks another protocol") as e:
+            PGTransport(g, ERR_T, "cpu").recv_checkpoint(0)
+        return str(e.value)
+
+
+def test_peer_speaking_another_version_is_refused(pool2):
+    _, error = pool2.run(_another_version, timeout=POOL_TIMEOUT)
+    assert "version 2" in error and f", {transport.PROTOCOL_VERSION})" in error, error
+
+
 def _block_scaled_fp8() -> FakeFloat8Tensor:
     """An FP8 tensor with two scales (a block-scaled layout the transport cannot send)."""
     data = quantize_bytes(torch.ones(4, 8), SCALE_INV, torch.float8_e4m3fn)

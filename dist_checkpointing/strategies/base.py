@@ -21,9 +21,28 @@ from .registry import StrategyAction, default_strategies, get_default_strategy, 
 
 __all__ = [
     "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase", "SaveCommonStrategy",
-    "SaveShardedStrategy", "SaveStrategyBase", "StoredItems", "StoredTensor", "StrategyAction", "default_strategies",
-    "get_default_strategy", "register_default_strategy",
+    "SaveShardedStrategy", "SaveStrategyBase", "StoredChunk", "StoredItems", "StoredRange", "StoredTensor",
+    "StrategyAction", "default_strategies", "get_default_strategy", "register_default_strategy",
 ]
+
+
+@dataclass(frozen=True)
+class StoredRange:
+    """Where a stored item's bytes are: a byte range of one file of the checkpoint."""
+
+    file: str  # file name inside the checkpoint
+    offset: int
+    length: int
+    checksum: Optional[int] = None  # the checksum recorded for the item (None: none recorded)
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """One stored chunk of a tensor, in the coordinates of ``StoredTensor.stored_shape``."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    location: Optional[StoredRange]  # None: the checkpoint records no bytes for the chunk
 
 
 @dataclass
@@ -33,17 +52,35 @@ class StoredTensor:
     key: str
     shape: Tuple[int, ...]  # the original global shape (also for flattened keys)
     dtype: torch.dtype
-    chunks: int  # stored chunks (0: the strategy does not say)
+    chunks: List[StoredChunk]  # empty: the strategy does not say
     nbytes: int  # bytes of the global tensor's values
     flattened: bool  # stored N-D reformulated (distributed-optimizer slices)
+    stored_shape: Optional[Tuple[int, ...]] = None  # the shape the chunks tile (None: ``shape``)
 
 
 @dataclass
 class StoredItems:
-    """What a checkpoint stores (:meth:`LoadShardedStrategy.stored_items`)."""
+    """What a checkpoint stores (:meth:`LoadShardedStrategy.stored_items`), from its
+    metadata alone: every tensor with its chunks and every object, and, when ``located``,
+    the file and byte range each is stored at and the size of each file named."""
 
     tensors: List[StoredTensor] = field(default_factory=list)  # sorted by key
     objects: Dict[str, int] = field(default_factory=dict)  # ShardedObject unique key -> stored bytes
+    located: bool = False  # chunks and objects name their stored bytes (False: the strategy does not say)
+    object_locations: Dict[str, StoredRange] = field(default_factory=dict)  # unique key -> its stored bytes
+    files: Dict[str, Optional[int]] = field(default_factory=dict)  # file named above -> size (None: missing)
+    checksums_recorded: bool = False  # the checkpoint records item checksums
+
+    def range_problem(self, what: str, location: StoredRange) -> Optional[str]:
+        """Why ``location`` (of the item described as ``what``) does not lie inside its
+        file (``None`` when it does)."""
+        size = self.files.get(location.file)
+        if size is None:
+            return f"{what}: data file {location.file} is missing"
+        if location.offset < 0 or location.length < 0 or location.offset + location.length > size:
+            return (f"{what}: {location.file} has {size} bytes, the item needs bytes "
+                    f"{location.offset}..{location.offset + location.length}")
+        return None
 
 
 class LoadStrategyBase(ABC):
@@ -117,12 +154,21 @@ class LoadShardedStrategy(LoadStrategyBase):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
-        """Every stored tensor and object, from the metadata alone (for inspection tools).
-        The default describes the tensors of :meth:`load_tensors_metadata` (chunks not
-        counted) and no objects."""
-        return StoredItems([StoredTensor(key, tuple(sh.global_shape), sh.dtype, 0,
+        """Every stored tensor and object, from the metadata alone (for the offline tools).
+        The default describes the tensors of :meth:`load_tensors_metadata` (no chunks, not
+        located) and no objects."""
+        return StoredItems([StoredTensor(key, tuple(sh.global_shape), sh.dtype, [],
                                          nbytes(tuple(sh.global_shape), sh.dtype), False)
                             for key, sh in sorted(self.load_tensors_metadata(checkpoint_dir).items())])
+
+    def offline_reader(self) -> "LoadShardedStrategy":
+        """A strategy reading this backend for the offline tools, which read one whole
+        tensor at a time: with the least memory (e.g. one reader thread) and no unsafe
+        unpickling. The default is this strategy itself."""
+        return self
+
+    def release_scratch(self) -> None:
+        """Free temporary memory kept from the last load (the default keeps none)."""
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Load in this process alone, with no collectives (for the offline readers). The

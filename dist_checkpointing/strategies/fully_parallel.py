@@ -47,7 +47,7 @@ from ..exchange.plan import ShardPlan, plan_shards
 from ..exchange.tensors import check_exchange_algo, exchange_by_distribution, exchange_point_to_point
 from ..fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy, StoredItems
 
 
 def _structure(sharded_state_dict: ShardedStateDict) -> List[tuple]:
@@ -313,6 +313,12 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
+
+    def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
+        return self.base_strategy.stored_items(checkpoint_dir)
+
+    def offline_reader(self) -> LoadShardedStrategy:
+        return self.base_strategy.offline_reader()
 
     def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
         self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)

@@ -81,7 +81,8 @@ def _inspect(checkpoint_dir: Union[Path, str]) -> CheckpointInfo:
     storage = open_storage(checkpoint_dir)
     info.files = {name: stat.size for name in storage.list() if (stat := storage.info(name)) is not None}
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
-    info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), t.chunks, t.nbytes, t.flattened) for t in stored.tensors]
+    info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), len(t.chunks), t.nbytes, t.flattened)
+                    for t in stored.tensors]
     info.objects = stored.objects
     return info
 

@@ -8,18 +8,15 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
-from ..bytes_view import nbytes
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
 from ..manifest import MANIFEST_FNAME, manifest_problems
 from ..mapping import ShardedObject
 from ..serialization import get_default_load_sharded_strategy
-from ..strategies.base import StrategyAction, get_default_strategy
+from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
-from ..strategies.torch_dist.load import TorchDistLoadShardedStrategy
-from ..strategies.torch_dist.metadata import read_metadata
-from ..whole_tensors import TensorReader, range_problem
+from ..whole_tensors import TensorReader
 from .output import PathLike, Progress
 
 
@@ -58,6 +55,13 @@ def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tupl
     return problems
 
 
+def _stored_problem(items: StoredItems, what: str, location: Optional[StoredRange]) -> Optional[str]:
+    """Why the stored bytes of the item described as ``what`` are not in place (``None``: they are)."""
+    if location is None:
+        return f"{what}: no stored bytes are recorded for it"
+    return items.range_problem(what, location)
+
+
 @contextmanager
 def _reported(report: ValidationReport, what: str) -> Iterator[None]:
     """Record any error in the block as a problem of ``report`` (named ``what`` unless it
@@ -82,8 +86,9 @@ def _check_readable(report: ValidationReport, what: str, load: Callable[[], Any]
 def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
     """Check a checkpoint completely: it is committed (``metadata.json``), its files match
     Megatron-Core's integrity manifest ``integrity.json`` if it has one, the common state
-    and ``.metadata`` match their checksums, every tensor's chunks cover it exactly, every
-    data file holds the byte ranges named for it, and every stored item can be read and
+    and the sharded metadata match their checksums, every tensor's chunks cover it exactly,
+    every data file holds the byte ranges named for it (all read from the load strategy's
+    catalog of stored items, :meth:`~..strategies.base.LoadShardedStrategy.stored_items`), and every stored item can be read and
     matches its checksum (tensors are read whole, one at a time; objects are checked
     without being unpickled unsafely). Never raises for a damaged or hostile checkpoint:
     every failure, whatever its type, is a problem in the report."""
@@ -98,40 +103,31 @@ def _validate(checkpoint_dir: Union[Path, str], report: ValidationReport, progre
     with _reported(report, open_storage(checkpoint_dir).describe(MANIFEST_FNAME)):
         report.problems += manifest_problems(checkpoint_dir)
     # What load would refuse (an unknown backend or version) is a problem here too.
-    if not isinstance(get_default_load_sharded_strategy(checkpoint_dir), TorchDistLoadShardedStrategy):
-        report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool (only torch_dist)")
+    strategy = get_default_load_sharded_strategy(checkpoint_dir)
+    items = strategy.stored_items(checkpoint_dir)
+    if not items.located:
+        report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool "
+                               f"({type(strategy).__name__} does not say where it stores its items)")
         return
     if config.common_backend is not None:
         get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
         _check_readable(report, "common state",
                         lambda: TorchCommonLoadStrategy(allow_pickle=False).load_common(checkpoint_dir))
-    metadata = read_metadata(checkpoint_dir)
-    where = open_storage(checkpoint_dir).describe(".metadata")
-    if getattr(metadata, "checksums", None) is None:
+    if not items.checksums_recorded:
         report.notes.append("no item checksums are recorded (e.g. written by Megatron-Core): damage inside "
                             "tensor data cannot be detected, only unreadable or truncated items")
-    # Every size the metadata claims is checked against the files before anything is allocated.
-    file_sizes: Dict[str, int] = {}
-    tensor_keys, object_keys = [], []
-    with malformed(f"{where} is malformed"):
-        for index, storage in metadata.storage_data.items():
-            with _reported(report, f"{where}: the storage entry of {getattr(index, 'fqn', index)!r} is malformed"):
-                problem = range_problem(checkpoint_dir, index, storage, file_sizes)
-                if problem is not None:
-                    report.problems.append(problem)
-        for key, md in sorted(metadata.state_dict_metadata.items()):
-            with _reported(report, f"{where}: the entry of {key!r} is malformed"):
-                if hasattr(md, "chunks"):
-                    report.problems += _coverage_problems(key, tuple(md.size),
-                                                          [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
-                    tensor_keys.append(key)
-                else:
-                    object_keys.append(key)
+    # Every size the catalog claims is checked against the files before anything is allocated.
+    problems = [_stored_problem(items, f"item {key!r}", items.object_locations.get(key)) for key in sorted(items.objects)]
+    for t in items.tensors:
+        problems += _coverage_problems(t.key, t.stored_shape or t.shape, [(c.offsets, c.sizes) for c in t.chunks])
+        problems += [_stored_problem(items, f"item {t.key!r} (chunk at {c.offsets})", c.location) for c in t.chunks]
+    report.problems += [p for p in problems if p is not None]
     if report.problems:
         return
 
-    reader = TensorReader(checkpoint_dir, tensor_keys)
-    sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in tensor_keys}
+    tensor_keys = [t.key for t in items.tensors]
+    reader = TensorReader(checkpoint_dir, tensor_keys, items)
+    sizes = {t.key: t.nbytes for t in items.tensors}
     total = sum(sizes.values())
     try:
         for key in tensor_keys:
@@ -143,8 +139,7 @@ def _validate(checkpoint_dir: Union[Path, str], report: ValidationReport, progre
                 progress(report.checked_bytes, total, key)
     finally:
         reader.close()
-    strategy = TorchDistLoadShardedStrategy(allow_pickle=False)
-    for key in object_keys:
-        _check_readable(report, f"object {key!r}", lambda k=key: strategy.load_local(
+    for key in sorted(items.objects):
+        _check_readable(report, f"object {key!r}", lambda k=key: reader.strategy.load_local(
             {"o": ShardedObject.empty_from_unique_key(k)}, checkpoint_dir))
         report.checked_objects += 1

@@ -8,10 +8,11 @@ for a trainer.
 
 Protocol, between the sender and each receiver (point-to-point messages of the group):
 
-1. header (magic, version, metadata length) and the metadata — the structure and, one
-   column per field, every leaf's kind, shape, dtype and size, and the sender's bucket
-   sizes — pickled once for all receivers (each side plans the data messages from it:
-   the plan is not sent). A sender that cannot describe its state (a leaf it cannot send,
+1. a first message of a fixed size (``wire.HEAD_BYTES``, posted by every receiver before
+   anything else): magic, version, metadata length, and the metadata when it fits (else it
+   follows) — the structure and, one column per field, every leaf's kind, shape, dtype
+   and size, and the sender's bucket sizes — pickled once for all receivers (each side
+   plans the data messages from it: the plan is not sent). A sender that cannot describe its state (a leaf it cannot send,
    e.g. an FP8 layout that is not per-tensor scaled, or an unpicklable value) sends a
    negative length and its reason instead, so every receiver raises at once;
 2. each receiver checks the metadata against its own state (same structure, same shapes
@@ -27,8 +28,8 @@ Protocol, between the sender and each receiver (point-to-point messages of the g
    the receiver unpacks a bucket while large tensors stream. In a bucket the tensors are
    grouped by dtype, each dtype's run packed with one ``torch.cat`` and unpacked with one
    ``torch.split`` and one ``_foreach_copy_`` (no per-tensor Python work beyond a list
-   entry). Two bucket buffers per side are reused, so memory stays bounded whatever the
-   state size.
+   entry). Two bucket buffers per side are reused, so memory stays bounded
+   whatever the state size.
 
 A view travels as its own elements only (never its whole base storage); non-contiguous
 tensors arrive with the right values. Every wait is bounded by the transport's timeout: a

@@ -21,7 +21,7 @@ from ..fp8 import float8_dtype, is_float8tensor
 from . import wire
 from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _wire_view
 from .leaves import DTensor, _Columns, _kind, _LeafError, _local_tensor
-from .plan import _alone
+from .plan import _alone, _plan_messages
 from .wire import (
     _MAGIC,
     _TAG_ACK,
@@ -34,6 +34,8 @@ from .wire import (
     PROTOCOL_VERSION,
     _decode_meta,
     _encode_meta,
+    _head,
+    _read_head,
     _Meta,
     _pickle_treespec,
     _segments,
@@ -127,9 +129,7 @@ class PGTransport:
         except Exception as e:  # noqa: BLE001 - an unpicklable leaf
             self._fail_before_header(dsts, f"the state cannot be serialized: {e}", e)
 
-        header = torch.tensor([_MAGIC, PROTOCOL_VERSION, len(payload)], dtype=torch.int64, device=self._device)
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
-        works = [(w, d) for d in dsts for w in (self._send(header, d, _TAG_HEADER), self._send(body, d, _TAG_META))]
+        works = self._send_head(dsts, len(payload), payload)
         heads = [torch.zeros(2, dtype=torch.int64, device=self._device) for _ in dsts]
         answers = [(self._post_recv(h, d, _TAG_ACK, "receiving the metadata check"), h, d) for h, d in zip(heads, dsts)]
         meta.plan()  # while the receivers check the metadata
@@ -160,14 +160,19 @@ class PGTransport:
         length, the reason in place of the metadata), so each raises at once instead of
         waiting for its timeout; then raise here."""
         body = reason.encode()
-        header = torch.tensor([_MAGIC, PROTOCOL_VERSION, -len(body)], dtype=torch.int64, device=self._device)
-        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(self._device)
         with contextlib.suppress(CheckpointingException):  # a dead receiver: the reason still raises here
-            works = [(w, d) for d in dsts
-                     for w in (self._send(header, d, _TAG_HEADER), self._send(payload, d, _TAG_META))]
-            for work, d in works:
+            for work, d in self._send_head(dsts, -len(body), body):
                 self._wait([work], "sending the error", d)
         raise CheckpointingException(f"Peer transfer: {reason}") from error
+
+    def _send_head(self, dsts: List[int], length: int, payload: bytes) -> List[Tuple[Any, int]]:
+        """Post the first message to every receiver, and the payload after it when it does
+        not fit in it (:func:`.wire._head`); returns the sends."""
+        head, inline = _head(length, payload)
+        messages = [(head.to(self._device), _TAG_HEADER)]
+        if not inline:
+            messages.append((torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device), _TAG_META))
+        return [(self._send(t, d, tag), d) for d in dsts for t, tag in messages]
 
     def _send_data(self, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]) -> None:
         """Send every data message to every destination. Tensors travelling alone go from
@@ -226,41 +231,51 @@ class PGTransport:
 
     def _recv_checkpoint(self, src_rank: int) -> Any:
         start = time.perf_counter()
+        # posted first (a fixed size), so that it is waiting when the sender's arrives
+        head = torch.empty(wire.HEAD_BYTES, dtype=torch.uint8, device=self._device)
+        head_work = self._post_recv(head, src_rank, _TAG_HEADER, "receiving the header")
         # prepared while the sender flattens its state and encodes the metadata
         own = None if self._state_dict is None else _OwnState(self._state_dict())
-        header = torch.zeros(3, dtype=torch.int64, device=self._device)
-        self._recv(header, src_rank, _TAG_HEADER, "receiving the header")
-        magic, version, length = (int(v) for v in header.tolist())
+        self._wait([head_work], "receiving the header", src_rank)
+        magic, version, length, payload = _read_head(head.cpu())
         if magic != _MAGIC or version != PROTOCOL_VERSION:
             raise CheckpointingException(
                 f"Peer transfer: rank {src_rank} speaks another protocol (magic {magic:#x}, version {version}; "
                 f"expected {_MAGIC:#x}, {PROTOCOL_VERSION})")
-        if length < 0:  # the sender cannot send its state: the reason follows
-            reason = self._recv_body(src_rank, -length, _TAG_META, "receiving the sender's error")
+        if payload is None:  # too large for the first message: it follows
+            body = torch.empty(abs(length), dtype=torch.uint8, device=self._device)
+            self._recv(body, src_rank, _TAG_META,
+                       "receiving the sender's error" if length < 0 else "receiving the metadata")
+            payload = bytes(body.cpu().numpy())
+        if length < 0:  # the sender cannot send its state: its reason instead of the metadata
+            reason = payload.decode(errors="replace")
             raise CheckpointingException(f"Peer transfer from rank {src_rank} failed on the sender: {reason}")
-        body = torch.empty(length, dtype=torch.uint8, device=self._device)
-        self._recv(body, src_rank, _TAG_META, "receiving the metadata")
-        meta = _decode_meta(bytes(body.cpu().numpy()))
+        meta = _decode_meta(payload)
 
         error = None
         try:
             dests = self._destinations(meta, own)
         except CheckpointingException as e:
             error = str(e)
-        self._send_text([src_rank], int(error is not None), error or "", (_TAG_ACK, _TAG_ACK_TEXT),
-                        "answering the metadata check")
         if error is not None:
+            self._send_text([src_rank], 1, error, (_TAG_ACK, _TAG_ACK_TEXT), "answering the metadata check")
             raise CheckpointingException(f"Peer transfer from rank {src_rank} refused: {error}")
-        meta.plan()  # the sender's plan, made here too
-        if meta.receivers > 1:  # another receiver may refuse: the sender says whether to go on
-            go = torch.zeros(2, dtype=torch.int64, device=self._device)
-            self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
-            status, length = (int(v) for v in go.tolist())
-            reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
-            if status:
-                raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
+        if own is None or not own.plan_into(meta):
+            meta.plan()  # the sender's plan, made here too
 
-        out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results))
+        def ready() -> None:
+            """Accept, once the data receives can be posted at once (so they are waiting
+            when the data arrives); with several receivers, wait for the go-ahead."""
+            self._send_text([src_rank], 0, "", (_TAG_ACK, _TAG_ACK_TEXT), "answering the metadata check")
+            if meta.receivers > 1:  # another receiver may refuse: the sender says whether to go on
+                go = torch.zeros(2, dtype=torch.int64, device=self._device)
+                self._recv(go, src_rank, _TAG_GO, "receiving the go-ahead")
+                status, length = (int(v) for v in go.tolist())
+                reason = self._recv_body(src_rank, length, _TAG_GO_TEXT, "receiving the go-ahead")
+                if status:
+                    raise CheckpointingException(f"Peer transfer from rank {src_rank} aborted by the sender: {reason}")
+
+        out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results), ready)
         total = sum(size for size, _ in meta.messages)
         logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
@@ -304,10 +319,11 @@ class PGTransport:
         return dests
 
     def _receive_data(self, meta: _Meta, dests: List[Optional[torch.Tensor]], src: int,
-                      assemble: Callable[[List[Optional[torch.Tensor]]], Any]) -> Any:
+                      assemble: Callable[[List[Optional[torch.Tensor]]], Any], ready: Callable[[], None]) -> Any:
         """Receive every data message; returns ``assemble(tensor of each leaf)`` (``None``
         for values), computed while the last messages arrive unless FP8 leaves need their
-        data first.
+        data first. ``ready()`` (the answer to the sender) is called once everything is
+        prepared, right before the receives are posted.
 
         A tensor travelling alone lands straight in its destination when that is
         contiguous; all those messages are posted at once. The others (buckets, and tensors
@@ -353,6 +369,7 @@ class PGTransport:
         pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
         straight: List[Any] = []
         buffered = 0
+        ready()
         for m, (size, members) in enumerate(meta.messages):
             if _alone(c, size, members):
                 if not inplace:
@@ -425,6 +442,25 @@ class _OwnState:
             self.spec_pickle = None
         self.shapes = [None if t is None else tuple(t.shape) for t in self.locals]
         self.dtypes = [None if t is None else t.dtype for t in self.locals]
+        # The data messages the sender plans for a state like this one, with this process's
+        # sizes (planned here while the sender describes its state; see plan_into).
+        self.sizes = (wire.BUCKET_BYTES, wire.ALONE_BYTES)
+        self.planned: Optional[Tuple[List[Tuple[int, List[int]]], List[int]]] = None
+        if all(t is None or type(t) is torch.Tensor for t in self.locals):
+            self.nbytes = [0 if t is None else t.nbytes for t in self.locals]
+            n = len(self.locals)
+            self.planned = _plan_messages(
+                _Columns(self.kinds, self.shapes, self.dtypes, self.nbytes, [], [None] * n, []), *self.sizes)
+
+    def plan_into(self, meta: _Meta) -> bool:
+        """Give ``meta`` the plan made for this state, if it is the sender's: the plan is
+        a function of the leaves' sizes and wire dtypes and the two sizes alone
+        (:func:`.plan._plan_messages`). False: ``meta`` must be planned."""
+        if (self.planned is None or (meta.bucket_bytes, meta.alone_bytes) != self.sizes or meta.fp8_leaves
+                or meta.columns.nbytes != self.nbytes or meta.wire != self.dtypes):
+            return False
+        meta.messages, meta.offsets = self.planned
+        return True
 
 def _paths(state: Any) -> List[str]:
     """The key path of every leaf of ``state`` (for messages)."""

@@ -14,11 +14,36 @@ import torch
 from .leaves import _Columns, _Leaf, _LeafColumns, _wire_dtypes
 from .plan import _plan_messages
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 BUCKET_BYTES = 16 << 20
 ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
+HEAD_BYTES = 256 << 10  # the first message's fixed size: the header and, when it fits, the metadata
+_HEADER_BYTES = 24  # magic, version, length: three int64 at the start of the first message
 _MAGIC = 0x44435054
 _TAG_HEADER, _TAG_META, _TAG_ACK, _TAG_ACK_TEXT, _TAG_GO, _TAG_GO_TEXT, _TAG_DATA = range(1, 8)
+
+
+def _head(length: int, payload: bytes) -> Tuple[torch.Tensor, bool]:
+    """The first message of a transfer (``HEAD_BYTES``, a fixed size so that a receiver
+    posts it before it knows anything): magic, protocol version, ``length`` (the
+    metadata's, or minus the sender's error's), then ``payload`` when it fits; and
+    whether it fits (if not, it follows as its own message)."""
+    head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
+    head[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor([_MAGIC, PROTOCOL_VERSION, length]))
+    inline = len(payload) <= HEAD_BYTES - _HEADER_BYTES
+    if inline and payload:
+        head[_HEADER_BYTES:_HEADER_BYTES + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return head, inline
+
+
+def _read_head(head: torch.Tensor) -> Tuple[int, int, int, Optional[bytes]]:
+    """``(magic, version, length, payload)`` of a received first message; ``payload`` is
+    ``None`` when it did not fit (or the peer speaks another version)."""
+    magic, version, length = (int(v) for v in head[:_HEADER_BYTES].view(torch.int64).tolist())
+    n = abs(length)
+    if magic != _MAGIC or version != PROTOCOL_VERSION or n > HEAD_BYTES - _HEADER_BYTES:
+        return magic, version, length, None
+    return magic, version, length, bytes(head[_HEADER_BYTES:_HEADER_BYTES + n].numpy())
 
 
 @dataclass

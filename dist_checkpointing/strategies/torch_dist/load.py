@@ -49,6 +49,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.verify_checksums = verify_checksums
         self._scratch = ScratchArena()
 
+    def offline_reader(self) -> "TorchDistLoadShardedStrategy":
+        """One reader thread (at most one temporary chunk buffer at a time), no unsafe
+        unpickling, checksums verified as this strategy verifies them."""
+        return TorchDistLoadShardedStrategy(thread_count=1, verify_checksums=self.verify_checksums)
+
     def release_scratch(self) -> None:
         """Free the temporary memory kept from the last resharding load of flattened keys."""
         self._scratch.release()
@@ -141,7 +146,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return result
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
-        """Every tensor and object of ``.metadata`` (chunks counted; flattened keys marked)."""
+        """Every tensor and object of ``.metadata``, located (:func:`.metadata.stored_items`)."""
         return stored_items(checkpoint_dir)
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:

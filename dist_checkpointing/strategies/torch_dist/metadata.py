@@ -28,10 +28,10 @@ from ...core import Location as CheckpointLocation
 from ...integrity import item_checksum_table, write_file_with_checksum
 from ...save_claim import current_save_id
 from ...storage import Storage
-from ..base import StoredItems, StoredTensor
+from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
-from .format import DCP_VERSION, METADATA_FNAME, original_global_shape
+from .format import DCP_VERSION, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
 # One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
@@ -157,24 +157,41 @@ def read_metadata(checkpoint_dir: CheckpointLocation) -> Metadata:
 
 
 def stored_items(checkpoint_dir: CheckpointLocation) -> StoredItems:
-    """Every tensor (chunks counted, flattened keys in their original shape) and the stored
-    bytes of every object, from ``.metadata``; a malformed entry is an error naming it."""
+    """The catalog of ``.metadata``: every tensor (flattened keys in their original shape)
+    with each chunk's data file, byte range and recorded checksum, every object's, and the
+    size of each data file named; a malformed entry is an error naming it."""
     storage = open_storage(checkpoint_dir)
     metadata = read_metadata(storage)
     where = storage.describe(METADATA_FNAME)
-    stored: Dict[str, int] = {}
     with malformed(f"{where} is malformed"):
-        for index, storage in metadata.storage_data.items():
-            stored[index.fqn] = stored.get(index.fqn, 0) + storage.length
+        table = getattr(metadata, "checksums", None)
+        checksums = table["items"] if table is not None else {}
         entries = sorted(metadata.state_dict_metadata.items())
-    items = StoredItems()
+    items = StoredItems(located=True, checksums_recorded=table is not None)
+
+    def located(index: MetadataIndex) -> Optional[StoredRange]:
+        info = metadata.storage_data.get(index)
+        if info is None:
+            return None
+        name = checked_data_file_name(storage.describe(), info.relative_path)
+        if name not in items.files:
+            file_info = storage.info(name)
+            items.files[name] = file_info.size if file_info is not None else None
+        return StoredRange(name, info.offset, info.length, checksums.get((name, info.offset)))
+
     for key, md in entries:
         with malformed(f"{where}: the entry of {key!r} is malformed"):
             if hasattr(md, "chunks"):
                 orig = original_global_shape(metadata, key)
                 shape = tuple(orig if orig is not None else md.size)
-                items.tensors.append(StoredTensor(key, shape, md.properties.dtype, len(md.chunks),
-                                                  nbytes(shape, md.properties.dtype), orig is not None))
+                chunks = [StoredChunk(tuple(c.offsets), tuple(c.sizes), located(MetadataIndex(key, c.offsets)))
+                          for c in md.chunks]
+                items.tensors.append(StoredTensor(key, shape, md.properties.dtype, chunks,
+                                                  nbytes(shape, md.properties.dtype), orig is not None,
+                                                  tuple(md.size)))
             else:
-                items.objects[key] = stored.get(key, 0)
+                location = located(MetadataIndex(key))
+                items.objects[key] = location.length if location is not None else 0
+                if location is not None:
+                    items.object_locations[key] = location
     return items
