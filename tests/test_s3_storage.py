@@ -18,7 +18,6 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.storage import storage_for
-from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from .conftest import get_pool
 from .test_storage import check_storage_contract
@@ -171,24 +170,3 @@ def test_missing_obstore_says_how_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # importing it fails
     with pytest.raises(ImportError, match=r"pip install dist_checkpointing\[s3\]"):
         storage_for("s3://bucket/prefix")
-
-
-def _async_save(rank, world, env, url):
-    os.environ.update(env)
-    queue = AsyncCallsQueue()
-    try:
-        queue.schedule_async_request(dc.save(_state(rank, world, 1.0), url, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True)
-    finally:
-        queue.close()
-
-
-def test_async_save_is_refused_not_hung(s3_server, s3_env):
-    """obstore's runtime does not survive the fork of an async save's writer (its requests would
-    hang): the writer's S3 calls fail at once, every rank raises, nothing is committed."""
-    url = _url(s3_server)
-    excs = get_pool(2).run_expect_error(_async_save, s3_server.env(), url, timeout=_TIMEOUT)
-    for rank, e in enumerate(excs):
-        assert isinstance(e, CheckpointingException), f"rank {rank}: {e!r}"
-        assert "async save to s3:// is not supported" in str(e) and f"{url}/__{rank}_0.distcp" in str(e), f"rank {rank}: {e}"
-    assert not dc.check_is_distributed_checkpoint(url)

@@ -94,7 +94,16 @@ class FileInfo:
 
 class Storage(ABC):
     """The bytes of one checkpoint location; ``name`` arguments are relative to its root
-    (``""`` is the root itself)."""
+    (``""`` is the root itself).
+
+    ``fork_safe``: whether a process forked from one that used this storage can use it
+    too. An async save writes a fork-safe storage from a forked copy-on-write child, any
+    other from a thread of this process (after copying the tensors to host buffers)."""
+
+    fork_safe: bool = True
+
+    def __str__(self) -> str:
+        return self.describe()
 
     @abstractmethod
     def describe(self, name: str = "") -> str:

@@ -17,8 +17,9 @@ streamed file does not exist yet is checked with a HEAD (not atomic: the checkpo
 directory claim is). Small files are single PUTs (atomic on S3);
 :meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
 
-obstore's runtime does not survive a fork: in a process forked after obstore was used
-(an async save's writer) every call raises an OSError instead of hanging.
+obstore's runtime does not survive a fork: :class:`S3Storage` is not ``fork_safe`` (an
+async save writes it from a thread), and in a process forked after obstore was used every
+call raises an OSError instead of hanging.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _obstore():
     hang), e.g. the writer of an async save."""
     if _forked_after_use:
         raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
-                                     "(async save to s3:// is not supported yet)")
+                                     "(its runtime does not survive a fork)")
     try:
         import obstore
     except ImportError as e:
@@ -247,6 +248,8 @@ class S3Reader(RangeReader):
 
 class S3Storage(Storage):
     """The objects under ``s3://bucket/prefix``; names are the keys below the prefix."""
+
+    fork_safe = False
 
     def __init__(self, location: str, storage_options: Optional[Dict[str, Any]] = None):
         scheme, _, rest = location.partition("://")
