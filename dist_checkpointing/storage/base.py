@@ -52,13 +52,17 @@ class WriteStream(io.RawIOBase):
     def tell(self) -> int:
         """Bytes written so far."""
 
-    @abstractmethod
+    _hasher = None  # fed by write() (in the subclass) while a checksum is taken
+
     def start_checksum(self, hasher) -> None:
         """Feed every byte written from now on to ``hasher`` (``update(bytes)``, ``intdigest()``)."""
+        self._hasher = hasher
 
-    @abstractmethod
     def take_checksum(self) -> int:
         """The digest of the bytes written since :meth:`start_checksum`; stops hashing."""
+        digest = self._hasher.intdigest()
+        self._hasher = None
+        return digest
 
     @abstractmethod
     def abort(self) -> None:

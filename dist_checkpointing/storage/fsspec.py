@@ -42,7 +42,6 @@ class FsspecWriteStream(WriteStream):
         self._fs, self._path = fs, path
         self._file = fs.open(path, "wb")
         self._written = 0
-        self._hasher = None
 
     def write(self, data) -> int:  # type: ignore[override]
         view = byte_view(data)
@@ -58,14 +57,6 @@ class FsspecWriteStream(WriteStream):
 
     def tell(self) -> int:
         return self._written
-
-    def start_checksum(self, hasher) -> None:
-        self._hasher = hasher
-
-    def take_checksum(self) -> int:
-        digest = self._hasher.intdigest()
-        self._hasher = None
-        return digest
 
     def flush(self) -> None:
         """The file object buffers and uploads on its own; :meth:`close` finishes the file."""
