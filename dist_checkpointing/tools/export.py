@@ -17,7 +17,7 @@ from ..core import CheckpointingException, checkpoint_location, load_config, mal
 from ..path_overlap import refuse_overlap
 from ..safetensors_stream import SafetensorsFileWriter, dtype_name, shard_names, write_index
 from ..readers import load_tensors_metadata
-from ..storage import Storage, StorageOptions
+from ..storage import Storage, StorageOptions, url_scheme
 from ..whole_tensors import TensorReader
 from .output import PathLike, Progress, move_into_place, refuse_existing, staging_dir
 
@@ -62,6 +62,8 @@ def export_checkpoint(
     An ``out`` that is the checkpoint, holds it or lies inside it is refused before
     anything is read. Raises only CheckpointingException.
     """
+    if url_scheme(out):
+        raise CheckpointingException(f"Cannot export to {out}: the output must be a local path")
     checkpoint_dir, out = checkpoint_location(checkpoint_dir, storage_options), Path(out)
     if format not in ("safetensors", "torch"):
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
