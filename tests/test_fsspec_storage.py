@@ -5,6 +5,7 @@ across ranks on ``file://`` (``memory://`` is per process), resharded."""
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import pytest
@@ -97,3 +98,12 @@ def test_file_url_across_ranks_resharded(save_world, load_world, tmp_path):
     full = [float(i) + 1.0 for i in range(N)]
     assert results == [full[rank * N // load_world:(rank + 1) * N // load_world] for rank in range(load_world)]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "metadata.json"
+
+
+def test_a_scheme_without_its_package_is_a_clear_error():
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(CheckpointingException, match="gs://bucket/x.*gcsfs"):
+        dc.save(_state(0, 1, 0.0), "gs://bucket/x")
+    with pytest.raises(CheckpointingException, match="No storage is registered for nosuch://"):
+        dc.load_common_state_dict("nosuch://bucket/x")
