@@ -8,7 +8,8 @@ are ``cat_file`` ranges. Small files are written whole (``pipe_file``; on the lo
 system to a temporary name renamed over the target); an exclusive create opens with
 mode ``"xb"`` where the file system supports it, else checks and writes (not atomic:
 the checkpoint's directory claim is). ``storage_options`` are the file system's own
-keyword arguments (``fsspec.core.url_to_fs``).
+keyword arguments (``fsspec.core.url_to_fs``). Durability is the file system's: fsspec's
+local file system does not fsync (a plain path gets :class:`.PosixStorage`, which does).
 
 Not ``fork_safe``: a forked child's writes to ``memory://`` would stay in the child, and
 fsspec's async file systems run an event loop thread; async saves write from a thread.
