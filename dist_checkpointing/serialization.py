@@ -4,7 +4,8 @@
 without one); every error they raise is raised on every rank. The offline readers
 (``load_common_state_dict``, ``load_tensors_metadata``, ``load_sharded_metadata``,
 ``load_plain_tensors``, ``load_content_metadata``, ``check_is_distributed_checkpoint``)
-work in a single process with no process group (they live in :mod:`.readers`).
+work in a single process with no process group (they live in :mod:`.readers`, the last
+in :mod:`.core`).
 Every entry point takes a local directory, a URL (``s3://bucket/prefix``, or any scheme
 fsspec knows) with optional ``storage_options`` for its client, or a
 :class:`~.storage.Storage`.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -31,6 +31,7 @@ from .core import (
 )
 from .readers import (
     CONTENT_METADATA_KEY,
+    CkptDir,
     get_default_load_sharded_strategy,
     load_common,
     load_common_state_dict,
@@ -45,7 +46,7 @@ from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
 from .integrity import recorded_save_id
 from .manifest import hash_written_files, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
-from .storage import Storage, StorageOptions
+from .storage import StorageOptions
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
 )
@@ -89,8 +90,6 @@ __all__ = [
     "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors",
     "get_default_save_sharded_strategy", "get_default_save_common_strategy", "get_default_load_sharded_strategy",
 ]
-
-CkptDir = Union[str, os.PathLike, Storage]
 
 
 # ----------------------------------------------------------------------------- timing
