@@ -4,8 +4,19 @@ The client is obstore (``pip install dist_checkpointing[s3]``; benchmarks/README
 why), imported when the first :class:`S3Storage` is made. It is configured from the
 standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, …); ``storage_options``
-override it (obstore ``S3Store`` keyword arguments). obstore retries 5xx, throttling and
-dropped connections with backoff.
+override it (obstore ``S3Store`` keyword arguments).
+
+Retries: obstore retries every request (HEAD, GET and its body, LIST, PUT, each part of a
+multipart upload, its initiation and completion, DELETE) on 5xx, 429/503 throttling,
+refused, dropped or timed-out connections, with exponential backoff and jitter, up to
+``retry_config`` (default: 10 retries, 100 ms doubling to at most 15 s, none started after
+180 s) and ``client_options`` timeouts (default: 5 s to connect, 30 s a request). Both are
+storage options; their durations may be given as seconds. The one case it cannot tell
+apart, a conditional create whose answer was lost and whose retry then finds the object,
+is resolved here by reading the object back. A multipart upload that fails is aborted
+(by obstore when a part or the completion fails, by :meth:`S3WriteStream.abort` otherwise);
+only a killed process or an unreachable server leaves one behind (a bucket lifecycle rule
+``AbortIncompleteMultipartUpload`` removes those).
 
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
 ``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
@@ -29,6 +40,7 @@ import queue
 import sys
 import threading
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
@@ -75,6 +87,32 @@ def _os_errors(what: str) -> Iterator[None]:
         raise FileExistsError(errno.EEXIST, f"{what} exists") from e
     except BaseError as e:
         raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` for obstore's ``S3Store``, with the durations of ``retry_config`` (and its
+    ``backoff``) and of ``client_options`` given as seconds turned into what obstore takes;
+    ``client_options`` keep ``AWS_ALLOW_HTTP`` unless they set ``allow_http``."""
+    out = dict(options)
+    retry = dict(out.get("retry_config") or {})
+    backoff = dict(retry.get("backoff") or {})
+    for config, keys in ((retry, ("retry_timeout",)), (backoff, ("init_backoff", "max_backoff"))):
+        for key in keys:
+            if isinstance(config.get(key), (int, float)):
+                config[key] = timedelta(seconds=config[key])
+    if backoff:
+        retry["backoff"] = backoff
+    if retry:
+        out["retry_config"] = retry
+    client = dict(out.get("client_options") or {})
+    for key in ("connect_timeout", "timeout", "pool_idle_timeout", "http2_keep_alive_timeout"):
+        if isinstance(client.get(key), (int, float)) and not isinstance(client[key], bool):
+            client[key] = f"{round(client[key] * 1000)}ms"
+    if client:
+        # obstore takes client_options instead of the environment's AWS_ALLOW_HTTP: keep it
+        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true")
+        out["client_options"] = client
+    return out
 
 
 class S3WriteStream(WriteStream):
@@ -257,7 +295,7 @@ class S3Storage(Storage):
         _obstore()
         from obstore.store import S3Store
 
-        self._store = S3Store(self.bucket, prefix=self.prefix or None, **(storage_options or {}))
+        self._store = S3Store(self.bucket, prefix=self.prefix or None, **_store_options(storage_options or {}))
 
     def __repr__(self) -> str:
         return f"S3Storage({self.describe()!r})"
@@ -279,7 +317,13 @@ class S3Storage(Storage):
         self._put(name, data, "overwrite")
 
     def create_exclusive(self, name: str, data) -> None:
-        self._put(name, data, "create")
+        try:
+            self._put(name, data, "create")
+        except FileExistsError:
+            # a retry after a lost answer finds the object the first attempt created: ours if
+            # it holds exactly ``data`` (callers write unique content, e.g. a fresh save id)
+            if self.read_bytes(name) != bytes(data):
+                raise
 
     def delete(self, name: str) -> None:
         try:
