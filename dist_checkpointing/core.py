@@ -100,8 +100,11 @@ def checkpoint_location(checkpoint_dir: Location) -> Union[Path, str, Storage]:
 def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]:
     """Return the config of ``checkpoint_dir``, or ``None`` if it is not a complete checkpoint."""
     storage = open_storage(checkpoint_dir)
-    if storage.info(CONFIG_FNAME) is None:
-        return None
+    try:
+        if storage.info(CONFIG_FNAME) is None:
+            return None
+    except OSError as e:  # e.g. an object store refusing the credentials
+        raise CheckpointingException(f"Cannot read checkpoint config file {storage.describe(CONFIG_FNAME)}: {e}") from e
     config_path = storage.describe(CONFIG_FNAME)
     raw = read_small_json(storage, CONFIG_FNAME, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
     if not isinstance(raw, dict):

@@ -145,7 +145,8 @@ class SeaweedFS:
     def restart(self, timeout: float = 60.0) -> "SeaweedFS":
         """Start the killed server again on the same ports and data; wait until it serves."""
         self._launch(keep_ports=True)
-        if not self._wait_ready(time.monotonic() + timeout):
+        deadline = time.monotonic() + timeout
+        if not (self._wait_ready(deadline) and self._wait_writable(deadline)):
             log = self._log_tail()
             self._kill_group()
             raise RuntimeError(f"SeaweedFS did not restart within {timeout:.0f} s; end of its log:\n{log}")
@@ -169,6 +170,7 @@ class SeaweedFS:
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
             "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-volume.preStopSeconds=0",
+            "-master.electionTimeout=1s",  # a restart on the same data elects its master in ~1 s, not ~20 s
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
             f"-filer.localSocket={self.data_dir / 'filer.sock'}",
@@ -195,6 +197,20 @@ class SeaweedFS:
                     return True
             except OSError:
                 pass  # not listening yet
+            time.sleep(0.1)
+        return False
+
+    def _wait_writable(self, deadline: float) -> bool:
+        """Poll a write and a read of a probe object until both succeed (after a restart the
+        gateway answers before the volume server has re-registered its volumes: 500s)."""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                self.request("PUT", f"/{self.bucket}/.probe", b"x", timeout=5)
+                if self.request("GET", f"/{self.bucket}/.probe", timeout=5) == b"x":
+                    self.request("DELETE", f"/{self.bucket}/.probe", timeout=5)
+                    return True
+            except OSError:
+                pass
             time.sleep(0.1)
         return False
 
