@@ -43,7 +43,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import STAGING_BUFFER_BYTES
@@ -240,54 +240,71 @@ class S3WriteStream(WriteStream):
             super().close()
 
 
+class _Block:
+    """A cached block of an object: filled by the thread that fetches it, awaited by the others."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.data: Optional[memoryview] = None
+        self.error: Optional[BaseException] = None
+
+
 class S3Reader(RangeReader):
-    """Ranged GETs of one object, each copied once from obstore's buffer; up to
-    :data:`PARTS_IN_FLIGHT` GETs of :data:`PART_BYTES` at once. A thread reading front to
-    back in small pieces (a checksummed record is read 1 MiB at a time) gets a read-ahead
-    window that doubles with each sequential read, up to ``PARTS_IN_FLIGHT * PART_BYTES``:
-    what is fetched beyond the request never exceeds what was read in sequence. Reads of at
-    most :data:`SMALL_BLOCK_BYTES` (a record's headers and index, a small tensor) are served
-    from aligned blocks of that size, one GET each, the last :data:`SMALL_BLOCKS_KEPT` kept
-    for all threads: the ~9 small reads that locate a record, and its neighbours', share a
-    block instead of costing a request each."""
+    """Ranged GETs of one object, each copied once from obstore's buffer. A read of
+    :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
+    once. A smaller read is served from an aligned block that holds it, shared by all threads
+    and fetched once, the most recent kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up
+    to that size (the ~9 small reads that locate a record, and its neighbours', share one
+    GET), blocks of :data:`PART_BYTES` for larger ones, :data:`PARTS_IN_FLIGHT` of them kept (a
+    checksummed record is read 1 MiB at a time: one GET per 16 MiB, whichever thread reads
+    which record)."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
-        self._local = threading.local()  # per thread: window [(start, bytes)], end of the last read, run length
-        self._blocks: "OrderedDict[int, memoryview]" = OrderedDict()  # small-read blocks, least recent first
         self._lock = threading.Lock()
+        # per block size: the blocks by index, least recently used first, and how many are kept
+        self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
+                                                               PART_BYTES: OrderedDict()}
+        self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
 
-    def _block(self, index: int) -> memoryview:
+    def _block(self, block_bytes: int, index: int) -> memoryview:
+        """Block ``index`` of ``block_bytes`` bytes (shorter at the end of the object)."""
+        cache = self._blocks[block_bytes]
         with self._lock:
-            block = self._blocks.get(index)
-            if block is not None:
-                self._blocks.move_to_end(index)
-                return block
-        start = index * SMALL_BLOCK_BYTES
-        with _os_errors(f"read of {self._url}"):
-            block = memoryview(_obstore().get_range(self._store, self._key, start=start,
-                                                    length=min(SMALL_BLOCK_BYTES, self.size - start)))
-        with self._lock:
-            self._blocks[index] = block
-            while len(self._blocks) > SMALL_BLOCKS_KEPT:
-                self._blocks.popitem(last=False)
-        return block
+            block = cache.get(index)
+            fetch = block is None
+            if fetch:
+                block = cache[index] = _Block()
+                while len(cache) > self._keep[block_bytes]:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(index)
+        if fetch:
+            start = index * block_bytes
+            try:
+                with _os_errors(f"read of {self._url}"):
+                    block.data = memoryview(_obstore().get_range(self._store, self._key, start=start,
+                                                                 length=min(block_bytes, self.size - start)))
+            except BaseException as e:
+                block.error = e
+                with self._lock:
+                    if cache.get(index) is block:
+                        del cache[index]
+            finally:
+                block.ready.set()
+        block.ready.wait()
+        if block.error is not None:
+            raise block.error
+        return block.data  # type: ignore[return-value]
 
-    def _read_small(self, dst: memoryview, offset: int) -> None:
-        """Fill ``dst`` (at most :data:`SMALL_BLOCK_BYTES`, inside the object) from the blocks."""
+    def _copy_from_blocks(self, block_bytes: int, dst: memoryview, offset: int) -> None:
+        """Fill ``dst`` (inside the object) from the blocks of ``block_bytes``."""
         done = 0
         while done < dst.nbytes:
-            index, rel = divmod(offset + done, SMALL_BLOCK_BYTES)
-            piece = self._block(index)[rel:rel + dst.nbytes - done]
+            index, rel = divmod(offset + done, block_bytes)
+            piece = self._block(block_bytes, index)[rel:rel + dst.nbytes - done]
             dst[done:done + len(piece)] = piece
             done += len(piece)
-
-    def _fetch(self, offset: int, n: int) -> List[Tuple[int, memoryview]]:
-        starts = list(range(offset, offset + n, PART_BYTES))
-        lengths = [min(PART_BYTES, offset + n - start) for start in starts]
-        with _os_errors(f"read of {self._url}"):
-            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
-        return [(start, memoryview(piece)) for start, piece in zip(starts, pieces)]
 
     def read(self, offset: int, n: int) -> bytes:
         n = min(n, self.size - offset)
@@ -295,7 +312,7 @@ class S3Reader(RangeReader):
             return b""
         if n <= SMALL_BLOCK_BYTES:
             out = bytearray(n)
-            self._read_small(memoryview(out), offset)
+            self._copy_from_blocks(SMALL_BLOCK_BYTES, memoryview(out), offset)
             return bytes(out)
         with _os_errors(f"read of {self._url}"):
             return bytes(_obstore().get_range(self._store, self._key, start=offset, length=n))
@@ -307,30 +324,26 @@ class S3Reader(RangeReader):
         want = min(dst.nbytes, self.size - offset)
         if want <= 0:
             return 0
-        local = self._local
-        window = getattr(local, "window", [])
-        if not any(start <= offset < start + len(data) for start, data in window):
-            if want <= SMALL_BLOCK_BYTES:
-                self._read_small(dst[:want], offset)
-                return want
-            limit = PARTS_IN_FLIGHT * PART_BYTES
-            run = getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0
-            window = local.window = self._fetch(offset, min(self.size - offset, max(min(want, limit), min(run, limit))))
-        done = 0
-        for start, data in window:
-            if start <= offset + done < start + len(data) and done < want:
-                k = min(want - done, start + len(data) - offset - done)
-                dst[done:done + k] = data[offset + done - start:offset + done - start + k]
-                done += k
-        local.run = (getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0) + done
-        local.end = offset + done
-        return done
+        if want < PART_BYTES:  # up to the end of the block that holds ``offset``
+            block_bytes = SMALL_BLOCK_BYTES if want <= SMALL_BLOCK_BYTES else PART_BYTES
+            if block_bytes == PART_BYTES:
+                want = min(want, PART_BYTES - offset % PART_BYTES)
+            self._copy_from_blocks(block_bytes, dst[:want], offset)
+            return want
+        want = min(want, PARTS_IN_FLIGHT * PART_BYTES)
+        starts = list(range(offset, offset + want, PART_BYTES))
+        lengths = [min(PART_BYTES, offset + want - start) for start in starts]
+        with _os_errors(f"read of {self._url}"):
+            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
+        for start, piece in zip(starts, pieces):
+            dst[start - offset:start - offset + len(piece)] = memoryview(piece)
+        return want
 
     def close(self) -> None:
-        """Drops this thread's read-ahead window and the small-read blocks."""
-        self._local = threading.local()
+        """Drops the cached blocks."""
         with self._lock:
-            self._blocks.clear()
+            for cache in self._blocks.values():
+                cache.clear()
 
 
 class S3Storage(Storage):
