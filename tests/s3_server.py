@@ -291,17 +291,19 @@ class FaultProxy:
     chosen requests with a fault instead of forwarding them.
 
     ``fault(method, target, n)`` is called for every request (``target`` is the path with its
-    query, ``n`` counts the requests from 0) and returns ``None`` (forward it), ``"503"`` (a
-    ``503 SlowDown``), ``"429"`` (a ``429 SlowDown``), ``"500"`` (a ``500 InternalError``),
-    ``"drop"`` (close the connection without forwarding or answering) or ``"lose"`` (forward it,
-    then close the connection instead of relaying the answer: done, but the client cannot know)
-    or ``"cut"`` (forward it, relay the answer's head and half its body, then close). ``log`` lists ``(method, target, outcome)``. Clients sign the proxy's
-    host; the request is forwarded with its headers untouched, which SeaweedFS accepts.
+    query, ``n`` counts the requests from 0) and returns ``None`` (forward it) or a fault:
+    ``"503"`` (a ``503 SlowDown``), ``"429"`` (a ``429 SlowDown``), ``"500"`` (a ``500
+    InternalError``), ``"drop"`` (close the connection without forwarding or answering),
+    ``"stall"`` (neither forward nor answer for ``stall_seconds``, then close: a client
+    timeout), ``"lose"`` (forward it, then close instead of relaying the answer: done, but the
+    client cannot know) or ``"cut"`` (forward it, relay the answer's head and half its body,
+    then close). ``log`` lists ``(method, target, outcome)``. Clients sign the proxy's host;
+    the request is forwarded with its headers untouched, which SeaweedFS accepts.
     Use ``with FaultProxy(port, fault) as proxy:`` and point the client at ``proxy.endpoint_url``.
     """
 
-    def __init__(self, upstream_port: int, fault=None) -> None:
-        self.upstream_port = upstream_port
+    def __init__(self, upstream_port: int, fault=None, stall_seconds: float = 5.0) -> None:
+        self.upstream_port, self.stall_seconds = upstream_port, stall_seconds
         self.fault = fault or (lambda method, target, n: None)
         self.log: List[tuple] = []
         self._lock = threading.Lock()
@@ -348,6 +350,9 @@ class FaultProxy:
                     outcome = self.fault(method, target, n) or "forwarded"
                     self.log.append((method, target, outcome))
                 if outcome == "drop":
+                    return
+                if outcome == "stall":
+                    time.sleep(self.stall_seconds)
                     return
                 if outcome in _FAULTS:
                     reason, payload = _FAULTS[outcome]

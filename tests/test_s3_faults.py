@@ -191,6 +191,21 @@ def test_failed_requests_are_retried(world, s3_server, s3_env):
     assert faults == {"503": 4, "429": 1, "drop": 1, "500": 1, "lose": 1}, faults
 
 
+def test_timed_out_puts_are_retried(s3_server, s3_env):
+    """A PUT, conditional or not, that gets no answer within the client's timeout is sent again
+    (obstore does not retry a timed-out conditional PUT: S3Storage does)."""
+    stalled = [_fail_first(1, "stall", "PUT", "/claim"), _fail_first(1, "stall", "PUT", "/small")]
+    with FaultProxy(s3_server.ports["s3"], lambda m, t, n: stalled[0](m, t, n) or stalled[1](m, t, n),
+                    stall_seconds=3) as proxy:
+        # client_options without allow_http: AWS_ALLOW_HTTP still holds
+        options = {**_FAST, "endpoint": proxy.endpoint_url, "client_options": {"timeout": 1}}
+        storage = S3Storage(_url(s3_server), options)
+        storage.create_exclusive("claim", b"save id 1")
+        storage.write_atomic("small", b"abc")
+        assert storage.read_bytes("claim") == b"save id 1" and storage.read_bytes("small") == b"abc"
+    assert [o for m, t, o in proxy.log if m == "PUT"] == ["stall", "forwarded", "stall", "forwarded"], proxy.log
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_failures_beyond_the_retry_budget(world, s3_server, s3_env):
     """Every part upload answered 503: each rank raises naming its object, nothing loads, and

@@ -11,9 +11,10 @@ multipart upload, its initiation and completion, DELETE) on 5xx, 429/503 throttl
 refused, dropped or timed-out connections, with exponential backoff and jitter, up to
 ``retry_config`` (default: 10 retries, 100 ms doubling to at most 15 s, none started after
 180 s) and ``client_options`` timeouts (default: 5 s to connect, 30 s a request). Both are
-storage options; their durations may be given as seconds. The one case it cannot tell
-apart, a conditional create whose answer was lost and whose retry then finds the object,
-is resolved here by reading the object back. A multipart upload that fails is aborted
+storage options; their durations may be given as seconds. Two gaps are filled here: a
+single PUT that failed in transit without a retry (obstore does not retry a timed-out
+conditional PUT) is sent again, within the same retry count; and a conditional create whose
+answer was lost, so that its retry finds the object, reads the object back. A multipart upload that fails is aborted
 (by obstore when a part or the completion fails, by :meth:`S3WriteStream.abort` otherwise);
 only a killed process or an unreachable server leaves one behind (a bucket lifecycle rule
 ``AbortIncompleteMultipartUpload`` removes those).
@@ -40,6 +41,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,6 +54,7 @@ PART_BYTES = STAGING_BUFFER_BYTES
 PARTS_IN_FLIGHT = 4
 SMALL_BLOCK_BYTES = 256 << 10
 SMALL_BLOCKS_KEPT = 16
+DEFAULT_MAX_RETRIES = 10  # obstore's default
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
 
 
@@ -358,7 +361,9 @@ class S3Storage(Storage):
         _obstore()
         from obstore.store import S3Store
 
-        self._store = S3Store(self.bucket, prefix=self.prefix or None, **_store_options(storage_options or {}))
+        options = _store_options(storage_options or {})
+        self._max_retries = int(options.get("retry_config", {}).get("max_retries", DEFAULT_MAX_RETRIES))
+        self._store = S3Store(self.bucket, prefix=self.prefix or None, **options)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.describe()!r})"
@@ -373,8 +378,23 @@ class S3Storage(Storage):
         return S3WriteStream(self._store, name, self.describe(name))
 
     def _put(self, name: str, data, mode: str) -> None:
-        with _os_errors(f"write of {self.describe(name)}"):
-            _obstore().put(self._store, name, memoryview(data), mode=mode, use_multipart=False)
+        """One PUT; retried here, within the retry budget, when it failed in transit and obstore
+        did not retry it (a timed-out conditional PUT: obstore retries only idempotent requests)."""
+        for attempt in range(self._max_retries + 1):
+            try:
+                with _os_errors(f"write of {self.describe(name)}"):
+                    _obstore().put(self._store, name, memoryview(data), mode=mode, use_multipart=False)
+                return
+            except OSError as e:
+                from obstore.exceptions import GenericError
+
+                cause = e.__cause__
+                text = str(cause)  # "... in 1.5s - HTTP error: ...", or "... after 3 retries, ..."
+                unretried = (isinstance(cause, GenericError) and "non-2xx" not in text
+                             and "retries" not in text.split(" - ", 1)[0])
+                if not unretried or attempt == self._max_retries:
+                    raise
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     def write_atomic(self, name: str, data) -> None:
         self._put(name, data, "overwrite")
