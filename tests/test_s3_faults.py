@@ -206,16 +206,22 @@ def test_timed_out_puts_are_retried(s3_server, s3_env):
     assert [o for m, t, o in proxy.log if m == "PUT"] == ["stall", "forwarded", "stall", "forwarded"], proxy.log
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_failures_beyond_the_retry_budget(world, s3_server, s3_env):
-    """Every part upload answered 503: each rank raises naming its object, nothing loads, and
-    the multipart uploads are aborted."""
-    url = _url(s3_server)
-    with FaultProxy(s3_server.ports["s3"], lambda m, t, n: "503" if "partNumber=" in t else None) as proxy:
+_OVER_BUDGET = {  # every such request answered with the fault
+    "parts": (lambda m, t, n: "503" if "partNumber=" in t else None, "503"),
+    "completions": (lambda m, t, n: "500" if m == "POST" and "uploadId=" in t else None, "500"),
+}
+
+
+@pytest.mark.parametrize("world, failing", [(1, "parts"), (2, "parts"), (2, "completions")])
+def test_failures_beyond_the_retry_budget(world, failing, s3_server, s3_env):
+    """Every part upload (or every completion of one) fails: each rank raises naming its
+    object, nothing loads, and the multipart uploads are aborted."""
+    url, (rule, code) = _url(s3_server), _OVER_BUDGET[failing]
+    with FaultProxy(s3_server.ports["s3"], rule) as proxy:
         excs = get_pool(world).run_expect_error(_save, _proxied(s3_server, proxy), url, 1, timeout=_TIMEOUT)
     assert_all_raise(excs, world, url)
-    assert any(f"{url}/__{r}_0.distcp" in str(e) and "503" in str(e) for r in range(world) for e in excs), excs
-    assert proxy.count("503") >= 4  # the first attempt and max_retries=3 retries of a part
+    assert any(f"{url}/__{r}_0.distcp" in str(e) and code in str(e) for r in range(world) for e in excs), excs
+    assert proxy.count(code) >= 4  # the first attempt and max_retries=3 retries
     assert not dc.check_is_distributed_checkpoint(url)
     with pytest.raises(CheckpointingException):
         dc.load(_state(0, 1, 1), S3Storage(url, _FAST))
