@@ -14,10 +14,11 @@ refused, dropped or timed-out connections, with exponential backoff and jitter, 
 storage options; their durations may be given as seconds. Two gaps are filled here: a
 single PUT that failed in transit without a retry (obstore does not retry a timed-out
 conditional PUT) is sent again, within the same retry count; and a conditional create whose
-answer was lost, so that its retry finds the object, reads the object back. A multipart upload that fails is aborted
-(by obstore when a part or the completion fails, by :meth:`S3WriteStream.abort` otherwise);
-only a killed process or an unreachable server leaves one behind (a bucket lifecycle rule
-``AbortIncompleteMultipartUpload`` removes those).
+answer was lost, so that its retry finds the object, reads the object back. A multipart
+upload that fails is aborted (by obstore when a part or the completion fails, by
+:meth:`S3WriteStream.abort` otherwise); only a killed process or an unreachable server
+leaves one behind (a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` removes
+those).
 
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
 ``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
