@@ -105,8 +105,8 @@ def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]
     try:
         if storage.info(CONFIG_FNAME) is None:
             return None
-    except OSError as e:
-        raise CheckpointingException(f"Cannot read {storage.describe(CONFIG_FNAME)}: {e}") from e
+    except OSError as e:  # e.g. an object store refusing the credentials
+        raise CheckpointingException(f"Cannot read checkpoint config file {storage.describe(CONFIG_FNAME)}: {e}") from e
     config_path = storage.describe(CONFIG_FNAME)
     raw = read_small_json(storage, CONFIG_FNAME, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
     if not isinstance(raw, dict):
