@@ -1,6 +1,8 @@
 """The command line: ``python -m dist_checkpointing`` (or ``dist-ckpt``) ``inspect``,
 ``validate``, ``export`` and ``import`` a checkpoint, in one process without a process
-group. Long operations show a progress bar on a terminal and log lines otherwise."""
+group. A checkpoint may be a directory or a URL (``s3://bucket/prefix``, …), configured by
+the environment and ``--storage-option KEY=VALUE``. Long operations show a progress bar on
+a terminal and log lines otherwise."""
 
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from .core import CheckpointingException
+from .core import CheckpointingException, open_storage
 from .tools import (
     OutputExistsError, export_checkpoint, format_info, human_size, import_checkpoint, inspect_checkpoint,
     validate_checkpoint,
@@ -62,6 +63,35 @@ def _positive_gib(text: str) -> float:
     return value
 
 
+def _storage_option(text: str) -> tuple:
+    """``--storage-option KEY=VALUE``: a dotted KEY nests (``client_options.allow_http=true``);
+    a VALUE that is JSON (``true``, ``3``, ``{...}``) is taken as such, else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key, parsed
+
+
+def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
+    """The ``storage_options`` dict of the repeated ``--storage-option`` (None without any)."""
+    if not pairs:
+        return None
+    options: Dict[str, Any] = {}
+    for key, value in pairs:
+        *parents, leaf = key.split(".")
+        node = options
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise CheckpointingException(f"--storage-option {key}: {part} is already a value")
+        node[leaf] = value
+    return options
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export and import "
                                      "distributed checkpoints (of any registered backend).")
@@ -90,6 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the checkpoint directory to create")
     p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    for name in ("inspect", "validate", "export", "import"):
+        sub.choices[name].add_argument(
+            "--storage-option", dest="storage_options", action="append", type=_storage_option, metavar="KEY=VALUE",
+            help="an option of the URL's storage client (repeatable; e.g. endpoint=http://host:port), "
+                 "over the AWS_* environment")
     return parser
 
 
@@ -110,14 +145,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
+        options = _storage_options(getattr(args, "storage_options", None))
         if args.command == "inspect":
-            info = inspect_checkpoint(args.dir)
+            info = inspect_checkpoint(args.dir, options)
             print(json.dumps(info.as_dict(), indent=2) if args.json else format_info(info))
             return 0
         if args.command == "validate":
-            if not args.json and not Path(args.dir).exists():  # (--json reports it as a problem)
+            if not args.json and open_storage(args.dir, options).kind() is None:  # (--json reports it as a problem)
                 raise CheckpointingException(f"{args.dir} not found")
-            report = validate_checkpoint(args.dir, progress=_progress("validate"))
+            report = validate_checkpoint(args.dir, progress=_progress("validate"), storage_options=options)
             if args.json:
                 print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
             else:
@@ -130,7 +166,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0 if report.ok else 1
         if args.command == "export":
             files = export_checkpoint(args.dir, args.out, args.format, args.keys, args.force,
-                                      int(args.max_shard_size * 2**30), progress=_progress("export"))
+                                      int(args.max_shard_size * 2**30), progress=_progress("export"),
+                                      storage_options=options)
             for f in files:
                 print(f)
             return 0
@@ -141,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
                   f"{result.objects} objects written in layout {args.layout}")
             return 0
-        count = import_checkpoint(args.source, args.out, args.force)
+        count = import_checkpoint(args.source, args.out, args.force, storage_options=options)
         print(f"{args.out}: {count} tensors imported")
         return 0
     except OutputExistsError as e:

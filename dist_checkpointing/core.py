@@ -11,7 +11,7 @@ from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
 
-from .storage import Storage, storage_for, url_scheme
+from .storage import Storage, StorageOptions, storage_for, url_scheme
 
 Location = Union[str, "os.PathLike[str]", Storage]
 
@@ -80,28 +80,33 @@ def read_small_json(storage: Storage, name: str, max_bytes: int, what: str) -> A
         raise CheckpointingException(f"{what} {storage.describe(name)}: {e}") from e
 
 
-def open_storage(checkpoint_dir: Location) -> Storage:
-    """The storage of a checkpoint location (:func:`~.storage.storage_for`); an unknown
-    URL scheme is a :class:`CheckpointingException`."""
+def open_storage(checkpoint_dir: Location, storage_options: StorageOptions = None) -> Storage:
+    """The storage of a checkpoint location (:func:`~.storage.storage_for`, with
+    ``storage_options`` for a URL's client); a location that cannot be opened (an unknown
+    URL scheme, bad options, a missing client package) is a :class:`CheckpointingException`."""
     try:
-        return storage_for(checkpoint_dir)
-    except ValueError as e:
-        raise CheckpointingException(str(e)) from e
+        return storage_for(checkpoint_dir, storage_options)
+    except Exception as e:  # noqa: BLE001 - ValueError, ImportError, the client's own errors
+        raise CheckpointingException(f"Cannot open checkpoint location {checkpoint_dir!r}: {e}") from e
 
 
-def checkpoint_location(checkpoint_dir: Location) -> Union[Path, str, Storage]:
+def checkpoint_location(checkpoint_dir: Location, storage_options: StorageOptions = None) -> Union[Path, Storage]:
     """A checkpoint location as strategies receive it: a local directory as a ``Path``
-    (Megatron-Core's strategies expect one), a URL or a :class:`~.storage.Storage` as is."""
-    if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir):
-        return checkpoint_dir
+    (Megatron-Core's strategies expect one), a :class:`~.storage.Storage` as is, a URL as
+    its :class:`~.storage.Storage` (its client made once, with ``storage_options``)."""
+    if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir) or storage_options:
+        return open_storage(checkpoint_dir, storage_options)
     return Path(checkpoint_dir)
 
 
 def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]:
     """Return the config of ``checkpoint_dir``, or ``None`` if it is not a complete checkpoint."""
     storage = open_storage(checkpoint_dir)
-    if storage.info(CONFIG_FNAME) is None:
-        return None
+    try:
+        if storage.info(CONFIG_FNAME) is None:
+            return None
+    except OSError as e:  # e.g. an object store refusing the credentials
+        raise CheckpointingException(f"Cannot read checkpoint config file {storage.describe(CONFIG_FNAME)}: {e}") from e
     config_path = storage.describe(CONFIG_FNAME)
     raw = read_small_json(storage, CONFIG_FNAME, _MAX_CONFIG_BYTES, "Invalid checkpoint config file")
     if not isinstance(raw, dict):
@@ -134,10 +139,13 @@ def _config_field(raw: dict, name: str, kind: type, path: str, default: Any = _M
     return value
 
 
-def check_is_distributed_checkpoint(checkpoint_dir: Location) -> bool:
-    """True if ``checkpoint_dir`` holds a complete distributed checkpoint."""
+def check_is_distributed_checkpoint(checkpoint_dir: Location, storage_options: StorageOptions = None) -> bool:
+    """True if ``checkpoint_dir`` holds a complete distributed checkpoint (False also when
+    its ``metadata.json`` cannot be read); a location that cannot be opened (an unknown URL
+    scheme, bad ``storage_options``) raises :class:`CheckpointingException`."""
+    storage = open_storage(checkpoint_dir, storage_options)
     try:
-        return maybe_load_config(checkpoint_dir) is not None
+        return maybe_load_config(storage) is not None
     except CheckpointingException:
         return False  # an unreadable metadata.json
 
@@ -152,7 +160,10 @@ def load_config(checkpoint_dir: Location) -> CheckpointingConfig:
     """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
     storage = open_storage(checkpoint_dir)
     checkpoint_dir = storage.describe()
-    kind = storage.kind()
+    try:
+        kind = storage.kind()
+    except OSError as e:
+        raise CheckpointingException(f"Cannot read checkpoint location {checkpoint_dir}: {e}") from e
     if kind is None:
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     if kind != "dir":

@@ -170,10 +170,13 @@ def verify_manifest(checkpoint_dir: Location, required: bool = False) -> bool:
     storage = open_storage(checkpoint_dir)
     checkpoint_dir = storage.describe()
     world = get_world_size()
-    if not required and storage.info(MANIFEST_FNAME) is None:
-        # Every rank looks for itself, as every rank reads metadata.json itself: no collective
-        # at all in the common case.
-        return False
+    try:
+        if not required and storage.info(MANIFEST_FNAME) is None:
+            # Every rank looks for itself, as every rank reads metadata.json itself: no collective
+            # at all in the common case.
+            return False
+    except OSError as e:  # every rank gets the same answer from the storage: raised on every rank
+        raise CheckpointingException(f"Cannot read {storage.describe(MANIFEST_FNAME)}: {e}") from e
 
     def plan() -> Optional[List[Optional[Tuple[Dict[str, str], Share]]]]:
         if get_rank() != 0:

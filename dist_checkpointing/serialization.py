@@ -4,14 +4,17 @@
 without one); every error they raise is raised on every rank. The offline readers
 (``load_common_state_dict``, ``load_tensors_metadata``, ``load_sharded_metadata``,
 ``load_plain_tensors``, ``load_content_metadata``, ``check_is_distributed_checkpoint``)
-work in a single process with no process group.
+work in a single process with no process group (they live in :mod:`.readers`, the last
+in :mod:`.core`).
+Every entry point takes a local directory, a URL (``s3://bucket/prefix``, or any scheme
+fsspec knows) with optional ``storage_options`` for its client, or a
+:class:`~.storage.Storage`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -26,11 +29,24 @@ from .core import (
     open_storage,
     save_config,
 )
+from .readers import (
+    CONTENT_METADATA_KEY,
+    CkptDir,
+    get_default_load_sharded_strategy,
+    load_common,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    sharded_load_strategy,
+)
 from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
-from .integrity import SIDECAR_SUFFIX, recorded_save_id
-from .manifest import hash_written_files, refresh_manifest, verify_manifest, write_manifest
+from .integrity import recorded_save_id
+from .manifest import hash_written_files, verify_manifest, write_manifest
 from .save_claim import check_claim, claim_save_dir, release_claim
-from .storage import Storage
+from .storage import StorageOptions
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
 )
@@ -74,9 +90,6 @@ __all__ = [
     "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors",
     "get_default_save_sharded_strategy", "get_default_save_common_strategy", "get_default_load_sharded_strategy",
 ]
-
-CONTENT_METADATA_KEY = "content_metadata"
-CkptDir = Union[str, os.PathLike, Storage]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -141,23 +154,6 @@ def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int 
 def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
     """The registered common save strategy for ``(backend, version)``."""
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
-
-
-def get_default_load_sharded_strategy(checkpoint_dir: CkptDir) -> LoadShardedStrategy:
-    """The sharded load strategy that matches the checkpoint's ``metadata.json``."""
-    config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, None)
-
-
-def _sharded_load_strategy(config: CheckpointingConfig,
-                           strategy: Union[None, LoadShardedStrategy, Tuple[str, int]]) -> LoadShardedStrategy:
-    if strategy is None:
-        return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
-    if isinstance(strategy, tuple):  # (backend, version), as Megatron-Core accepts
-        strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *strategy)
-    strategy.check_backend_compatibility(config.sharded_backend)
-    strategy.check_version_compatibility(config.sharded_backend_version)
-    return strategy
 
 
 def _resolve_save_strategy(strategy: Any, action: StrategyAction, default: Tuple[str, int], base: type) -> Any:
@@ -252,13 +248,15 @@ def save(
     content_metadata: Optional[dict] = None,
     progress_callback: Optional[ProgressCallback] = None,
     verify_integrity: bool = False,
+    storage_options: StorageOptions = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
     The directory must be empty or missing. ``checkpoint_dir`` may also be a
-    :class:`~.storage.Storage` or a URL of a scheme registered with
-    :func:`~.storage.register_storage` (every byte goes through it; the same for
-    :func:`load` and the offline readers). With ``validate_access_integrity`` the main
+    :class:`~.storage.Storage` or a URL (``s3://bucket/prefix``, a scheme fsspec knows,
+    or one registered with :func:`~.storage.register_storage`; ``storage_options``
+    configure its client, over the environment); every byte goes through it (the same
+    for :func:`load` and the offline readers). With ``validate_access_integrity`` the main
     replicas are first checked to cover every global tensor exactly once (collectively;
     nothing is written if any rank finds a problem). Ranks whose common state differs from
     rank 0's log the differing keys (after ``preprocess_common_before_consistancy_check``,
@@ -286,7 +284,7 @@ def save(
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
     is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends.
     """
-    checkpoint_dir = checkpoint_location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback)
     rank = get_rank()
 
@@ -361,20 +359,6 @@ def save(
 # ----------------------------------------------------------------------------- load
 
 
-def _load_common(config: CheckpointingConfig, checkpoint_dir: CkptDir,
-                 common_strategy: Optional[LoadCommonStrategy],
-                 sharded_strategy: LoadShardedStrategy) -> StateDict:
-    if config.common_backend is None:
-        # Megatron-Core >= 0.19: the common state is the ShardedObject `common_state`.
-        return sharded_strategy.load_common(checkpoint_dir)
-    if common_strategy is None:
-        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version)
-    else:
-        common_strategy.check_backend_compatibility(config.common_backend)
-        common_strategy.check_version_compatibility(config.common_backend_version)
-    return common_strategy.load_common(checkpoint_dir)
-
-
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CkptDir,
@@ -384,6 +368,7 @@ def load(
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     progress_callback: Optional[ProgressCallback] = None,
     verify_integrity: Optional[bool] = None,
+    storage_options: StorageOptions = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -414,15 +399,15 @@ def load(
     requires one (as Megatron-Core's ``verify_integrity=True``), ``False`` skips it.
     """
     strict = parse_strict_flag(strict)
-    checkpoint_dir = checkpoint_location(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback)
     if verify_integrity is not False:
         verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
 
     def prepare():
         config = load_config(checkpoint_dir)
-        sharded_strategy_ = _sharded_load_strategy(config, sharded_strategy)
-        common = _load_common(config, checkpoint_dir, common_strategy, sharded_strategy_)
+        sharded_strategy_ = sharded_load_strategy(config, sharded_strategy)
+        common = load_common(config, checkpoint_dir, common_strategy, sharded_strategy_)
         sharded, _, nonpersistent = _split_state_dict(sharded_state_dict)
         phases.nbytes = _local_bytes(sharded, main_only=False)
         return sharded_strategy_, common, sharded, nonpersistent
@@ -466,53 +451,3 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
-
-
-# ----------------------------------------------------------------------------- offline readers
-
-
-
-def load_common_state_dict(checkpoint_dir: CkptDir) -> StateDict:
-    """The common (non-sharded) state of a checkpoint."""
-    checkpoint_dir = checkpoint_location(checkpoint_dir)
-    config = load_config(checkpoint_dir)
-    return _load_common(config, checkpoint_dir, None, _sharded_load_strategy(config, None))
-
-
-def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
-    """Data-less ShardedTensors describing every global tensor of the checkpoint."""
-    config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_tensors_metadata(checkpoint_location(checkpoint_dir))
-
-
-def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
-    """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
-    config = load_config(checkpoint_dir)
-    return _sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(checkpoint_location(checkpoint_dir))
-
-
-def load_plain_tensors(checkpoint_dir: CkptDir) -> StateDict:
-    """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process)."""
-    checkpoint_dir = checkpoint_location(checkpoint_dir)
-    config = load_config(checkpoint_dir)
-    strategy = _sharded_load_strategy(config, None)
-    request = strategy.load_tensors_metadata(checkpoint_dir)
-    return strategy.load_local(request, checkpoint_dir)
-
-
-def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,
-                          preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
-    """The ``content_metadata`` given to ``save`` (``None`` if there was none)."""
-    if preloaded_state_dict is None:
-        if checkpoint_dir is None:
-            raise CheckpointingException("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
-        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
-    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
-
-
-def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str) -> None:
-    """Remove the tensors whose key starts with ``key_prefix`` from a checkpoint (one process)."""
-    config = load_config(checkpoint_dir)
-    _sharded_load_strategy(config, None).remove_sharded_tensors(checkpoint_location(checkpoint_dir), key_prefix)
-    # the strategy rewrote its metadata and deleted data files: an integrity.json follows
-    refresh_manifest(checkpoint_dir, [METADATA_FNAME, METADATA_FNAME + SIDECAR_SUFFIX])

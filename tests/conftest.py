@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from .dist_pool import DistPool
+from .locations import ckpt_location  # noqa: F401  (the local file system / S3 test matrix)
 from .s3_server import s3_server  # noqa: F401  (session fixture: one SeaweedFS S3 server per run)
 
 _POOLS: dict = {}

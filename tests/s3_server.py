@@ -14,16 +14,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import http.client
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -135,8 +138,23 @@ class SeaweedFS:
         self.stop()
         raise RuntimeError(f"SeaweedFS did not start within {timeout:.0f} s; end of its log:\n{log}")
 
-    def _launch(self) -> None:
-        self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
+    def kill(self) -> None:
+        """SIGKILL the server at once (a crash), keeping its ports and data for :meth:`restart`."""
+        self._kill_group(grace=0.0)
+
+    def restart(self, timeout: float = 60.0) -> "SeaweedFS":
+        """Start the killed server again on the same ports and data; wait until it serves."""
+        self._launch(keep_ports=True)
+        deadline = time.monotonic() + timeout
+        if not (self._wait_ready(deadline) and self._wait_writable(deadline)):
+            log = self._log_tail()
+            self._kill_group()
+            raise RuntimeError(f"SeaweedFS did not restart within {timeout:.0f} s; end of its log:\n{log}")
+        return self
+
+    def _launch(self, keep_ports: bool = False) -> None:
+        if not keep_ports:
+            self.ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES))))
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         # weed reads master.toml from its working dir: how many volumes a bucket's first write
         # creates and waits for (SeaweedFS's default 7 took ~2.7 s, 1 takes ~0.2 s)
@@ -152,6 +170,7 @@ class SeaweedFS:
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
             "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-volume.preStopSeconds=0",
+            "-master.electionTimeout=1s",  # a restart on the same data elects its master in ~1 s, not ~20 s
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
             f"-filer.localSocket={self.data_dir / 'filer.sock'}",
@@ -178,6 +197,20 @@ class SeaweedFS:
                     return True
             except OSError:
                 pass  # not listening yet
+            time.sleep(0.1)
+        return False
+
+    def _wait_writable(self, deadline: float) -> bool:
+        """Poll a write and a read of a probe object until both succeed (after a restart the
+        gateway answers before the volume server has re-registered its volumes: 500s)."""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                self.request("PUT", f"/{self.bucket}/.probe", b"x", timeout=5)
+                if self.request("GET", f"/{self.bucket}/.probe", timeout=5) == b"x":
+                    self.request("DELETE", f"/{self.bucket}/.probe", timeout=5)
+                    return True
+            except OSError:
+                pass
             time.sleep(0.1)
         return False
 
@@ -208,7 +241,7 @@ class SeaweedFS:
         takes ~15 s to stop on SIGTERM alone)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and grace > 0:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(grace)
@@ -238,6 +271,131 @@ class SeaweedFS:
             return "(no log)"
 
     def __enter__(self) -> "SeaweedFS":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_SLOW_DOWN = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+_FAULTS = {
+    "503": ("Slow Down", _SLOW_DOWN),
+    "429": ("Too Many Requests", _SLOW_DOWN),
+    "500": ("Internal Server Error",
+            b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"),
+}
+
+
+class FaultProxy:
+    """A real HTTP/1.1 proxy on a free port of 127.0.0.1 in front of an S3 server, which answers
+    chosen requests with a fault instead of forwarding them.
+
+    ``fault(method, target, n)`` is called for every request (``target`` is the path with its
+    query, ``n`` counts the requests from 0) and returns ``None`` (forward it) or a fault:
+    ``"503"`` (a ``503 SlowDown``), ``"429"`` (a ``429 SlowDown``), ``"500"`` (a ``500
+    InternalError``), ``"drop"`` (close the connection without forwarding or answering),
+    ``"stall"`` (neither forward nor answer for ``stall_seconds``, then close: a client
+    timeout), ``"lose"`` (forward it, then close instead of relaying the answer: done, but the
+    client cannot know) or ``"cut"`` (forward it, relay the answer's head and half its body,
+    then close). ``log`` lists ``(method, target, outcome)``. Clients sign the proxy's host;
+    the request is forwarded with its headers untouched, which SeaweedFS accepts.
+    Use ``with FaultProxy(port, fault) as proxy:`` and point the client at ``proxy.endpoint_url``.
+    """
+
+    def __init__(self, upstream_port: int, fault=None, stall_seconds: float = 5.0) -> None:
+        self.upstream_port, self.stall_seconds = upstream_port, stall_seconds
+        self.fault = fault or (lambda method, target, n: None)
+        self.log: List[tuple] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                proxy._serve(self.rfile, self.wfile)
+
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:<proxy port>``."""
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def count(self, outcome: str) -> int:
+        """How many requests had ``outcome`` (``"forwarded"`` or a fault)."""
+        with self._lock:
+            return sum(1 for _, _, o in self.log if o == outcome)
+
+    def _serve(self, rfile, wfile) -> None:
+        """Serve one client connection, request after request, over one upstream connection."""
+        upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
+        try:
+            while True:
+                line = rfile.readline(65537)
+                if not line.strip():
+                    return
+                method, target, _ = line.decode("latin-1").split(" ", 2)
+                headers = []
+                while True:
+                    h = rfile.readline(65537)
+                    if h in (b"\r\n", b"\n", b""):
+                        break
+                    name, _, value = h.decode("latin-1").partition(":")
+                    headers.append((name.strip(), value.strip()))
+                length = int(next((v for k, v in headers if k.lower() == "content-length"), 0))
+                body = rfile.read(length) if length else b""
+                with self._lock:
+                    n = len(self.log)
+                    outcome = self.fault(method, target, n) or "forwarded"
+                    self.log.append((method, target, outcome))
+                if outcome == "drop":
+                    return
+                if outcome == "stall":
+                    time.sleep(self.stall_seconds)
+                    return
+                if outcome in _FAULTS:
+                    reason, payload = _FAULTS[outcome]
+                    wfile.write(f"HTTP/1.1 {outcome} {reason}\r\nContent-Type: application/xml\r\n"
+                                f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                    wfile.flush()
+                    continue
+                upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for name, value in headers:
+                    upstream.putheader(name, value)
+                upstream.endheaders(body)
+                resp = upstream.getresponse()
+                payload = resp.read()
+                if outcome == "lose":
+                    return
+                out = [f"HTTP/1.1 {resp.status} {resp.reason}"]
+                for name, value in resp.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        out.append(f"{name}: {value}")
+                size = resp.getheader("Content-Length", "0") if method == "HEAD" else str(len(payload))
+                out.append(f"Content-Length: {size}")
+                if method == "HEAD":
+                    payload = b""
+                elif outcome == "cut":
+                    payload = payload[:len(payload) // 2]
+                wfile.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + payload)
+                wfile.flush()
+                if outcome == "cut":
+                    return
+        except (OSError, http.client.HTTPException, ValueError):
+            return  # the upstream is gone (e.g. killed) or the client hung up: drop the connection
+        finally:
+            upstream.close()
+
+    def start(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> "FaultProxy":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -318,8 +318,8 @@ def _mutate_after_save(rank, world, dir_a, dir_b):
     _load_check(dir_b, rank, world, 1, "mutated after scheduling: ")
 
 
-def test_state_is_snapshotted_when_save_returns(pool2, tmp_path):
-    pool2.run(_mutate_after_save, str(tmp_path / "a"), str(tmp_path / "b"))
+def test_state_is_snapshotted_when_save_returns(pool2, ckpt_location):
+    pool2.run(_mutate_after_save, ckpt_location("a"), ckpt_location("b"))
 
 
 def _shared_memory_mutation(rank, world, ckpt):
@@ -1000,10 +1000,10 @@ def _fully_parallel_async(rank, world, ckpt):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fully_parallel_async_save(world, tmp_path):
-    ckpt = tmp_path / "fp"
-    get_pool(world).run(_fully_parallel_async, str(ckpt))
-    files = os.listdir(ckpt)
+def test_fully_parallel_async_save(world, ckpt_location):
+    ckpt = ckpt_location("fp")
+    get_pool(world).run(_fully_parallel_async, ckpt)
+    files = ckpt_location.list(ckpt)
     for rank in range(world):
         assert any(f.startswith(f"__{rank}_") and f.endswith(".distcp") for f in files), (rank, sorted(files))
     writers = {info.relative_path.split("_")[2] for info in read_metadata(ckpt).storage_data.values()}

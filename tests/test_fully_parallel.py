@@ -253,9 +253,9 @@ def _tiny_buffers_rank(rank, world, base, tp, kind, combos):
 
 
 @pytest.mark.parametrize("world,tp,kind", [(2, 1, "world"), (4, 2, "dp")])
-def test_roundtrip_with_tiny_exchange_buffers(world, tp, kind, tmp_path):
+def test_roundtrip_with_tiny_exchange_buffers(world, tp, kind, ckpt_location):
     combos = [(d, a) for d in ("float32", "int16", "float8_e4m3fn") for a in ALGOS[:2]]
-    checked = get_pool(world).run(_tiny_buffers_rank, str(tmp_path), tp, kind, combos)
+    checked = get_pool(world).run(_tiny_buffers_rank, ckpt_location("tiny"), tp, kind, combos)
     assert checked == [len(combos) * _N_CHECKED] * world, checked
 
 
@@ -270,11 +270,11 @@ def _tuple_replicas_minimal_rank(rank, world, ckpt):
     return True
 
 
-def test_tuple_replica_ids_minimal(pool2, tmp_path):
+def test_tuple_replica_ids_minimal(pool2, ckpt_location):
     """Library bug: fully_parallel.py compares ``replica_id == 0`` instead of using
     is_main_replica, so a holder of main replica ``(0, 0)`` that was not chosen keeps it and
     the shard is written twice ("saved as main replica by both rank 0 and rank 1")."""
-    assert all(pool2.run(_tuple_replicas_minimal_rank, str(tmp_path / "ckpt")))
+    assert all(pool2.run(_tuple_replicas_minimal_rank, ckpt_location("ckpt")))
 
 
 def test_tuple_replica_ids_tp_dp(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dist_checkpointing import (
     ShardedTensorFactory,
 )
 from dist_checkpointing.core import CONFIG_FNAME
+from dist_checkpointing.storage import storage_for
 
 from .conftest import get_pool
 
@@ -87,15 +87,15 @@ def _save_then_load(rank, world, ckpt, save_tp, load_tp):
     loaded = dc.load(request, ckpt)
     assert loaded["embedding.weight"] is targets[0] and loaded["layers"]["qkv"][0] is targets[1]
     _check_gpt(loaded, rank, world, load_tp)
-    return sorted(os.listdir(ckpt))
+    return storage_for(ckpt).list()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_save_load_reshard_tp(world, tmp_path):
+def test_save_load_reshard_tp(world, ckpt_location):
     pool = get_pool(world)
     layouts = [(t, l) for t in (1, 2, 4) for l in (1, 2, 4) if t <= world and l <= world and world % t == 0 and world % l == 0]
     for save_tp, load_tp in layouts:
-        files = pool.run(_save_then_load, str(tmp_path / f"s{save_tp}_l{load_tp}"), save_tp, load_tp)[0]
+        files = pool.run(_save_then_load, ckpt_location(f"s{save_tp}_l{load_tp}"), save_tp, load_tp)[0]
         assert CONFIG_FNAME in files and ".metadata" in files and "common.pt" in files
 
 
@@ -125,8 +125,8 @@ def _no_mutation(rank, world, ckpt):
     return True
 
 
-def test_save_does_not_mutate_and_factories_roundtrip(pool, tmp_path):
-    assert all(pool.run(_no_mutation, str(tmp_path / "ckpt")))
+def test_save_does_not_mutate_and_factories_roundtrip(pool, ckpt_location):
+    assert all(pool.run(_no_mutation, ckpt_location("ckpt")))
 
 
 def test_save_into_existing_empty_dir_and_missing_dir(tmp_path):
@@ -154,13 +154,14 @@ def _save_into(rank, world, ckpt):
     dc.save({"t": ShardedTensor.from_rank_offsets("t", torch.ones(2), (0, rank, world))}, ckpt)
 
 
-def test_non_empty_save_dir_refused_untouched(pool, tmp_path):
-    ckpt = tmp_path / "busy"
-    ckpt.mkdir()
-    (ckpt / "precious.txt").write_text("keep me")
-    excs = pool.run_expect_error(_save_into, str(ckpt))
-    _assert_all_checkpointing_errors(excs, "not empty", str(ckpt))
-    assert sorted(os.listdir(ckpt)) == ["precious.txt"] and (ckpt / "precious.txt").read_text() == "keep me"
+def test_non_empty_save_dir_refused_untouched(pool, ckpt_location):
+    ckpt = ckpt_location("busy")
+    storage = storage_for(ckpt)
+    storage.make_root()
+    storage.write_atomic("precious.txt", b"keep me")
+    excs = pool.run_expect_error(_save_into, ckpt)
+    _assert_all_checkpointing_errors(excs, "not empty", ckpt)
+    assert storage.list() == ["precious.txt"] and storage.read_bytes("precious.txt") == b"keep me"
 
 
 def _load_from(rank, world, ckpt):

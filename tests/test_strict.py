@@ -132,12 +132,15 @@ _CKPTS: dict = {}
 def ckpt_for(tmp_path_factory):
     """``ckpt_for(world)``: the path of a checkpoint saved once per world size."""
 
-    def get(world):
-        if world not in _CKPTS:
-            path = str(tmp_path_factory.mktemp(f"strict_w{world}") / "ckpt")
+    def get(world, location=None):
+        """``location``: a ``ckpt_location`` (tests/locations.py) to save in; else a local directory."""
+        kind = "posix" if location is None else location.kind
+        if (world, kind) not in _CKPTS:
+            path = location(f"strict_w{world}") if location is not None else str(
+                tmp_path_factory.mktemp(f"strict_w{world}") / "ckpt")
             get_pool(world).run(_save, path)
-            _CKPTS[world] = path
-        return _CKPTS[world]
+            _CKPTS[world, kind] = path
+        return _CKPTS[world, kind]
 
     yield get
     _CKPTS.clear()
@@ -262,9 +265,9 @@ def test_missing_object_counts_by_base_key(ckpt_for, mode):
 
 @pytest.mark.parametrize("mode", [S.LOG_ALL, S.RAISE_UNEXPECTED, S.RAISE_ALL, S.RETURN_ALL, S.RETURN_UNEXPECTED],
                          ids=_ids)
-def test_missing_and_unexpected_together(ckpt_for, mode):
+def test_missing_and_unexpected_together(ckpt_for, mode, ckpt_location):
     pool = get_pool(2)
-    ckpt = str(ckpt_for(2))
+    ckpt = str(ckpt_for(2, ckpt_location))
     if mode in RAISING:
         excs = pool.run_expect_error(_load, ckpt, mode, "both")
         for rank, exc in enumerate(excs):
@@ -323,8 +326,8 @@ def test_world4_raise_unexpected_names_every_offending_rank(ckpt_for):
         assert "rank 0" not in msg and "rank 2" not in msg, (rank, msg)
 
 
-def test_world4_return_all(ckpt_for):
-    reports = get_pool(4).run(_load, str(ckpt_for(4)), S.RETURN_ALL, "both", (2,))
+def test_world4_return_all(ckpt_for, ckpt_location):
+    reports = get_pool(4).run(_load, str(ckpt_for(4, ckpt_location)), S.RETURN_ALL, "both", (2,))
     for rank, rep in enumerate(reports):
         assert rep["missing"] == {"b"}, rank
         assert rep["unexpected"] == ({"extra.w", "extra_obj"} if rank == 2 else set()), rank

@@ -601,10 +601,10 @@ def _plain_source() -> dict:
     }
 
 
-def test_import_torch_save_and_load_under_another_layout(tmp_path, capsys):
+def test_import_torch_save_and_load_under_another_layout(tmp_path, capsys, ckpt_location):
     src = _plain_source()
     torch.save(src, tmp_path / "model.pt")
-    out = tmp_path / "ckpt"
+    out = ckpt_location("ckpt")
     rc, stdout, err = _run_cli(capsys, "import", tmp_path / "model.pt", out)
     assert rc == 0, err
     assert stdout.strip() == f"{out}: 6 tensors imported"

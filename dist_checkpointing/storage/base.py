@@ -52,13 +52,17 @@ class WriteStream(io.RawIOBase):
     def tell(self) -> int:
         """Bytes written so far."""
 
-    @abstractmethod
+    _hasher = None  # fed by write() (in the subclass) while a checksum is taken
+
     def start_checksum(self, hasher) -> None:
         """Feed every byte written from now on to ``hasher`` (``update(bytes)``, ``intdigest()``)."""
+        self._hasher = hasher
 
-    @abstractmethod
     def take_checksum(self) -> int:
         """The digest of the bytes written since :meth:`start_checksum`; stops hashing."""
+        digest = self._hasher.intdigest()
+        self._hasher = None
+        return digest
 
     @abstractmethod
     def abort(self) -> None:
@@ -94,7 +98,16 @@ class FileInfo:
 
 class Storage(ABC):
     """The bytes of one checkpoint location; ``name`` arguments are relative to its root
-    (``""`` is the root itself)."""
+    (``""`` is the root itself).
+
+    ``fork_safe``: whether a process forked from one that used this storage can use it
+    too. An async save writes a fork-safe storage from a forked copy-on-write child, any
+    other from a thread of this process (after copying the tensors to host buffers)."""
+
+    fork_safe: bool = True
+
+    def __str__(self) -> str:
+        return self.describe()
 
     @abstractmethod
     def describe(self, name: str = "") -> str:

@@ -336,10 +336,11 @@ class PosixStorage(Storage):
         return FileInfo(st.st_size, (st.st_mtime_ns, st.st_size, st.st_ino))
 
     def kind(self, name: str = "") -> Optional[str]:
-        path = self._path(name)
-        if os.path.isdir(path):
-            return "dir"
-        return "file" if os.path.exists(path) else None
+        try:  # one stat: a directory created meanwhile by another save is not taken for a file
+            mode = os.stat(self._path(name)).st_mode
+        except OSError:  # missing (or unreachable, as os.path.exists has it)
+            return None
+        return "dir" if stat.S_ISDIR(mode) else "file"
 
     def list(self) -> List[str]:
         try:

@@ -4,8 +4,21 @@ The client is obstore (``pip install dist_checkpointing[s3]``; benchmarks/README
 why), imported when the first :class:`S3Storage` is made. It is configured from the
 standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, …); ``storage_options``
-override it (obstore ``S3Store`` keyword arguments). obstore retries 5xx, throttling and
-dropped connections with backoff.
+override it (obstore ``S3Store`` keyword arguments).
+
+Retries: obstore retries every request (HEAD, GET and its body, LIST, PUT, each part of a
+multipart upload, its initiation and completion, DELETE) on 5xx, 429/503 throttling,
+refused, dropped or timed-out connections, with exponential backoff and jitter, up to
+``retry_config`` (default: 10 retries, 100 ms doubling to at most 15 s, none started after
+180 s) and ``client_options`` timeouts (default: 5 s to connect, 30 s a request). Both are
+storage options; their durations may be given as seconds. Two gaps are filled here: a
+single PUT that failed in transit without a retry (obstore does not retry a timed-out
+conditional PUT) is sent again, within the same retry count; and a conditional create whose
+answer was lost, so that its retry finds the object, reads the object back. A multipart
+upload that fails is aborted (by obstore when a part or the completion fails, by
+:meth:`S3WriteStream.abort` otherwise); only a killed process or an unreachable server
+leaves one behind (a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` removes
+those).
 
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
 ``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
@@ -17,25 +30,33 @@ streamed file does not exist yet is checked with a HEAD (not atomic: the checkpo
 directory claim is). Small files are single PUTs (atomic on S3);
 :meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
 
-obstore's runtime does not survive a fork: in a process forked after obstore was used
-(an async save's writer) every call raises an OSError instead of hanging.
+obstore's runtime does not survive a fork: :class:`S3Storage` is not ``fork_safe`` (an
+async save writes it from a thread), and in a process forked after obstore was used every
+call raises an OSError instead of hanging.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import queue
 import sys
 import threading
+import time
+from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import STAGING_BUFFER_BYTES
 
 PART_BYTES = STAGING_BUFFER_BYTES
 PARTS_IN_FLIGHT = 4
+SMALL_BLOCK_BYTES = 256 << 10
+SMALL_BLOCKS_KEPT = 16
+DEFAULT_MAX_RETRIES = 10  # obstore's default
 _DELETE_BATCH = 100  # keys per delete request of delete_tree (its pause runs between them)
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
 
@@ -57,7 +78,7 @@ def _obstore():
     hang), e.g. the writer of an async save."""
     if _forked_after_use:
         raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
-                                     "(async save to s3:// is not supported yet)")
+                                     "(its runtime does not survive a fork)")
     try:
         import obstore
     except ImportError as e:
@@ -78,13 +99,45 @@ def _os_errors(what: str) -> Iterator[None]:
         raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
 
+def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` for obstore's ``S3Store``, with the durations of ``retry_config`` (and its
+    ``backoff``) and of ``client_options`` given as seconds turned into what obstore takes;
+    ``client_options`` keep ``AWS_ALLOW_HTTP`` unless they set ``allow_http``."""
+    out = dict(options)
+    retry = dict(out.get("retry_config") or {})
+    backoff = dict(retry.get("backoff") or {})
+    for config, keys in ((retry, ("retry_timeout",)), (backoff, ("init_backoff", "max_backoff"))):
+        for key in keys:
+            if isinstance(config.get(key), (int, float)):
+                config[key] = timedelta(seconds=config[key])
+    if backoff:
+        retry["backoff"] = backoff
+    if retry:
+        out["retry_config"] = retry
+    client = dict(out.get("client_options") or {})
+    for key in ("connect_timeout", "timeout", "pool_idle_timeout", "http2_keep_alive_timeout"):
+        if isinstance(client.get(key), (int, float)) and not isinstance(client[key], bool):
+            client[key] = f"{round(client[key] * 1000)}ms"
+    if client:
+        # obstore takes client_options instead of the environment's AWS_ALLOW_HTTP: keep it
+        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true")
+        out["client_options"] = client
+    return out
+
+
+def _new_part() -> mmap.mmap:
+    """A part buffer of its own mapping: unmapped as soon as obstore drops it (a 16 MiB
+    ``bytearray`` would stay in malloc's arenas, and RSS grew by ~2.5x the parts in flight)."""
+    return mmap.mmap(-1, PART_BYTES)
+
+
 class S3WriteStream(WriteStream):
     """A new object written front to back as a multipart upload from a background thread."""
 
     def __init__(self, store: Any, key: str, url: str):
         super().__init__()
         self._url = url
-        self._part = bytearray(PART_BYTES)
+        self._part = _new_part()
         self._fill = 0
         self._flushed = 0
         self._hasher = None
@@ -141,7 +194,7 @@ class S3WriteStream(WriteStream):
         reference to it until it is uploaded) and start the next."""
         part = memoryview(self._part)[:self._fill]
         self._flushed += self._fill
-        self._part, self._fill = bytearray(PART_BYTES), 0
+        self._part, self._fill = _new_part(), 0
         self._queue(part)
 
     def _queue(self, item: Any) -> None:
@@ -193,28 +246,80 @@ class S3WriteStream(WriteStream):
             super().close()
 
 
+class _Block:
+    """A cached block of an object: filled by the thread that fetches it, awaited by the others."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.data: Optional[memoryview] = None
+        self.error: Optional[BaseException] = None
+
+
 class S3Reader(RangeReader):
-    """Ranged GETs of one object, each copied once from obstore's buffer; up to
-    :data:`PARTS_IN_FLIGHT` GETs of :data:`PART_BYTES` at once. A thread reading front to
-    back in small pieces (a checksummed record is read 1 MiB at a time) gets a read-ahead
-    window that doubles with each sequential read, up to ``PARTS_IN_FLIGHT * PART_BYTES``:
-    what is fetched beyond the request never exceeds what was read in sequence."""
+    """Ranged GETs of one object, each copied once from obstore's buffer. A read of
+    :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
+    once. A smaller read is served from an aligned block that holds it, shared by all threads
+    and fetched once, the most recent kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up
+    to that size (the ~9 small reads that locate a record, and its neighbours', share one
+    GET), blocks of :data:`PART_BYTES` for larger ones, :data:`PARTS_IN_FLIGHT` of them kept (a
+    checksummed record is read 1 MiB at a time: one GET per 16 MiB, whichever thread reads
+    which record)."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
-        self._local = threading.local()  # per thread: window [(start, bytes)], end of the last read, run length
+        self._lock = threading.Lock()
+        # per block size: the blocks by index, least recently used first, and how many are kept
+        self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
+                                                               PART_BYTES: OrderedDict()}
+        self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
 
-    def _fetch(self, offset: int, n: int) -> List[Tuple[int, memoryview]]:
-        starts = list(range(offset, offset + n, PART_BYTES))
-        lengths = [min(PART_BYTES, offset + n - start) for start in starts]
-        with _os_errors(f"read of {self._url}"):
-            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
-        return [(start, memoryview(piece)) for start, piece in zip(starts, pieces)]
+    def _block(self, block_bytes: int, index: int) -> memoryview:
+        """Block ``index`` of ``block_bytes`` bytes (shorter at the end of the object)."""
+        cache = self._blocks[block_bytes]
+        with self._lock:
+            block = cache.get(index)
+            fetch = block is None
+            if fetch:
+                block = cache[index] = _Block()
+                while len(cache) > self._keep[block_bytes]:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(index)
+        if fetch:
+            start = index * block_bytes
+            try:
+                with _os_errors(f"read of {self._url}"):
+                    block.data = memoryview(_obstore().get_range(self._store, self._key, start=start,
+                                                                 length=min(block_bytes, self.size - start)))
+            except BaseException as e:
+                block.error = e
+                with self._lock:
+                    if cache.get(index) is block:
+                        del cache[index]
+            finally:
+                block.ready.set()
+        block.ready.wait()
+        if block.error is not None:
+            raise block.error
+        return block.data  # type: ignore[return-value]
+
+    def _copy_from_blocks(self, block_bytes: int, dst: memoryview, offset: int) -> None:
+        """Fill ``dst`` (inside the object) from the blocks of ``block_bytes``."""
+        done = 0
+        while done < dst.nbytes:
+            index, rel = divmod(offset + done, block_bytes)
+            piece = self._block(block_bytes, index)[rel:rel + dst.nbytes - done]
+            dst[done:done + len(piece)] = piece
+            done += len(piece)
 
     def read(self, offset: int, n: int) -> bytes:
         n = min(n, self.size - offset)
         if n <= 0:
             return b""
+        if n <= SMALL_BLOCK_BYTES:
+            out = bytearray(n)
+            self._copy_from_blocks(SMALL_BLOCK_BYTES, memoryview(out), offset)
+            return bytes(out)
         with _os_errors(f"read of {self._url}"):
             return bytes(_obstore().get_range(self._store, self._key, start=offset, length=n))
 
@@ -225,29 +330,32 @@ class S3Reader(RangeReader):
         want = min(dst.nbytes, self.size - offset)
         if want <= 0:
             return 0
-        local = self._local
-        window = getattr(local, "window", [])
-        if not any(start <= offset < start + len(data) for start, data in window):
-            limit = PARTS_IN_FLIGHT * PART_BYTES
-            run = getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0
-            window = local.window = self._fetch(offset, min(self.size - offset, max(min(want, limit), min(run, limit))))
-        done = 0
-        for start, data in window:
-            if start <= offset + done < start + len(data) and done < want:
-                k = min(want - done, start + len(data) - offset - done)
-                dst[done:done + k] = data[offset + done - start:offset + done - start + k]
-                done += k
-        local.run = (getattr(local, "run", 0) if getattr(local, "end", None) == offset else 0) + done
-        local.end = offset + done
-        return done
+        if want < PART_BYTES:  # up to the end of the block that holds ``offset``
+            block_bytes = SMALL_BLOCK_BYTES if want <= SMALL_BLOCK_BYTES else PART_BYTES
+            if block_bytes == PART_BYTES:
+                want = min(want, PART_BYTES - offset % PART_BYTES)
+            self._copy_from_blocks(block_bytes, dst[:want], offset)
+            return want
+        want = min(want, PARTS_IN_FLIGHT * PART_BYTES)
+        starts = list(range(offset, offset + want, PART_BYTES))
+        lengths = [min(PART_BYTES, offset + want - start) for start in starts]
+        with _os_errors(f"read of {self._url}"):
+            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
+        for start, piece in zip(starts, pieces):
+            dst[start - offset:start - offset + len(piece)] = memoryview(piece)
+        return want
 
     def close(self) -> None:
-        """Drops this thread's read-ahead window; nothing else is held between requests."""
-        self._local = threading.local()
+        """Drops the cached blocks."""
+        with self._lock:
+            for cache in self._blocks.values():
+                cache.clear()
 
 
 class S3Storage(Storage):
     """The objects under ``s3://bucket/prefix``; names are the keys below the prefix."""
+
+    fork_safe = False
 
     def __init__(self, location: str, storage_options: Optional[Dict[str, Any]] = None):
         scheme, _, rest = location.partition("://")
@@ -258,7 +366,9 @@ class S3Storage(Storage):
         _obstore()
         from obstore.store import S3Store
 
-        self._store = S3Store(self.bucket, prefix=self.prefix or None, **(storage_options or {}))
+        options = _store_options(storage_options or {})
+        self._max_retries = int(options.get("retry_config", {}).get("max_retries", DEFAULT_MAX_RETRIES))
+        self._store = S3Store(self.bucket, prefix=self.prefix or None, **options)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.describe()!r})"
@@ -273,14 +383,35 @@ class S3Storage(Storage):
         return S3WriteStream(self._store, name, self.describe(name))
 
     def _put(self, name: str, data, mode: str) -> None:
-        with _os_errors(f"write of {self.describe(name)}"):
-            _obstore().put(self._store, name, memoryview(data), mode=mode, use_multipart=False)
+        """One PUT; retried here, within the retry budget, when it failed in transit and obstore
+        did not retry it (a timed-out conditional PUT: obstore retries only idempotent requests)."""
+        for attempt in range(self._max_retries + 1):
+            try:
+                with _os_errors(f"write of {self.describe(name)}"):
+                    _obstore().put(self._store, name, memoryview(data), mode=mode, use_multipart=False)
+                return
+            except OSError as e:
+                from obstore.exceptions import GenericError
+
+                cause = e.__cause__
+                text = str(cause)  # "... in 1.5s - HTTP error: ...", or "... after 3 retries, ..."
+                unretried = (isinstance(cause, GenericError) and "non-2xx" not in text
+                             and "retries" not in text.split(" - ", 1)[0])
+                if not unretried or attempt == self._max_retries:
+                    raise
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     def write_atomic(self, name: str, data) -> None:
         self._put(name, data, "overwrite")
 
     def create_exclusive(self, name: str, data) -> None:
-        self._put(name, data, "create")
+        try:
+            self._put(name, data, "create")
+        except FileExistsError:
+            # a retry after a lost answer finds the object the first attempt created: ours if
+            # it holds exactly ``data`` (callers write unique content, e.g. a fresh save id)
+            if self.read_bytes(name) != bytes(data):
+                raise
 
     def delete(self, name: str) -> None:
         try:

@@ -8,23 +8,24 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
 from ..bytes_view import nbytes
-from ..core import CheckpointingException, load_config, malformed
+from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
 from ..path_overlap import refuse_overlap
 from ..safetensors_stream import SafetensorsFileWriter, dtype_name, shard_names, write_index
-from ..serialization import load_tensors_metadata
+from ..readers import load_tensors_metadata
+from ..storage import Storage, StorageOptions, url_scheme
 from ..whole_tensors import TensorReader
 from .output import PathLike, Progress, move_into_place, refuse_existing, staging_dir
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
 
 
-def _select_keys(checkpoint_dir: Path, key_prefix: Optional[str]) -> List[str]:
-    with malformed(f"{checkpoint_dir / '.metadata'}: the tensor entries are malformed"):
+def _select_keys(checkpoint_dir: Union[Path, Storage], key_prefix: Optional[str]) -> List[str]:
+    with malformed(f"{open_storage(checkpoint_dir).describe('.metadata')}: the tensor entries are malformed"):
         keys = sorted(load_tensors_metadata(checkpoint_dir))
     if key_prefix:
         keys = [k for k in keys if k.startswith(key_prefix)]
@@ -42,9 +43,11 @@ def export_checkpoint(
     force: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     progress: Optional[Progress] = None,
+    storage_options: StorageOptions = None,
 ) -> List[Path]:
     """Write the checkpoint's tensors, each whole in its original shape (flattened keys
-    restored), to ``out``; returns the files written.
+    restored), to the local ``out``; returns the files written. The checkpoint may be a
+    directory or a URL (``storage_options`` configure its client).
 
     * ``format="safetensors"``: ``out`` is a directory holding ``model.safetensors``, or
       ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each plus
@@ -59,12 +62,15 @@ def export_checkpoint(
     An ``out`` that is the checkpoint, holds it or lies inside it is refused before
     anything is read. Raises only CheckpointingException.
     """
-    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    if url_scheme(out):
+        raise CheckpointingException(f"Cannot export to {out}: the output must be a local path")
+    checkpoint_dir, out = checkpoint_location(checkpoint_dir, storage_options), Path(out)
     if format not in ("safetensors", "torch"):
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointingException(f"max_shard_bytes must be a positive number of bytes, not {max_shard_bytes!r}")
-    refuse_overlap(checkpoint_dir, out, "export")
+    if isinstance(checkpoint_dir, Path):  # (a URL cannot overlap a local output)
+        refuse_overlap(checkpoint_dir, out, "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
         keys = _select_keys(checkpoint_dir, key_prefix)
@@ -72,7 +78,7 @@ def export_checkpoint(
         return _export(checkpoint_dir, out, format, keys, max_shard_bytes, progress)
 
 
-def _export(checkpoint_dir: Path, out: Path, format: str, keys: List[str], max_shard_bytes: int,
+def _export(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: List[str], max_shard_bytes: int,
             progress: Optional[Progress]) -> List[Path]:
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}

@@ -11,13 +11,14 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from ..core import CheckpointingException, malformed
+from ..core import CheckpointingException, malformed, open_storage
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
 from ..path_overlap import refuse_overlap
 from ..safetensors_stream import INDEX_FNAME
 from ..serialization import save
-from .output import PathLike, refuse_existing, remove_path
+from ..storage import StorageOptions, url_scheme
+from .output import OutputExistsError, PathLike, refuse_existing, remove_path
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
 
@@ -68,19 +69,37 @@ def _keyed_leaves(state: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
         yield prefix[:-1], state
 
 
-def import_checkpoint(source: PathLike, out: PathLike, force: bool = False) -> int:
+def import_checkpoint(source: PathLike, out: PathLike, force: bool = False,
+                      storage_options: StorageOptions = None) -> int:
     """Turn a plain state dict (a ``torch.save`` file, or safetensors files) into a
     checkpoint that :func:`~dist_checkpointing.load` reads under any layout: every tensor
     becomes one whole global tensor keyed by its dotted path (``"layers.0.weight"``);
-    other values become common state. Returns the number of tensors. An ``out`` that is
-    the source (for an index file: its directory), holds it or lies inside it is refused
-    before anything is read. Raises only CheckpointingException."""
-    source, out = Path(source), Path(out)
+    other values become common state. Returns the number of tensors. ``out`` is a local
+    directory or a URL (``storage_options`` configure its client). A local ``out`` that
+    is the source (for an index file: its directory), holds it or lies inside it is
+    refused before anything is read. Raises only CheckpointingException."""
+    source = Path(source)
     if not source.exists():
         raise CheckpointingException(f"{source} does not exist")
+    if url_scheme(out) or storage_options:
+        with malformed(f"Cannot import {source} to {out}"):
+            return _import_to_url(source, str(out), force, storage_options)
+    out = Path(out)
     refuse_overlap(source.parent if source.name == INDEX_FNAME else source, out, "import")
     with malformed(f"Cannot import {source} to {out}"):
         return _import(source, out, force)
+
+
+def _save_state(source: Path, state: Any, out: Any, storage_options: StorageOptions) -> int:
+    """Save the state dict ``state`` read from ``source`` as a checkpoint of whole tensors."""
+    if not isinstance(state, dict):
+        raise CheckpointingException(f"{source} holds a {type(state).__name__}, not a state dict")
+    # Both walks visit the leaves in the same order: each tensor gets its own dotted key.
+    keys = iter([k for k, v in _keyed_leaves(state) if isinstance(v, torch.Tensor)])
+    sharded = dict_list_map_outplace(
+        lambda v: ShardedTensor.from_rank_offsets(next(keys), v) if isinstance(v, torch.Tensor) else v, state)
+    save(sharded, out, storage_options=storage_options)
+    return sum(1 for v in nested_values(sharded) if isinstance(v, ShardedTensor))
 
 
 def _import(source: Path, out: Path, force: bool) -> int:
@@ -88,13 +107,22 @@ def _import(source: Path, out: Path, force: bool) -> int:
     if occupied:
         refuse_existing(out, force)
     state = _read_source(source)
-    if not isinstance(state, dict):
-        raise CheckpointingException(f"{source} holds a {type(state).__name__}, not a state dict")
-    if occupied:
+    if occupied and isinstance(state, dict):
         remove_path(out)
-    # Both walks visit the leaves in the same order: each tensor gets its own dotted key.
-    keys = iter([k for k, v in _keyed_leaves(state) if isinstance(v, torch.Tensor)])
-    sharded = dict_list_map_outplace(
-        lambda v: ShardedTensor.from_rank_offsets(next(keys), v) if isinstance(v, torch.Tensor) else v, state)
-    save(sharded, out)
-    return sum(1 for v in nested_values(sharded) if isinstance(v, ShardedTensor))
+    return _save_state(source, state, out, None)
+
+
+def _import_to_url(source: Path, out: str, force: bool, storage_options: StorageOptions) -> int:
+    """:func:`import_checkpoint` into a URL: with ``force`` the files under it are deleted
+    first (one level: a checkpoint is flat; a sub-directory there is refused)."""
+    storage = open_storage(out, storage_options)
+    names = storage.list()
+    if names and not force:
+        raise OutputExistsError(out)
+    state = _read_source(source)
+    if names and isinstance(state, dict):
+        for name in names:
+            if storage.kind(name) != "file":
+                raise CheckpointingException(f"{storage.describe(name)} is not a file: not replacing {out}")
+            storage.delete(name)
+    return _save_state(source, state, storage, None)

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
-from ..serialization import get_default_load_sharded_strategy, load_common_state_dict
+from ..readers import get_default_load_sharded_strategy, load_common_state_dict
+from ..storage import Storage, StorageOptions
 from .output import PathLike
 
 
@@ -59,16 +60,17 @@ class CheckpointInfo:
         }
 
 
-def inspect_checkpoint(checkpoint_dir: PathLike) -> CheckpointInfo:
-    """Describe a checkpoint: backend, common-state keys, every tensor (key, global shape,
-    dtype, number of stored chunks, bytes, flattened or not), every ShardedObject, and the
-    files with their sizes. Reads metadata only; raises only CheckpointingException."""
-    checkpoint_dir = checkpoint_location(checkpoint_dir)
+def inspect_checkpoint(checkpoint_dir: PathLike, storage_options: StorageOptions = None) -> CheckpointInfo:
+    """Describe a checkpoint (a directory or a URL, ``storage_options`` for its client):
+    backend, common-state keys, every tensor (key, global shape, dtype, number of stored
+    chunks, bytes, flattened or not), every ShardedObject, and the files with their sizes.
+    Reads metadata only; raises only CheckpointingException."""
     with malformed(f"Cannot inspect checkpoint {checkpoint_dir}"):
-        return _inspect(checkpoint_dir)
+        return _inspect(checkpoint_location(checkpoint_dir, storage_options))
 
 
-def _inspect(checkpoint_dir: Union[Path, str]) -> CheckpointInfo:
+def _inspect(checkpoint_dir: Union[Path, Storage]) -> CheckpointInfo:
+    storage = open_storage(checkpoint_dir)
     config = load_config(checkpoint_dir)
     common_keys: List[str] = []
     common_error = None
@@ -76,9 +78,8 @@ def _inspect(checkpoint_dir: Union[Path, str]) -> CheckpointInfo:
         common_keys = sorted(map(str, load_common_state_dict(checkpoint_dir)))
     except CheckpointingException as e:
         common_error = str(e)
-    info = CheckpointInfo(str(checkpoint_dir), config.sharded_backend, config.sharded_backend_version,
+    info = CheckpointInfo(storage.describe(), config.sharded_backend, config.sharded_backend_version,
                           config.common_backend, common_keys, common_error)
-    storage = open_storage(checkpoint_dir)
     info.files = {name: stat.size for name in storage.list() if (stat := storage.info(name)) is not None}
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
     info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), len(t.chunks), t.nbytes, t.flattened)

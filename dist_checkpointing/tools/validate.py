@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
 from ..manifest import MANIFEST_FNAME, manifest_problems
 from ..mapping import ShardedObject
-from ..serialization import get_default_load_sharded_strategy
+from ..readers import get_default_load_sharded_strategy
+from ..storage import Storage, StorageOptions
 from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
 from ..whole_tensors import TensorReader
@@ -83,22 +84,24 @@ def _check_readable(report: ValidationReport, what: str, load: Callable[[], Any]
         (report.notes if "allow_pickle" in str(e) else report.problems).append(f"{what}: {e}")
 
 
-def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None) -> ValidationReport:
-    """Check a checkpoint completely: it is committed (``metadata.json``), its files match
-    Megatron-Core's integrity manifest ``integrity.json`` if it has one, the common state
-    and the sharded metadata match their checksums, every tensor's chunks cover it exactly,
-    every data file holds the byte ranges named for it (all read from the load strategy's
-    catalog of stored items, :meth:`~..strategies.base.LoadShardedStrategy.stored_items`), and every stored item can be read and
-    matches its checksum (tensors are read whole, one at a time; objects are checked
+def validate_checkpoint(checkpoint_dir: PathLike, progress: Optional[Progress] = None,
+                        storage_options: StorageOptions = None) -> ValidationReport:
+    """Check a checkpoint (a directory or a URL, ``storage_options`` for its client)
+    completely: it is committed (``metadata.json``), its files match Megatron-Core's
+    integrity manifest ``integrity.json`` if it has one, the common state and the sharded
+    metadata match their checksums, every tensor's chunks cover it exactly, every data file
+    holds the byte ranges named for it (all read from the load strategy's catalog of stored
+    items, :meth:`~..strategies.base.LoadShardedStrategy.stored_items`), and every stored
+    item can be read and matches its checksum (tensors are read whole, one at a time; objects are checked
     without being unpickled unsafely). Never raises for a damaged or hostile checkpoint:
     every failure, whatever its type, is a problem in the report."""
     report = ValidationReport(str(checkpoint_dir))
     with _reported(report, f"Validating {checkpoint_dir}"):
-        _validate(checkpoint_location(checkpoint_dir), report, progress)
+        _validate(checkpoint_location(checkpoint_dir, storage_options), report, progress)
     return report
 
 
-def _validate(checkpoint_dir: Union[Path, str], report: ValidationReport, progress: Optional[Progress]) -> None:
+def _validate(checkpoint_dir: Union[Path, Storage], report: ValidationReport, progress: Optional[Progress]) -> None:
     config = load_config(checkpoint_dir)
     with _reported(report, open_storage(checkpoint_dir).describe(MANIFEST_FNAME)):
         report.problems += manifest_problems(checkpoint_dir)

@@ -71,7 +71,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``/proc/self/maps`` cannot be read). ``"copy"``: every tensor is copied into
             host buffers reused from the previous save of the same structure (one memcpy;
             device tensors into pinned memory), then written by the async queue's thread;
-            no later cost to the caller.
+            no later cost to the caller. A storage that is not ``fork_safe`` (S3) is
+            always saved the ``"copy"`` way.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
@@ -118,7 +119,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         preparation.
         """
         storage = open_storage(checkpoint_dir)
-        copy_all = self.async_snapshot == "copy"
+        # A storage a forked child cannot use (S3: obstore's runtime) is written from a thread.
+        copy_all = self.async_snapshot == "copy" or not storage.fork_safe
         files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict), copy_all),
                            "Preparing the async save")
         written: Dict[str, Any] = {}
