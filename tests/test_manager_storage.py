@@ -102,8 +102,9 @@ def test_deletion_runs_in_the_background(tmp_path):
 # ----------------------------------------------------------------------------- object storage
 
 
-def test_manager_on_s3(s3_server, monkeypatch):
-    """The manager on an ``s3://`` root: saves, retention deletes a prefix (metadata.json
+@pytest.mark.parametrize("async_save", [False, True])
+def test_manager_on_s3(s3_server, monkeypatch, async_save):
+    """The manager on an ``s3://`` root (sync and async saves): saves, retention deletes a prefix (metadata.json
     first), the tracker and index are objects, a leftover is removed, a new manager resumes."""
     pytest.importorskip("obstore")
     from dist_checkpointing.storage.s3 import S3Storage
@@ -116,7 +117,7 @@ def test_manager_on_s3(s3_server, monkeypatch):
     def listing():  # SeaweedFS lists a prefix whose objects are all deleted until it drops it
         return [name for name in root.list() if root.kind(name) is not None]
 
-    with CheckpointManager(url, keep_last=2, storage_options={}) as mgr:
+    with CheckpointManager(url, keep_last=2, storage_options={}, async_save=async_save) as mgr:
         for step in (1, 2, 3):
             assert mgr.save(step, _state(0, 1, step), metrics={"loss": float(step)})
         mgr.wait_until_finished()

@@ -122,13 +122,7 @@ class CheckpointManager:
 
     # -- storage ---------------------------------------------------------------------------
     def _open(self, location: str) -> Storage:
-        if self._storage_options is None:
-            return open_storage(location)
-        if url_scheme(location) != "s3":
-            raise CheckpointingException(f"CheckpointManager: storage_options are for s3:// roots, not {location!r}")
-        from ..storage.s3 import S3Storage  # noqa: PLC0415 - imports obstore: only for s3://
-
-        return S3Storage(location, self._storage_options)
+        return open_storage(location, self._storage_options)
 
     def _location(self, name: str) -> str:
         if url_scheme(self._root):
