@@ -46,7 +46,9 @@ class WriteStream(io.RawIOBase):
 
     @abstractmethod
     def write(self, data) -> int:  # type: ignore[override]
-        """Append ``data`` (any bytes-like object); returns its length."""
+        """Append ``data`` (any bytes-like object); returns its length. ``data`` is read
+        only until the call returns (a stream may upload straight from it, returning once
+        sent): the caller may change or free it afterwards."""
 
     @abstractmethod
     def tell(self) -> int:

@@ -21,13 +21,15 @@ leaves one behind (a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` re
 those).
 
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
-``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
-copied once from the written bytes into a part of its own that obstore uploads without
-copying (:data:`PARTS_IN_FLIGHT` parts uploading, plus the one being filled and the few
-queued between them); it is durable once :meth:`S3WriteStream.close` returns
-(CompleteMultipartUpload), and :meth:`S3WriteStream.abort` aborts the upload. That a
-streamed file does not exist yet is checked with a HEAD (not atomic: the checkpoint's
-directory claim is). Small files are single PUTs (atomic on S3);
+``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, with
+:data:`PARTS_IN_FLIGHT` parts uploading. A large write (a tensor's storage, which
+``torch.save`` writes in one call) is sent from the caller's memory up to its last part
+boundary, without a copy (obstore joins the part being filled with its head), and returns
+once obstore has dropped it; other bytes are copied once into a part of their own (the one
+being filled and the few queued between it and the upload). It is durable once
+:meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and
+:meth:`S3WriteStream.abort` aborts the upload. That a streamed file does not exist yet is
+checked with a HEAD (not atomic: the checkpoint's directory claim is). Small files are single PUTs (atomic on S3);
 :meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
 
 obstore's runtime does not survive a fork: :class:`S3Storage` is not ``fork_safe`` (an
@@ -44,6 +46,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from datetime import timedelta
@@ -153,7 +156,9 @@ class S3WriteStream(WriteStream):
                 return
             if item is _ABORT:
                 raise OSError(errno.ECANCELED, f"upload of {self._url} aborted")
-            yield item
+            box = [item]
+            del item  # not kept while suspended: a direct slice is released once it is sent
+            yield box.pop()
 
     def _upload(self, store: Any, key: str) -> None:
         try:
@@ -175,9 +180,23 @@ class S3WriteStream(WriteStream):
         return self._flushed + self._fill
 
     def write(self, data) -> int:  # type: ignore[override]
+        """Append ``data``. A write that reaches at least :data:`PART_BYTES` past the
+        stream's position into the next parts is sent from ``data``'s own memory up to its
+        last part boundary (returning once that is sent); the rest is copied into a part."""
         src = byte_view(data)
+        n = src.nbytes
         if self._hasher is not None:
             self._hasher.update(src)
+        start = self.tell()
+        direct = (start + n) // PART_BYTES * PART_BYTES - start
+        if direct >= PART_BYTES:
+            self._send_direct(src[:direct])
+            src = src[direct:]
+        self._copy(src)
+        return n
+
+    def _copy(self, src: memoryview) -> None:
+        """Copy ``src`` into the current part, handing over each part that fills."""
         n, pos = src.nbytes, 0
         while pos < n:
             k = min(PART_BYTES - self._fill, n - pos)
@@ -186,7 +205,47 @@ class S3WriteStream(WriteStream):
             pos += k
             if self._fill == PART_BYTES:
                 self._hand_over()
-        return n
+
+    def _send_direct(self, src: memoryview) -> None:
+        """Upload ``src`` (ending on a part boundary) from the caller's memory, without a
+        copy: the part being filled is handed over as it is (obstore joins it with the head
+        of ``src`` into one part), then ``src`` in slices of at most a part, queued one by
+        one so that no more than :data:`PARTS_IN_FLIGHT` parts upload at once. Returns once
+        obstore has dropped every slice (sent, or the upload failed): the caller may then
+        reuse or free the memory."""
+        import numpy
+
+        if self._fill:
+            self._hand_over()
+        sent = threading.Event()
+        whole = numpy.frombuffer(src, dtype=numpy.uint8)
+        weakref.finalize(whole, sent.set)  # once no slice of it is left
+        slices = [whole[i:i + PART_BYTES] for i in range(0, src.nbytes, PART_BYTES)]
+        del whole
+        self._flushed += src.nbytes
+        try:
+            while slices:
+                self._queue(slices.pop(0))
+        finally:
+            del slices
+            self._wait_released(sent)
+
+    def _wait_released(self, sent: threading.Event) -> None:
+        """Wait for ``sent``; if the uploader stops first, drop what it left queued."""
+        while not sent.wait(0.2):
+            if not self._thread.is_alive():
+                self._drain()
+        if self._io_error is not None:
+            self.error = self._io_error
+            raise self._io_error
+
+    def _drain(self) -> None:
+        """Drop the items queued for a stopped uploader."""
+        try:
+            while True:
+                self._parts.get_nowait()
+        except queue.Empty:
+            pass
 
     def _hand_over(self) -> None:
         """Queue the current part for upload (a new part of its own: obstore keeps a
