@@ -172,6 +172,35 @@ def test_a_failed_direct_part_aborts_the_upload(s3_server, s3_env, monkeypatch):
         assert storage.info("failed") is None
 
 
+def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_env, monkeypatch):
+    """After will_read(), one thread reading 1 MiB pieces (as a checksummed record is read)
+    gets pieces of PART_BYTES fetched in parallel: the first two GETs wait for each other."""
+    storage = S3Storage(_url(s3_server))
+    data = torch.randint(0, 255, (3 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_atomic("big", data)
+    obstore, gets, both_in_flight = s3._obstore(), [], threading.Barrier(2, timeout=20)
+
+    class CountingObstore:
+        def __getattr__(self, name):
+            return getattr(obstore, name)
+
+        def get_range(self, *args, **kwargs):
+            gets.append((kwargs["start"], kwargs["length"]))
+            if len(gets) <= 2:
+                both_in_flight.wait()  # raises BrokenBarrierError if the GETs ran one after another
+            return obstore.get_range(*args, **kwargs)
+
+    monkeypatch.setattr(s3, "_obstore", CountingObstore)
+    reader, got = storage.open_reader("big"), bytearray(len(data) - 100)
+    reader.will_read(100, len(got))
+    view, done = memoryview(got), 0
+    while done < len(got):
+        done += reader.readinto(view[done:done + (1 << 20)], 100 + done)
+    reader.close()
+    assert got == data[100:]
+    assert sorted(gets) == [(100 + k * PART_BYTES, min(PART_BYTES, len(got) - k * PART_BYTES)) for k in range(4)]
+
+
 def test_exclusive_create_conflict(s3_server, s3_env):
     storage = S3Storage(_url(s3_server))
     storage.create_exclusive("claim", b"first")

@@ -85,6 +85,10 @@ class RangeReader(ABC):
         """Fill as much of the writable buffer ``buf`` as one request gives from ``offset``;
         returns the byte count (0 at the end of the file)."""
 
+    def will_read(self, offset: int, n: int) -> None:
+        """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
+        (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""
+
     @abstractmethod
     def close(self) -> None:
         """Release the file."""

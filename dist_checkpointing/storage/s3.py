@@ -25,12 +25,14 @@ The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, nev
 :data:`PARTS_IN_FLIGHT` parts uploading. A large write (a tensor's storage, which
 ``torch.save`` writes in one call) is sent from the caller's memory up to its last part
 boundary, without a copy (obstore joins the part being filled with its head), and returns
-once obstore has dropped it; other bytes are copied once into a part of their own (the one
-being filled and the few queued between it and the upload). It is durable once
+once obstore has dropped it; other bytes are copied once into parts of their own, at most
+``BUFFERS_PER_FILE`` (3) per stream: the one being filled, the others queued or uploading
+(as many as the staging buffers of a file on disk). It is durable once
 :meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and
 :meth:`S3WriteStream.abort` aborts the upload. That a streamed file does not exist yet is
-checked with a HEAD (not atomic: the checkpoint's directory claim is). Small files are single PUTs (atomic on S3);
-:meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
+checked with a HEAD (not atomic: the checkpoint's directory claim is). Small files are
+single PUTs (atomic on S3); :meth:`S3Storage.create_exclusive` is a conditional PUT
+(``If-None-Match: *``).
 
 obstore's runtime does not survive a fork: :class:`S3Storage` is not ``fork_safe`` (an
 async save writes it from a thread), and in a process forked after obstore was used every
@@ -48,12 +50,13 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
-from .buffers import STAGING_BUFFER_BYTES
+from .buffers import BUFFERS_PER_FILE, STAGING_BUFFER_BYTES
 
 PART_BYTES = STAGING_BUFFER_BYTES
 PARTS_IN_FLIGHT = 4
@@ -127,19 +130,14 @@ def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _new_part() -> mmap.mmap:
-    """A part buffer of its own mapping: unmapped as soon as obstore drops it (a 16 MiB
-    ``bytearray`` would stay in malloc's arenas, and RSS grew by ~2.5x the parts in flight)."""
-    return mmap.mmap(-1, PART_BYTES)
-
-
 class S3WriteStream(WriteStream):
     """A new object written front to back as a multipart upload from a background thread."""
 
     def __init__(self, store: Any, key: str, url: str):
         super().__init__()
         self._url = url
-        self._part = _new_part()
+        self._free_parts = threading.Semaphore(BUFFERS_PER_FILE)
+        self._part = self._take_part()
         self._fill = 0
         self._flushed = 0
         self._hasher = None
@@ -233,8 +231,7 @@ class S3WriteStream(WriteStream):
     def _wait_released(self, sent: threading.Event) -> None:
         """Wait for ``sent``; if the uploader stops first, drop what it left queued."""
         while not sent.wait(0.2):
-            if not self._thread.is_alive():
-                self._drain()
+            self._check_uploader()
         if self._io_error is not None:
             self.error = self._io_error
             raise self._io_error
@@ -248,12 +245,30 @@ class S3WriteStream(WriteStream):
             pass
 
     def _hand_over(self) -> None:
-        """Queue the current part for upload (a new part of its own: obstore keeps a
-        reference to it until it is uploaded) and start the next."""
+        """Queue the current part for upload (obstore keeps a reference to it until it is
+        uploaded) and start the next."""
         part = memoryview(self._part)[:self._fill]
         self._flushed += self._fill
-        self._part, self._fill = _new_part(), 0
+        self._part, self._fill = None, 0
         self._queue(part)
+        del part
+        self._part = self._take_part()
+
+    def _take_part(self) -> mmap.mmap:
+        """A new part buffer, once fewer than :data:`BUFFERS_PER_FILE` parts of this stream
+        exist (being filled, queued or uploading), as the staging buffers of a file; a
+        mapping of its own, unmapped as soon as obstore drops it (a 16 MiB ``bytearray``
+        would stay in malloc's arenas)."""
+        while not self._free_parts.acquire(timeout=0.2):
+            self._check_uploader()
+        part = mmap.mmap(-1, PART_BYTES)
+        weakref.finalize(part, self._free_parts.release)
+        return part
+
+    def _check_uploader(self) -> None:
+        """Drop what a stopped uploader left queued (and so the parts it holds)."""
+        if not self._thread.is_alive():
+            self._drain()
 
     def _queue(self, item: Any) -> None:
         while True:
@@ -313,6 +328,15 @@ class _Block:
         self.error: Optional[BaseException] = None
 
 
+class _ReadAhead:
+    """The pieces of a range announced by :meth:`S3Reader.will_read`: ``pieces[k]`` (a future
+    of the bytes at ``start + k * PART_BYTES``), ``fetched`` of them started."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end, self.fetched = start, end, 0
+        self.pieces: Dict[int, "Future[memoryview]"] = {}
+
+
 class S3Reader(RangeReader):
     """Ranged GETs of one object, each copied once from obstore's buffer. A read of
     :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
@@ -330,6 +354,8 @@ class S3Reader(RangeReader):
         self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
                                                                PART_BYTES: OrderedDict()}
         self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
+        self._local = threading.local()  # .ahead: the calling thread's _ReadAhead, if any
+        self._fetchers: Optional[ThreadPoolExecutor] = None
 
     def _block(self, block_bytes: int, index: int) -> memoryview:
         """Block ``index`` of ``block_bytes`` bytes (shorter at the end of the object)."""
@@ -370,6 +396,53 @@ class S3Reader(RangeReader):
             dst[done:done + len(piece)] = piece
             done += len(piece)
 
+    def _fetch(self, start: int, length: int) -> memoryview:
+        with _os_errors(f"read of {self._url}"):
+            return memoryview(_obstore().get_range(self._store, self._key, start=start, length=length))
+
+    def will_read(self, offset: int, n: int) -> None:
+        """Start fetching the range (if it spans 2 parts or more) for the calling thread:
+        pieces of :data:`PART_BYTES`, :data:`PARTS_IN_FLIGHT` ahead of its reads, at most
+        :data:`PARTS_IN_FLIGHT` GETs at once for all threads."""
+        n = min(n, self.size - offset)
+        self._local.ahead = None
+        if n < 2 * PART_BYTES:
+            return
+        with self._lock:
+            if self._fetchers is None:
+                self._fetchers = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="dist-ckpt-s3-reader")
+        ahead = self._local.ahead = _ReadAhead(offset, offset + n)
+        for _ in range(PARTS_IN_FLIGHT):
+            self._fetch_next(ahead)
+
+    def _fetch_next(self, ahead: "_ReadAhead") -> None:
+        start = ahead.start + ahead.fetched * PART_BYTES
+        if start < ahead.end:
+            ahead.pieces[ahead.fetched] = self._fetchers.submit(self._fetch, start, min(PART_BYTES, ahead.end - start))
+            ahead.fetched += 1
+
+    def _read_ahead(self, dst: memoryview, offset: int) -> Optional[int]:
+        """Fill ``dst`` from the calling thread's read-ahead piece holding ``offset`` (up to
+        the piece's end), dropping the piece once read to its end and fetching the next;
+        ``None`` (and the read-ahead dropped) if it does not hold ``offset``."""
+        ahead = getattr(self._local, "ahead", None)
+        if ahead is None:
+            return None
+        k, rel = divmod(offset - ahead.start, PART_BYTES)
+        if not ahead.start <= offset < ahead.end or k not in ahead.pieces:
+            self._local.ahead = None
+            return None
+        data = ahead.pieces[k].result()
+        n = min(dst.nbytes, data.nbytes - rel)
+        dst[:n] = data[rel:rel + n]
+        if rel + n == data.nbytes:
+            for j in [j for j in ahead.pieces if j <= k]:
+                del ahead.pieces[j]
+            self._fetch_next(ahead)
+            if not ahead.pieces:
+                self._local.ahead = None
+        return n
+
     def read(self, offset: int, n: int) -> bytes:
         n = min(n, self.size - offset)
         if n <= 0:
@@ -388,6 +461,9 @@ class S3Reader(RangeReader):
         want = min(dst.nbytes, self.size - offset)
         if want <= 0:
             return 0
+        got = self._read_ahead(dst[:want], offset)
+        if got is not None:
+            return got
         if want < PART_BYTES:  # up to the end of the block that holds ``offset``
             block_bytes = SMALL_BLOCK_BYTES if want <= SMALL_BLOCK_BYTES else PART_BYTES
             if block_bytes == PART_BYTES:
@@ -404,10 +480,13 @@ class S3Reader(RangeReader):
         return want
 
     def close(self) -> None:
-        """Drops the cached blocks."""
+        """Drops the cached blocks and stops the read-ahead."""
         with self._lock:
             for cache in self._blocks.values():
                 cache.clear()
+            if self._fetchers is not None:
+                self._fetchers.shutdown(wait=False, cancel_futures=True)
+                self._fetchers = None
 
 
 class S3Storage(Storage):
