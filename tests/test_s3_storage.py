@@ -25,7 +25,7 @@ from .s3_server import FaultProxy
 from .test_storage import check_storage_contract
 
 pytest.importorskip("obstore")
-from dist_checkpointing.storage import s3  # noqa: E402
+from dist_checkpointing.storage import s3_reader  # noqa: E402
 from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
 
 _TIMEOUT = 120.0
@@ -84,14 +84,14 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
     whole = bytearray(len(data) + 10)
     assert reader.readinto(whole, 0) == len(data) and whole[:len(data)] == data  # three parts, fetched in parallel
     reader.close()
-    monkeypatch.setattr(s3, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(s3_reader, "PARTS_IN_FLIGHT", 2)
     reader = storage.open_reader("big")
     assert reader.readinto(whole, 0) == 2 * PART_BYTES  # at most PARTS_IN_FLIGHT parts per call
     reader.close()
     # read front to back in 1 MiB pieces (as a checksummed record is), by several threads:
     # each piece comes from a shared block of PART_BYTES fetched once, the end from a small block
     reader, got, gets = storage.open_reader("big"), bytearray(len(data)), []
-    obstore = s3._obstore()
+    obstore = s3_reader._obstore()
 
     class CountingObstore:
         def __getattr__(self, name):
@@ -101,7 +101,7 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
             gets.append((kwargs["start"], kwargs["length"]))
             return obstore.get_range(*args, **kwargs)
 
-    monkeypatch.setattr(s3, "_obstore", CountingObstore)
+    monkeypatch.setattr(s3_reader, "_obstore", CountingObstore)
 
     def read_pieces(first: int) -> None:
         for offset in range(first << 20, len(data), 4 << 20):
@@ -178,7 +178,7 @@ def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_e
     storage = S3Storage(_url(s3_server))
     data = torch.randint(0, 255, (3 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
     storage.write_atomic("big", data)
-    obstore, gets, both_in_flight = s3._obstore(), [], threading.Barrier(2, timeout=20)
+    obstore, gets, both_in_flight = s3_reader._obstore(), [], threading.Barrier(2, timeout=20)
 
     class CountingObstore:
         def __getattr__(self, name):
@@ -190,7 +190,7 @@ def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_e
                 both_in_flight.wait()  # raises BrokenBarrierError if the GETs ran one after another
             return obstore.get_range(*args, **kwargs)
 
-    monkeypatch.setattr(s3, "_obstore", CountingObstore)
+    monkeypatch.setattr(s3_reader, "_obstore", CountingObstore)
     reader, got = storage.open_reader("big"), bytearray(len(data) - 100)
     reader.will_read(100, len(got))
     view, done = memoryview(got), 0

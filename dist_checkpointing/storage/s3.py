@@ -43,91 +43,20 @@ from __future__ import annotations
 
 import errno
 import mmap
-import os
 import queue
-import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
-from .buffers import BUFFERS_PER_FILE, STAGING_BUFFER_BYTES
+from .buffers import BUFFERS_PER_FILE
+from .s3_client import DEFAULT_MAX_RETRIES, PART_BYTES, PARTS_IN_FLIGHT, _obstore, _os_errors, _store_options
+from .s3_reader import S3Reader
 
-PART_BYTES = STAGING_BUFFER_BYTES
-PARTS_IN_FLIGHT = 4
-SMALL_BLOCK_BYTES = 256 << 10
-SMALL_BLOCKS_KEPT = 16
-DEFAULT_MAX_RETRIES = 10  # obstore's default
+__all__ = ["PART_BYTES", "PARTS_IN_FLIGHT", "S3Reader", "S3Storage", "S3WriteStream"]
+
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
-
-
-_forked_after_use = False  # set in a forked child of a process that had imported obstore
-
-
-def _mark_forked() -> None:
-    global _forked_after_use
-    _forked_after_use = _forked_after_use or "obstore" in sys.modules
-
-
-os.register_at_fork(after_in_child=_mark_forked)
-
-
-def _obstore():
-    """The obstore module, or an ImportError saying how to install it; an OSError in a forked
-    child of a process that used it (its runtime does not survive a fork: every request would
-    hang), e.g. the writer of an async save."""
-    if _forked_after_use:
-        raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
-                                     "(its runtime does not survive a fork)")
-    try:
-        import obstore
-    except ImportError as e:
-        raise ImportError("s3:// checkpoint locations need obstore: pip install dist_checkpointing[s3]") from e
-    return obstore
-
-
-@contextmanager
-def _os_errors(what: str) -> Iterator[None]:
-    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``."""
-    from obstore.exceptions import AlreadyExistsError, BaseError
-
-    try:
-        yield
-    except AlreadyExistsError as e:
-        raise FileExistsError(errno.EEXIST, f"{what} exists") from e
-    except BaseError as e:
-        raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-
-
-def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` for obstore's ``S3Store``, with the durations of ``retry_config`` (and its
-    ``backoff``) and of ``client_options`` given as seconds turned into what obstore takes;
-    ``client_options`` keep ``AWS_ALLOW_HTTP`` unless they set ``allow_http``."""
-    out = dict(options)
-    retry = dict(out.get("retry_config") or {})
-    backoff = dict(retry.get("backoff") or {})
-    for config, keys in ((retry, ("retry_timeout",)), (backoff, ("init_backoff", "max_backoff"))):
-        for key in keys:
-            if isinstance(config.get(key), (int, float)):
-                config[key] = timedelta(seconds=config[key])
-    if backoff:
-        retry["backoff"] = backoff
-    if retry:
-        out["retry_config"] = retry
-    client = dict(out.get("client_options") or {})
-    for key in ("connect_timeout", "timeout", "pool_idle_timeout", "http2_keep_alive_timeout"):
-        if isinstance(client.get(key), (int, float)) and not isinstance(client[key], bool):
-            client[key] = f"{round(client[key] * 1000)}ms"
-    if client:
-        # obstore takes client_options instead of the environment's AWS_ALLOW_HTTP: keep it
-        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true")
-        out["client_options"] = client
-    return out
 
 
 class S3WriteStream(WriteStream):
@@ -317,176 +246,6 @@ class S3WriteStream(WriteStream):
             self._stop(_ABORT)
             self._part = bytearray()
             super().close()
-
-
-class _Block:
-    """A cached block of an object: filled by the thread that fetches it, awaited by the others."""
-
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.data: Optional[memoryview] = None
-        self.error: Optional[BaseException] = None
-
-
-class _ReadAhead:
-    """The pieces of a range announced by :meth:`S3Reader.will_read`: ``pieces[k]`` (a future
-    of the bytes at ``start + k * PART_BYTES``), ``fetched`` of them started."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end, self.fetched = start, end, 0
-        self.pieces: Dict[int, "Future[memoryview]"] = {}
-
-
-class S3Reader(RangeReader):
-    """Ranged GETs of one object, each copied once from obstore's buffer. A read of
-    :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
-    once. A smaller read is served from an aligned block that holds it, shared by all threads
-    and fetched once, the most recent kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up
-    to that size (the ~9 small reads that locate a record, and its neighbours', share one
-    GET), blocks of :data:`PART_BYTES` for larger ones, :data:`PARTS_IN_FLIGHT` of them kept (a
-    checksummed record is read 1 MiB at a time: one GET per 16 MiB, whichever thread reads
-    which record)."""
-
-    def __init__(self, store: Any, key: str, size: int, url: str):
-        self._store, self._key, self.size, self._url = store, key, size, url
-        self._lock = threading.Lock()
-        # per block size: the blocks by index, least recently used first, and how many are kept
-        self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
-                                                               PART_BYTES: OrderedDict()}
-        self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
-        self._local = threading.local()  # .ahead: the calling thread's _ReadAhead, if any
-        self._fetchers: Optional[ThreadPoolExecutor] = None
-
-    def _block(self, block_bytes: int, index: int) -> memoryview:
-        """Block ``index`` of ``block_bytes`` bytes (shorter at the end of the object)."""
-        cache = self._blocks[block_bytes]
-        with self._lock:
-            block = cache.get(index)
-            fetch = block is None
-            if fetch:
-                block = cache[index] = _Block()
-                while len(cache) > self._keep[block_bytes]:
-                    cache.popitem(last=False)
-            else:
-                cache.move_to_end(index)
-        if fetch:
-            start = index * block_bytes
-            try:
-                with _os_errors(f"read of {self._url}"):
-                    block.data = memoryview(_obstore().get_range(self._store, self._key, start=start,
-                                                                 length=min(block_bytes, self.size - start)))
-            except BaseException as e:
-                block.error = e
-                with self._lock:
-                    if cache.get(index) is block:
-                        del cache[index]
-            finally:
-                block.ready.set()
-        block.ready.wait()
-        if block.error is not None:
-            raise block.error
-        return block.data  # type: ignore[return-value]
-
-    def _copy_from_blocks(self, block_bytes: int, dst: memoryview, offset: int) -> None:
-        """Fill ``dst`` (inside the object) from the blocks of ``block_bytes``."""
-        done = 0
-        while done < dst.nbytes:
-            index, rel = divmod(offset + done, block_bytes)
-            piece = self._block(block_bytes, index)[rel:rel + dst.nbytes - done]
-            dst[done:done + len(piece)] = piece
-            done += len(piece)
-
-    def _fetch(self, start: int, length: int) -> memoryview:
-        with _os_errors(f"read of {self._url}"):
-            return memoryview(_obstore().get_range(self._store, self._key, start=start, length=length))
-
-    def will_read(self, offset: int, n: int) -> None:
-        """Start fetching the range (if it spans 2 parts or more) for the calling thread:
-        pieces of :data:`PART_BYTES`, :data:`PARTS_IN_FLIGHT` ahead of its reads, at most
-        :data:`PARTS_IN_FLIGHT` GETs at once for all threads."""
-        n = min(n, self.size - offset)
-        self._local.ahead = None
-        if n < 2 * PART_BYTES:
-            return
-        with self._lock:
-            if self._fetchers is None:
-                self._fetchers = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="dist-ckpt-s3-reader")
-        ahead = self._local.ahead = _ReadAhead(offset, offset + n)
-        for _ in range(PARTS_IN_FLIGHT):
-            self._fetch_next(ahead)
-
-    def _fetch_next(self, ahead: "_ReadAhead") -> None:
-        start = ahead.start + ahead.fetched * PART_BYTES
-        if start < ahead.end:
-            ahead.pieces[ahead.fetched] = self._fetchers.submit(self._fetch, start, min(PART_BYTES, ahead.end - start))
-            ahead.fetched += 1
-
-    def _read_ahead(self, dst: memoryview, offset: int) -> Optional[int]:
-        """Fill ``dst`` from the calling thread's read-ahead piece holding ``offset`` (up to
-        the piece's end), dropping the piece once read to its end and fetching the next;
-        ``None`` (and the read-ahead dropped) if it does not hold ``offset``."""
-        ahead = getattr(self._local, "ahead", None)
-        if ahead is None:
-            return None
-        k, rel = divmod(offset - ahead.start, PART_BYTES)
-        if not ahead.start <= offset < ahead.end or k not in ahead.pieces:
-            self._local.ahead = None
-            return None
-        data = ahead.pieces[k].result()
-        n = min(dst.nbytes, data.nbytes - rel)
-        dst[:n] = data[rel:rel + n]
-        if rel + n == data.nbytes:
-            for j in [j for j in ahead.pieces if j <= k]:
-                del ahead.pieces[j]
-            self._fetch_next(ahead)
-            if not ahead.pieces:
-                self._local.ahead = None
-        return n
-
-    def read(self, offset: int, n: int) -> bytes:
-        n = min(n, self.size - offset)
-        if n <= 0:
-            return b""
-        if n <= SMALL_BLOCK_BYTES:
-            out = bytearray(n)
-            self._copy_from_blocks(SMALL_BLOCK_BYTES, memoryview(out), offset)
-            return bytes(out)
-        with _os_errors(f"read of {self._url}"):
-            return bytes(_obstore().get_range(self._store, self._key, start=offset, length=n))
-
-    def readinto(self, buf, offset: int) -> int:
-        dst = memoryview(buf)
-        if dst.format != "B" or dst.ndim != 1:
-            dst = dst.cast("B")
-        want = min(dst.nbytes, self.size - offset)
-        if want <= 0:
-            return 0
-        got = self._read_ahead(dst[:want], offset)
-        if got is not None:
-            return got
-        if want < PART_BYTES:  # up to the end of the block that holds ``offset``
-            block_bytes = SMALL_BLOCK_BYTES if want <= SMALL_BLOCK_BYTES else PART_BYTES
-            if block_bytes == PART_BYTES:
-                want = min(want, PART_BYTES - offset % PART_BYTES)
-            self._copy_from_blocks(block_bytes, dst[:want], offset)
-            return want
-        want = min(want, PARTS_IN_FLIGHT * PART_BYTES)
-        starts = list(range(offset, offset + want, PART_BYTES))
-        lengths = [min(PART_BYTES, offset + want - start) for start in starts]
-        with _os_errors(f"read of {self._url}"):
-            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
-        for start, piece in zip(starts, pieces):
-            dst[start - offset:start - offset + len(piece)] = memoryview(piece)
-        return want
-
-    def close(self) -> None:
-        """Drops the cached blocks and stops the read-ahead."""
-        with self._lock:
-            for cache in self._blocks.values():
-                cache.clear()
-            if self._fetchers is not None:
-                self._fetchers.shutdown(wait=False, cancel_futures=True)
-                self._fetchers = None
 
 
 class S3Storage(Storage):
