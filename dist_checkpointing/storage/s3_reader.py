@@ -33,14 +33,15 @@ class _ReadAhead:
 
 
 class S3Reader(RangeReader):
-    """Ranged GETs of one object, each copied once from obstore's buffer. A read of
-    :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
-    once. A smaller read is served from an aligned block that holds it, shared by all threads
-    and fetched once, the most recent kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up
-    to that size (the ~9 small reads that locate a record, and its neighbours', share one
-    GET), blocks of :data:`PART_BYTES` for larger ones, :data:`PARTS_IN_FLIGHT` of them kept (a
-    checksummed record is read 1 MiB at a time: one GET per 16 MiB, whichever thread reads
-    which record)."""
+    """Ranged GETs of one object, each copied once from obstore's buffer. A range that a
+    thread announced with :meth:`will_read` (a checksummed record, read 1 MiB at a time) is
+    fetched for it in :data:`PART_BYTES` pieces, :data:`PARTS_IN_FLIGHT` ahead, in parallel.
+    Otherwise a read of :data:`PART_BYTES` or more is fetched as such parts, up to
+    :data:`PARTS_IN_FLIGHT` at once, and a smaller read is served from an aligned block that
+    holds it, shared by all threads and fetched once, the most recent kept: blocks of
+    :data:`SMALL_BLOCK_BYTES` for reads up to that size (the ~9 small reads that locate a
+    record, and its neighbours', share one GET), blocks of :data:`PART_BYTES` for larger ones,
+    :data:`PARTS_IN_FLIGHT` of them kept."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
