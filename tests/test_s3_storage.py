@@ -21,10 +21,11 @@ from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTen
 from dist_checkpointing.storage import storage_for
 
 from .conftest import get_pool
+from .s3_server import FaultProxy
 from .test_storage import check_storage_contract
 
 pytest.importorskip("obstore")
-from dist_checkpointing.storage import s3  # noqa: E402
+from dist_checkpointing.storage import s3_reader  # noqa: E402
 from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
 
 _TIMEOUT = 120.0
@@ -83,14 +84,14 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
     whole = bytearray(len(data) + 10)
     assert reader.readinto(whole, 0) == len(data) and whole[:len(data)] == data  # three parts, fetched in parallel
     reader.close()
-    monkeypatch.setattr(s3, "PARTS_IN_FLIGHT", 2)
+    monkeypatch.setattr(s3_reader, "PARTS_IN_FLIGHT", 2)
     reader = storage.open_reader("big")
     assert reader.readinto(whole, 0) == 2 * PART_BYTES  # at most PARTS_IN_FLIGHT parts per call
     reader.close()
     # read front to back in 1 MiB pieces (as a checksummed record is), by several threads:
     # each piece comes from a shared block of PART_BYTES fetched once, the end from a small block
     reader, got, gets = storage.open_reader("big"), bytearray(len(data)), []
-    obstore = s3._obstore()
+    obstore = s3_reader._obstore()
 
     class CountingObstore:
         def __getattr__(self, name):
@@ -100,7 +101,7 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
             gets.append((kwargs["start"], kwargs["length"]))
             return obstore.get_range(*args, **kwargs)
 
-    monkeypatch.setattr(s3, "_obstore", CountingObstore)
+    monkeypatch.setattr(s3_reader, "_obstore", CountingObstore)
 
     def read_pieces(first: int) -> None:
         for offset in range(first << 20, len(data), 4 << 20):
@@ -125,6 +126,79 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
     # SeaweedFS's filer may drop the aborted upload's folder a moment after the abort returns
     assert _wait_for(lambda: _unfinished_uploads(s3_server) == []), _unfinished_uploads(s3_server)
     assert storage.info("aborted") is None
+
+
+def test_large_writes_are_sent_from_the_callers_memory(s3_server, s3_env, monkeypatch):
+    """Writes of several sizes from several positions: a write reaching a part past the
+    position is sent from its own memory up to its last part boundary (the parts mix copied
+    and direct bytes), and write() returns only once that memory is no longer needed."""
+    storage = S3Storage(_url(s3_server))
+    # the last two: up to a part boundary, then two parts from it
+    sizes = [100, PART_BYTES + 5, 3 * PART_BYTES - 100, 1, 2 * PART_BYTES, PART_BYTES - 1, PART_BYTES, 5 << 20,
+             PART_BYTES - 5 - (5 << 20), 2 * PART_BYTES]
+    copied, direct = [], []
+    stream = storage.create_stream("mixed")
+    copy, send_direct = stream._copy, stream._send_direct
+    monkeypatch.setattr(stream, "_copy", lambda src: copied.append(src.nbytes) or copy(src))
+    monkeypatch.setattr(stream, "_send_direct", lambda src: direct.append(src.nbytes) or send_direct(src))
+    expected = bytearray()
+    for size in sizes:
+        buf = bytearray(torch.randint(0, 255, (size,), dtype=torch.uint8).numpy().tobytes())
+        expected += buf
+        stream.write(buf)
+        buf[:] = bytes(size)  # the caller reuses its memory as soon as write() returns
+    stream.close()
+    assert storage.read_bytes("mixed") == expected
+    assert direct == [3 * PART_BYTES - 105, 2 * PART_BYTES - 6, 2 * PART_BYTES]
+    assert sum(copied) + sum(direct) == len(expected)
+
+
+def test_a_failed_direct_part_aborts_the_upload(s3_server, s3_env, monkeypatch):
+    """Part 2 of the upload, sent from the caller's memory, fails beyond the retries: the
+    stream raises, the upload is aborted and no object is created."""
+    fail_part_2 = lambda method, target, n: "500" if method == "PUT" and "partNumber=2&" in target + "&" else None
+    with FaultProxy(s3_server.ports["s3"], fail_part_2) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint_url)
+        storage = S3Storage(_url(s3_server), {"retry_config": {"max_retries": 1, "retry_timeout": 10,
+                                                               "backoff": {"init_backoff": 0.02, "max_backoff": 0.1}}})
+        stream = storage.create_stream("failed")
+        stream.write(b"x" * 100)
+        with pytest.raises(OSError, match="500|Internal"):
+            stream.write(bytes(3 * PART_BYTES))  # parts 1 (mixed), 2 and 3 (direct)
+            stream.close()
+        stream.abort()
+        assert proxy.count("500") >= 2  # the first attempt and the retry
+        assert _wait_for(lambda: _unfinished_uploads(s3_server) == []), _unfinished_uploads(s3_server)
+        assert storage.info("failed") is None
+
+
+def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_env, monkeypatch):
+    """After will_read(), one thread reading 1 MiB pieces (as a checksummed record is read)
+    gets pieces of PART_BYTES fetched in parallel: the first two GETs wait for each other."""
+    storage = S3Storage(_url(s3_server))
+    data = torch.randint(0, 255, (3 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_atomic("big", data)
+    obstore, gets, both_in_flight = s3_reader._obstore(), [], threading.Barrier(2, timeout=20)
+
+    class CountingObstore:
+        def __getattr__(self, name):
+            return getattr(obstore, name)
+
+        def get_range(self, *args, **kwargs):
+            gets.append((kwargs["start"], kwargs["length"]))
+            if len(gets) <= 2:
+                both_in_flight.wait()  # raises BrokenBarrierError if the GETs ran one after another
+            return obstore.get_range(*args, **kwargs)
+
+    monkeypatch.setattr(s3_reader, "_obstore", CountingObstore)
+    reader, got = storage.open_reader("big"), bytearray(len(data) - 100)
+    reader.will_read(100, len(got))
+    view, done = memoryview(got), 0
+    while done < len(got):
+        done += reader.readinto(view[done:done + (1 << 20)], 100 + done)
+    reader.close()
+    assert got == data[100:]
+    assert sorted(gets) == [(100 + k * PART_BYTES, min(PART_BYTES, len(got) - k * PART_BYTES)) for k in range(4)]
 
 
 def test_exclusive_create_conflict(s3_server, s3_env):
@@ -181,6 +255,32 @@ def test_save_and_load_round_trip(world, s3_server, s3_env):
     assert not dc.check_is_distributed_checkpoint(incomplete.describe())
     with pytest.raises(CheckpointingException, match="incomplete checkpoint|not a distributed checkpoint"):
         dc.load(_state(0, 1, 0.0), incomplete.describe())
+
+
+_STRADDLING = [PART_BYTES + 3, 2 * PART_BYTES - 5, 7, PART_BYTES - 1, PART_BYTES + (5 << 20)]  # bytes per rank
+
+
+def _straddling_state(rank: int, world: int, seed: int) -> dict:
+    """Tensors of sizes that start and end all over the parts of the data file."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    return {f"t{i}": ShardedTensor.from_rank_offsets(
+        f"t{i}", torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen), (0, rank, world))
+        for i, n in enumerate(_STRADDLING)}
+
+
+def _save_load_straddling(rank, world, env, url):
+    os.environ.update(env)
+    dc.save(_straddling_state(rank, world, 1), url)
+    request = _straddling_state(rank, world, 2)
+    loaded = dc.load(request, url)
+    expected = _straddling_state(rank, world, 1)
+    return all(torch.equal(loaded[k], expected[k].data) for k in expected)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_tensors_straddling_parts_round_trip_bit_exactly(world, s3_server, s3_env):
+    results = get_pool(world).run(_save_load_straddling, s3_server.env(), _url(s3_server), timeout=_TIMEOUT)
+    assert results == [True] * world
 
 
 def test_missing_obstore_says_how_to_install(monkeypatch):

@@ -46,7 +46,9 @@ class WriteStream(io.RawIOBase):
 
     @abstractmethod
     def write(self, data) -> int:  # type: ignore[override]
-        """Append ``data`` (any bytes-like object); returns its length."""
+        """Append ``data`` (any bytes-like object); returns its length. ``data`` is read
+        only until the call returns (a stream may upload straight from it, returning once
+        sent): the caller may change or free it afterwards."""
 
     @abstractmethod
     def tell(self) -> int:
@@ -82,6 +84,10 @@ class RangeReader(ABC):
     def readinto(self, buf, offset: int) -> int:
         """Fill as much of the writable buffer ``buf`` as one request gives from ``offset``;
         returns the byte count (0 at the end of the file)."""
+
+    def will_read(self, offset: int, n: int) -> None:
+        """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
+        (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""
 
     @abstractmethod
     def close(self) -> None:

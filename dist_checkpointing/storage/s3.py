@@ -21,14 +21,18 @@ leaves one behind (a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` re
 those).
 
 The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, never
-``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, each
-copied once from the written bytes into a part of its own that obstore uploads without
-copying (:data:`PARTS_IN_FLIGHT` parts uploading, plus the one being filled and the few
-queued between them); it is durable once :meth:`S3WriteStream.close` returns
-(CompleteMultipartUpload), and :meth:`S3WriteStream.abort` aborts the upload. That a
-streamed file does not exist yet is checked with a HEAD (not atomic: the checkpoint's
-directory claim is). Small files are single PUTs (atomic on S3);
-:meth:`S3Storage.create_exclusive` is a conditional PUT (``If-None-Match: *``).
+``iter_10/…``. A streamed file is a multipart upload of :data:`PART_BYTES` parts, with
+:data:`PARTS_IN_FLIGHT` parts uploading. A large write (a tensor's storage, which
+``torch.save`` writes in one call) is sent from the caller's memory up to its last part
+boundary, without a copy (obstore joins the part being filled with its head), and returns
+once obstore has dropped it; other bytes are copied once into parts of their own, at most
+``BUFFERS_PER_FILE`` (3) per stream: the one being filled, the others queued or uploading
+(as many as the staging buffers of a file on disk). It is durable once
+:meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and
+:meth:`S3WriteStream.abort` aborts the upload. That a streamed file does not exist yet is
+checked with a HEAD (not atomic: the checkpoint's directory claim is). Small files are
+single PUTs (atomic on S3); :meth:`S3Storage.create_exclusive` is a conditional PUT
+(``If-None-Match: *``).
 
 obstore's runtime does not survive a fork: :class:`S3Storage` is not ``fork_safe`` (an
 async save writes it from a thread), and in a process forked after obstore was used every
@@ -39,96 +43,21 @@ from __future__ import annotations
 
 import errno
 import mmap
-import os
 import queue
-import sys
 import threading
 import time
-from collections import OrderedDict
-from contextlib import contextmanager
-from datetime import timedelta
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
-from .buffers import STAGING_BUFFER_BYTES
+from .buffers import BUFFERS_PER_FILE
+from .s3_client import DEFAULT_MAX_RETRIES, PART_BYTES, PARTS_IN_FLIGHT, _obstore, _os_errors, _store_options
+from .s3_reader import S3Reader
 
-PART_BYTES = STAGING_BUFFER_BYTES
-PARTS_IN_FLIGHT = 4
-SMALL_BLOCK_BYTES = 256 << 10
-SMALL_BLOCKS_KEPT = 16
-DEFAULT_MAX_RETRIES = 10  # obstore's default
+__all__ = ["PART_BYTES", "PARTS_IN_FLIGHT", "S3Reader", "S3Storage", "S3WriteStream"]
+
 _DELETE_BATCH = 100  # keys per delete request of delete_tree (its pause runs between them)
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
-
-
-_forked_after_use = False  # set in a forked child of a process that had imported obstore
-
-
-def _mark_forked() -> None:
-    global _forked_after_use
-    _forked_after_use = _forked_after_use or "obstore" in sys.modules
-
-
-os.register_at_fork(after_in_child=_mark_forked)
-
-
-def _obstore():
-    """The obstore module, or an ImportError saying how to install it; an OSError in a forked
-    child of a process that used it (its runtime does not survive a fork: every request would
-    hang), e.g. the writer of an async save."""
-    if _forked_after_use:
-        raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
-                                     "(its runtime does not survive a fork)")
-    try:
-        import obstore
-    except ImportError as e:
-        raise ImportError("s3:// checkpoint locations need obstore: pip install dist_checkpointing[s3]") from e
-    return obstore
-
-
-@contextmanager
-def _os_errors(what: str) -> Iterator[None]:
-    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``."""
-    from obstore.exceptions import AlreadyExistsError, BaseError
-
-    try:
-        yield
-    except AlreadyExistsError as e:
-        raise FileExistsError(errno.EEXIST, f"{what} exists") from e
-    except BaseError as e:
-        raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-
-
-def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` for obstore's ``S3Store``, with the durations of ``retry_config`` (and its
-    ``backoff``) and of ``client_options`` given as seconds turned into what obstore takes;
-    ``client_options`` keep ``AWS_ALLOW_HTTP`` unless they set ``allow_http``."""
-    out = dict(options)
-    retry = dict(out.get("retry_config") or {})
-    backoff = dict(retry.get("backoff") or {})
-    for config, keys in ((retry, ("retry_timeout",)), (backoff, ("init_backoff", "max_backoff"))):
-        for key in keys:
-            if isinstance(config.get(key), (int, float)):
-                config[key] = timedelta(seconds=config[key])
-    if backoff:
-        retry["backoff"] = backoff
-    if retry:
-        out["retry_config"] = retry
-    client = dict(out.get("client_options") or {})
-    for key in ("connect_timeout", "timeout", "pool_idle_timeout", "http2_keep_alive_timeout"):
-        if isinstance(client.get(key), (int, float)) and not isinstance(client[key], bool):
-            client[key] = f"{round(client[key] * 1000)}ms"
-    if client:
-        # obstore takes client_options instead of the environment's AWS_ALLOW_HTTP: keep it
-        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true")
-        out["client_options"] = client
-    return out
-
-
-def _new_part() -> mmap.mmap:
-    """A part buffer of its own mapping: unmapped as soon as obstore drops it (a 16 MiB
-    ``bytearray`` would stay in malloc's arenas, and RSS grew by ~2.5x the parts in flight)."""
-    return mmap.mmap(-1, PART_BYTES)
 
 
 class S3WriteStream(WriteStream):
@@ -137,7 +66,8 @@ class S3WriteStream(WriteStream):
     def __init__(self, store: Any, key: str, url: str):
         super().__init__()
         self._url = url
-        self._part = _new_part()
+        self._free_parts = threading.Semaphore(BUFFERS_PER_FILE)
+        self._part = self._take_part()
         self._fill = 0
         self._flushed = 0
         self._hasher = None
@@ -154,7 +84,9 @@ class S3WriteStream(WriteStream):
                 return
             if item is _ABORT:
                 raise OSError(errno.ECANCELED, f"upload of {self._url} aborted")
-            yield item
+            box = [item]
+            del item  # not kept while suspended: a direct slice is released once it is sent
+            yield box.pop()
 
     def _upload(self, store: Any, key: str) -> None:
         try:
@@ -176,9 +108,23 @@ class S3WriteStream(WriteStream):
         return self._flushed + self._fill
 
     def write(self, data) -> int:  # type: ignore[override]
+        """Append ``data``. A write that reaches at least :data:`PART_BYTES` past the
+        stream's position into the next parts is sent from ``data``'s own memory up to its
+        last part boundary (returning once that is sent); the rest is copied into a part."""
         src = byte_view(data)
+        n = src.nbytes
         if self._hasher is not None:
             self._hasher.update(src)
+        start = self.tell()
+        direct = (start + n) // PART_BYTES * PART_BYTES - start
+        if direct >= PART_BYTES:
+            self._send_direct(src[:direct])
+            src = src[direct:]
+        self._copy(src)
+        return n
+
+    def _copy(self, src: memoryview) -> None:
+        """Copy ``src`` into the current part, handing over each part that fills."""
         n, pos = src.nbytes, 0
         while pos < n:
             k = min(PART_BYTES - self._fill, n - pos)
@@ -187,15 +133,72 @@ class S3WriteStream(WriteStream):
             pos += k
             if self._fill == PART_BYTES:
                 self._hand_over()
-        return n
+
+    def _send_direct(self, src: memoryview) -> None:
+        """Upload ``src`` (ending on a part boundary) from the caller's memory, without a
+        copy: the part being filled is handed over as it is (obstore joins it with the head
+        of ``src`` into one part), then ``src`` in slices of at most a part, queued one by
+        one so that no more than :data:`PARTS_IN_FLIGHT` parts upload at once. Returns once
+        obstore has dropped every slice (sent, or the upload failed): the caller may then
+        reuse or free the memory."""
+        import numpy
+
+        if self._fill:
+            self._hand_over()
+        sent = threading.Event()
+        whole = numpy.frombuffer(src, dtype=numpy.uint8)
+        weakref.finalize(whole, sent.set)  # once no slice of it is left
+        slices = [whole[i:i + PART_BYTES] for i in range(0, src.nbytes, PART_BYTES)]
+        del whole
+        self._flushed += src.nbytes
+        try:
+            while slices:
+                self._queue(slices.pop(0))
+        finally:
+            del slices
+            self._wait_released(sent)
+
+    def _wait_released(self, sent: threading.Event) -> None:
+        """Wait for ``sent``; if the uploader stops first, drop what it left queued."""
+        while not sent.wait(0.2):
+            self._check_uploader()
+        if self._io_error is not None:
+            self.error = self._io_error
+            raise self._io_error
+
+    def _drain(self) -> None:
+        """Drop the items queued for a stopped uploader."""
+        try:
+            while True:
+                self._parts.get_nowait()
+        except queue.Empty:
+            pass
 
     def _hand_over(self) -> None:
-        """Queue the current part for upload (a new part of its own: obstore keeps a
-        reference to it until it is uploaded) and start the next."""
+        """Queue the current part for upload (obstore keeps a reference to it until it is
+        uploaded) and start the next."""
         part = memoryview(self._part)[:self._fill]
         self._flushed += self._fill
-        self._part, self._fill = _new_part(), 0
+        self._part, self._fill = None, 0
         self._queue(part)
+        del part
+        self._part = self._take_part()
+
+    def _take_part(self) -> mmap.mmap:
+        """A new part buffer, once fewer than :data:`BUFFERS_PER_FILE` parts of this stream
+        exist (being filled, queued or uploading), as the staging buffers of a file; a
+        mapping of its own, unmapped as soon as obstore drops it (a 16 MiB ``bytearray``
+        would stay in malloc's arenas)."""
+        while not self._free_parts.acquire(timeout=0.2):
+            self._check_uploader()
+        part = mmap.mmap(-1, PART_BYTES)
+        weakref.finalize(part, self._free_parts.release)
+        return part
+
+    def _check_uploader(self) -> None:
+        """Drop what a stopped uploader left queued (and so the parts it holds)."""
+        if not self._thread.is_alive():
+            self._drain()
 
     def _queue(self, item: Any) -> None:
         while True:
@@ -244,112 +247,6 @@ class S3WriteStream(WriteStream):
             self._stop(_ABORT)
             self._part = bytearray()
             super().close()
-
-
-class _Block:
-    """A cached block of an object: filled by the thread that fetches it, awaited by the others."""
-
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.data: Optional[memoryview] = None
-        self.error: Optional[BaseException] = None
-
-
-class S3Reader(RangeReader):
-    """Ranged GETs of one object, each copied once from obstore's buffer. A read of
-    :data:`PART_BYTES` or more is fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at
-    once. A smaller read is served from an aligned block that holds it, shared by all threads
-    and fetched once, the most recent kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up
-    to that size (the ~9 small reads that locate a record, and its neighbours', share one
-    GET), blocks of :data:`PART_BYTES` for larger ones, :data:`PARTS_IN_FLIGHT` of them kept (a
-    checksummed record is read 1 MiB at a time: one GET per 16 MiB, whichever thread reads
-    which record)."""
-
-    def __init__(self, store: Any, key: str, size: int, url: str):
-        self._store, self._key, self.size, self._url = store, key, size, url
-        self._lock = threading.Lock()
-        # per block size: the blocks by index, least recently used first, and how many are kept
-        self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
-                                                               PART_BYTES: OrderedDict()}
-        self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
-
-    def _block(self, block_bytes: int, index: int) -> memoryview:
-        """Block ``index`` of ``block_bytes`` bytes (shorter at the end of the object)."""
-        cache = self._blocks[block_bytes]
-        with self._lock:
-            block = cache.get(index)
-            fetch = block is None
-            if fetch:
-                block = cache[index] = _Block()
-                while len(cache) > self._keep[block_bytes]:
-                    cache.popitem(last=False)
-            else:
-                cache.move_to_end(index)
-        if fetch:
-            start = index * block_bytes
-            try:
-                with _os_errors(f"read of {self._url}"):
-                    block.data = memoryview(_obstore().get_range(self._store, self._key, start=start,
-                                                                 length=min(block_bytes, self.size - start)))
-            except BaseException as e:
-                block.error = e
-                with self._lock:
-                    if cache.get(index) is block:
-                        del cache[index]
-            finally:
-                block.ready.set()
-        block.ready.wait()
-        if block.error is not None:
-            raise block.error
-        return block.data  # type: ignore[return-value]
-
-    def _copy_from_blocks(self, block_bytes: int, dst: memoryview, offset: int) -> None:
-        """Fill ``dst`` (inside the object) from the blocks of ``block_bytes``."""
-        done = 0
-        while done < dst.nbytes:
-            index, rel = divmod(offset + done, block_bytes)
-            piece = self._block(block_bytes, index)[rel:rel + dst.nbytes - done]
-            dst[done:done + len(piece)] = piece
-            done += len(piece)
-
-    def read(self, offset: int, n: int) -> bytes:
-        n = min(n, self.size - offset)
-        if n <= 0:
-            return b""
-        if n <= SMALL_BLOCK_BYTES:
-            out = bytearray(n)
-            self._copy_from_blocks(SMALL_BLOCK_BYTES, memoryview(out), offset)
-            return bytes(out)
-        with _os_errors(f"read of {self._url}"):
-            return bytes(_obstore().get_range(self._store, self._key, start=offset, length=n))
-
-    def readinto(self, buf, offset: int) -> int:
-        dst = memoryview(buf)
-        if dst.format != "B" or dst.ndim != 1:
-            dst = dst.cast("B")
-        want = min(dst.nbytes, self.size - offset)
-        if want <= 0:
-            return 0
-        if want < PART_BYTES:  # up to the end of the block that holds ``offset``
-            block_bytes = SMALL_BLOCK_BYTES if want <= SMALL_BLOCK_BYTES else PART_BYTES
-            if block_bytes == PART_BYTES:
-                want = min(want, PART_BYTES - offset % PART_BYTES)
-            self._copy_from_blocks(block_bytes, dst[:want], offset)
-            return want
-        want = min(want, PARTS_IN_FLIGHT * PART_BYTES)
-        starts = list(range(offset, offset + want, PART_BYTES))
-        lengths = [min(PART_BYTES, offset + want - start) for start in starts]
-        with _os_errors(f"read of {self._url}"):
-            pieces = _obstore().get_ranges(self._store, self._key, starts=starts, lengths=lengths, coalesce=0)
-        for start, piece in zip(starts, pieces):
-            dst[start - offset:start - offset + len(piece)] = memoryview(piece)
-        return want
-
-    def close(self) -> None:
-        """Drops the cached blocks."""
-        with self._lock:
-            for cache in self._blocks.values():
-                cache.clear()
 
 
 class S3Storage(Storage):

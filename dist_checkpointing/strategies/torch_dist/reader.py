@@ -180,6 +180,8 @@ def _read_into(file: RangeReader, buf, offset: int, where: str, what: str,
     """Fill ``buf`` from ``file`` at ``offset``; with a ``verifier``, check the record's checksum."""
     mv = memoryview(buf).cast("B")
     piece = _VERIFY_PIECE if verifier is not None else mv.nbytes
+    if piece < mv.nbytes:
+        file.will_read(offset, mv.nbytes)
     done = 0
     while done < mv.nbytes:
         try:

@@ -1,0 +1,83 @@
+"""obstore for the S3 storage: imported on first use (an ImportError saying how to
+install it; an OSError in a process forked after it was used: its runtime does not survive
+a fork), its errors as ``OSError``, ``storage_options`` as ``S3Store`` takes them, and the
+part size shared by uploads and reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Dict, Iterator
+
+from .buffers import STAGING_BUFFER_BYTES
+
+PART_BYTES = STAGING_BUFFER_BYTES
+PARTS_IN_FLIGHT = 4
+DEFAULT_MAX_RETRIES = 10  # obstore's default
+
+
+_forked_after_use = False  # set in a forked child of a process that had imported obstore
+
+
+def _mark_forked() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or "obstore" in sys.modules
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+def _obstore():
+    """The obstore module, or an ImportError saying how to install it; an OSError in a forked
+    child of a process that used it (its runtime does not survive a fork: every request would
+    hang), e.g. the writer of an async save."""
+    if _forked_after_use:
+        raise OSError(errno.ENOTSUP, "s3:// storage cannot be used in a process forked after obstore was used "
+                                     "(its runtime does not survive a fork)")
+    try:
+        import obstore
+    except ImportError as e:
+        raise ImportError("s3:// checkpoint locations need obstore: pip install dist_checkpointing[s3]") from e
+    return obstore
+
+
+@contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``."""
+    from obstore.exceptions import AlreadyExistsError, BaseError
+
+    try:
+        yield
+    except AlreadyExistsError as e:
+        raise FileExistsError(errno.EEXIST, f"{what} exists") from e
+    except BaseError as e:
+        raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` for obstore's ``S3Store``, with the durations of ``retry_config`` (and its
+    ``backoff``) and of ``client_options`` given as seconds turned into what obstore takes;
+    ``client_options`` keep ``AWS_ALLOW_HTTP`` unless they set ``allow_http``."""
+    out = dict(options)
+    retry = dict(out.get("retry_config") or {})
+    backoff = dict(retry.get("backoff") or {})
+    for config, keys in ((retry, ("retry_timeout",)), (backoff, ("init_backoff", "max_backoff"))):
+        for key in keys:
+            if isinstance(config.get(key), (int, float)):
+                config[key] = timedelta(seconds=config[key])
+    if backoff:
+        retry["backoff"] = backoff
+    if retry:
+        out["retry_config"] = retry
+    client = dict(out.get("client_options") or {})
+    for key in ("connect_timeout", "timeout", "pool_idle_timeout", "http2_keep_alive_timeout"):
+        if isinstance(client.get(key), (int, float)) and not isinstance(client[key], bool):
+            client[key] = f"{round(client[key] * 1000)}ms"
+    if client:
+        # obstore takes client_options instead of the environment's AWS_ALLOW_HTTP: keep it
+        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true")
+        out["client_options"] = client
+    return out
