@@ -5,25 +5,25 @@
 2. The newest step newer than the newest persistent checkpoint for which every rank's
    copy is held somewhere is tried. A step saved with another world size is an error
    naming the persistent step to load instead.
-3. For each rank, the holder to read from is its own copy if it has one, else a partner's
-   replica; each holder reads and verifies (checksum) what it must serve; failures are
-   agreed, and the next holder of that rank's copy is tried.
-4. Holders send the copies to their owners over the local tier's group; each rank fills
-   its ``sharded_state_dict``. If some rank's copy is nowhere valid, every rank gets
+3. For each rank, the holder to read from is its own copy if it has one (read straight
+   into the rank's tensors), else a partner's replica (read into a buffer); each holder
+   verifies (checksum) what it reads; failures are agreed, and the next holder of that
+   rank's copy is tried.
+4. Holders send the replicas to their owners over the local tier's group; each owner
+   verifies the checksum again and copies them into its ``sharded_state_dict``. If some rank's copy is nowhere valid, every rank gets
    ``None``: the caller falls back to the persistent tier.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import Any, Dict, List, Optional, Tuple
-
-import torch
 
 from ..collectives import all_gather_object, run_agreed
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
-from .local_tier import LocalTier, deserialize, exchange, fill, read_copy, scan
+from .local_tier import LocalTier, exchange, fill_from_flat, flat_checksum, read_copy, scan
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +54,21 @@ def _check_world(gathered: List[List[Dict[str, Any]]], world: int, newer_than: i
             f"restores only at its own world size; {instead}")
 
 
-def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]],
-           mine: Dict[int, Dict[str, Any]]) -> Optional[bytes]:
-    """This rank's verified payload of ``step`` (read, or received from its holder), or
-    ``None`` on every rank when some rank's copy is nowhere valid."""
+def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]], mine: Dict[int, Dict[str, Any]],
+           sharded_state_dict: ShardedStateDict) -> Tuple[bool, Any]:
+    """Load this rank's copy of ``step`` into ``sharded_state_dict`` (read from its own
+    copy, or received from a holder of a replica): ``(True, state)``, or ``(False, None)``
+    on every rank when some rank's copy is nowhere valid."""
     choice = {o: 0 for o in holders}
+    loaded: Dict[int, Any] = {}  # owner -> what this rank read for it (itself: its state)
     while True:
-        serving = [o for o, h in holders.items() if h[choice[o]] == tier.rank]
-        loaded: Dict[int, bytes] = {}
         failed = []
-        for owner in serving:
+        for owner in [o for o, h in holders.items() if h[choice[o]] == tier.rank and o not in loaded]:
             try:
-                loaded[owner] = read_copy(tier.node_dir, mine[owner])
+                if owner == tier.rank:
+                    loaded[owner] = read_copy(tier.node_dir, mine[owner], sharded_state_dict, tier.rank)[0]
+                else:
+                    loaded[owner] = read_copy(tier.node_dir, mine[owner])
             except CheckpointingException as e:
                 logger.warning("Local tier: %s", e)
                 failed.append(owner)
@@ -76,15 +79,23 @@ def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]],
             choice[owner] += 1
             if choice[owner] == len(holders[owner]):
                 logger.warning("Local tier: no valid copy of rank %d's shards of step %d", owner, step)
-                return None
-    sends = {o: {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
-             for o, data in loaded.items() if o != tier.rank}
+                return False, None
+    sends = {o: {"data": flat, "header": header, "checksum": int(mine[o]["checksum"], 16)}
+             for o, (flat, header) in ((o, v) for o, v in loaded.items() if o != tier.rank)}
     source = holders[tier.rank][choice[tier.rank]]
-    received = run_agreed(lambda: exchange(tier.transport, sends, [source] if source != tier.rank else []),
-                          f"Local tier: restoring step {step}")
-    if source == tier.rank:
-        return loaded[tier.rank]
-    return received[source]["data"].numpy().tobytes()
+
+    def transfer_and_fill() -> Any:
+        received = exchange(tier.transport, sends, [source] if source != tier.rank else [])
+        if source == tier.rank:
+            return loaded[tier.rank]
+        got = received[source]
+        content = pickle.loads(got["header"])
+        if flat_checksum(got["data"], content["layout"]) != got["checksum"]:
+            raise CheckpointingException(f"Local tier: rank {tier.rank}'s copy of step {step} arrived damaged "
+                                         f"from rank {source}")
+        return fill_from_flat(sharded_state_dict, got["data"], content, tier.rank)
+
+    return True, run_agreed(transfer_and_fill, f"Local tier: restoring step {step}")
 
 
 def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: int,
@@ -101,12 +112,8 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
         if holders is None:
             logger.warning("Local tier: step %d is incomplete (some rank's copy is held nowhere)", step)
             continue
-        mine = {m["owner"]: m for m in markers if m["step"] == step}
-        data = _fetch(tier, step, holders, mine)
-        if data is None:
-            continue
-        state = run_agreed(lambda: fill(sharded_state_dict, deserialize(data, f"rank {tier.rank}'s copy of step "
-                                                                              f"{step}"), tier.rank),
-                           f"Local tier: restoring step {step}")
-        return step, state
+        ok, state = _fetch(tier, step, holders, {m["owner"]: m for m in markers if m["step"] == step},
+                           sharded_state_dict)
+        if ok:
+            return step, state
     return None

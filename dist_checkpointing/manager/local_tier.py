@@ -2,12 +2,14 @@
 directories, each replicated to partner ranks on other nodes over the process group.
 
 Every rank writes its own shards only (no cross-rank planning): a snapshot of its
-``sharded_state_dict`` — each ShardedTensor's local data keyed by ``key`` and global
-offset, each ShardedObject's data by its unique key, every other value by its path — is
-serialized with ``torch.save`` into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``,
-then a marker ``rank_{owner:05d}.done`` (step, world size, length, xxh3-64 checksum) is
-written last, both atomically. The snapshot is taken while ``save`` blocks; serializing,
-writing and replicating happen in a background thread, over a process group of its own.
+``sharded_state_dict`` — every tensor (ShardedTensors' local data, keyed by ``key`` and
+global offset) copied into one flat byte buffer, reused from save to save; a header (the
+buffer's layout and the other values: ShardedObjects' data by unique key, the rest by
+path, pickled) — goes raw into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``, then
+a marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64
+checksums of both) is written last, both atomically. The snapshot is taken while ``save``
+blocks; checksumming, writing and replicating happen in a background thread, over a
+process group of its own.
 A step counts in the local tier once every rank has written its own copy and every
 replica (agreed at :meth:`LocalTier.finalize`); a step that failed anywhere is removed
 everywhere and not counted. Restoring is in :mod:`.local_restore`.
@@ -15,10 +17,11 @@ everywhere and not counted. Restoring is in :mod:`.local_restore`.
 
 from __future__ import annotations
 
-import io
+import base64
 import json
 import logging
 import os
+import pickle
 import re
 import threading
 from datetime import timedelta
@@ -29,10 +32,11 @@ import torch.distributed as dist
 
 from ..collectives import get_rank, get_world_size, run_agreed
 from ..core import CheckpointingException
-from ..integrity import checksum
+from ..integrity import checksum, new_hasher
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..storage import Storage, storage_for
+from ..storage.base import byte_view
 from ..transport import PGTransport
 
 logger = logging.getLogger(__name__)
@@ -80,6 +84,10 @@ def partners(node_of_rank: Sequence[int], rank: int, copies: int) -> List[int]:
 
 # ----------------------------------------------------------------------------- payloads
 
+_ALIGN = 64  # each tensor's offset in the flat buffer (a uint8 slice can be viewed as any dtype)
+Entry = Tuple[str, int, int, str, Tuple[int, ...]]  # id, offset, bytes, dtype name, shape
+
+
 def _walk(x: Any, path: str, visit: Callable[[str, Any], Any]) -> Any:
     """A copy of the nested dicts/lists ``x`` with each leaf replaced by ``visit(path, leaf)``."""
     if isinstance(x, dict):
@@ -97,97 +105,204 @@ def _leaf_id(path: str, leaf: Any) -> str:
     return f"c:{path}"
 
 
-def snapshot(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
-    """This rank's entries of ``sharded_state_dict``, tensors copied to CPU: id -> value."""
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rsplit(".", 1)[-1])
+
+
+def _slot(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The tensor ``entry`` describes, a view of ``flat``."""
+    _, offset, nbytes, dtype, shape = entry
+    return flat[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
+
+
+class Snapshot:
+    """This rank's state as one flat uint8 buffer (every tensor, aligned) and a header: the
+    layout of the buffer and the other values, pickled. ``buffer``: a flat buffer to reuse
+    when it is large enough (no new pages to fault in at every save)."""
+
+    def __init__(self, sharded_state_dict: ShardedStateDict, buffer: Optional[torch.Tensor] = None):
+        tensors: List[Tuple[str, torch.Tensor]] = []
+        values: Dict[str, Any] = {}
+
+        def visit(path: str, leaf: Any) -> None:
+            ident = _leaf_id(path, leaf)
+            if isinstance(leaf, ShardedTensor):
+                if leaf.data is None:
+                    raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
+                tensors.append((ident, leaf.data.detach()))
+            elif isinstance(leaf, torch.Tensor):
+                tensors.append((ident, leaf.detach()))
+            elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
+                raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} "
+                                             f"at {path} is not supported; apply the factory first")
+            else:
+                values[ident] = leaf.data if isinstance(leaf, ShardedObject) else leaf
+
+        _walk(sharded_state_dict, "", visit)
+        self.layout: List[Entry] = []
+        size = 0
+        for ident, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            self.layout.append((ident, size, nbytes, str(t.dtype), tuple(t.shape)))
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self.flat = buffer[:size] if buffer is not None and buffer.numel() >= size else torch.empty(size, dtype=torch.uint8)
+        for entry, (_, t) in zip(self.layout, tensors):
+            _slot(self.flat, entry).copy_(t)
+        self.header = pickle.dumps({"layout": self.layout, "values": values})
+        self.checksum: Optional[int] = None  # of the tensor bytes (set by the writer)
+
+
+def flat_checksum(flat: torch.Tensor, layout: List[Entry]) -> int:
+    """xxh3-64 of the tensor bytes of ``flat`` in layout order (padding excluded)."""
+    hasher = new_hasher()
+    data = flat.numpy()
+    for _, offset, nbytes, _, _ in layout:
+        hasher.update(data[offset:offset + nbytes])
+    return hasher.intdigest()
+
+
+def _targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-
-    def visit(path: str, leaf: Any) -> None:
-        if isinstance(leaf, ShardedTensor):
-            if leaf.data is None:
-                raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
-            value: Any = leaf.data.detach().to("cpu", copy=True)
-        elif isinstance(leaf, ShardedObject):
-            value = leaf.data
-        elif isinstance(leaf, torch.Tensor):
-            value = leaf.detach().to("cpu", copy=True)
-        elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
-            raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} at "
-                                         f"{path} is not supported; apply the factory first")
-        else:
-            value = leaf
-        out[_leaf_id(path, leaf)] = value
-
-    _walk(sharded_state_dict, "", visit)
+    _walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(_leaf_id(path, leaf), leaf))
     return out
 
 
-def serialize(entries: Dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(entries, buf)
-    return buf.getvalue()
+def _target_tensor(leaf: Any, entry: Entry, rank: int) -> torch.Tensor:
+    ident, _, _, dtype, shape = entry
+    tensor = leaf.data if isinstance(leaf, ShardedTensor) else leaf
+    if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != dtype or tuple(tensor.shape) != tuple(shape):
+        got = (tuple(tensor.shape), str(tensor.dtype)) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CheckpointingException(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
+                                     f"the state to load into has {got}")
+    return tensor
 
 
-def deserialize(data: bytes, where: str) -> Dict[str, Any]:
-    try:
-        return torch.load(io.BytesIO(data), weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a damaged copy
-        raise CheckpointingException(f"Local tier: cannot read {where}: {e}") from e
-
-
-def fill(sharded_state_dict: ShardedStateDict, entries: Dict[str, Any], rank: int) -> Any:
-    """``sharded_state_dict`` with each leaf replaced by its saved value (ShardedTensors:
-    their own ``data``, filled in place), as ``dist_checkpointing.load`` returns it."""
+def _result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: int) -> Any:
+    """``sharded_state_dict`` as ``dist_checkpointing.load`` returns it: tensors (filled in
+    place) for ShardedTensors, saved values for the rest."""
 
     def visit(path: str, leaf: Any) -> Any:
         ident = _leaf_id(path, leaf)
-        if ident not in entries:
-            raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
-        value = entries[ident]
         if isinstance(leaf, ShardedTensor):
-            if leaf.data is None or leaf.data.shape != value.shape or leaf.data.dtype != value.dtype:
-                raise CheckpointingException(
-                    f"Local tier: rank {rank}: {leaf.key!r} was saved as {tuple(value.shape)} {value.dtype}, "
-                    f"expected {None if leaf.data is None else (tuple(leaf.data.shape), leaf.data.dtype)}")
-            leaf.data.copy_(value)
             return leaf.data
-        return value
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+        if ident not in values:
+            raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
+        return values[ident]
 
     return _walk(sharded_state_dict, "", visit)
 
 
+def _check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> None:
+    saved = {e[0] for e in header["layout"]} | set(header["values"])
+    missing = sorted(i for i, leaf in targets.items() if i not in saved)
+    if missing:
+        raise CheckpointingException(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
+
+
+def fill_from_flat(sharded_state_dict: ShardedStateDict, flat: torch.Tensor, header: Dict[str, Any],
+                   rank: int) -> Any:
+    """Copy a received flat buffer into ``sharded_state_dict``'s tensors."""
+    targets = _targets(sharded_state_dict)
+    _check_ids(targets, header, rank)
+    for entry in header["layout"]:
+        if entry[0] in targets:
+            _target_tensor(targets[entry[0]], entry, rank).copy_(_slot(flat, entry))
+    return _result(sharded_state_dict, header["values"], rank)
+
+
 # ----------------------------------------------------------------------------- files
 
-def write_copy(node_dir: str, step: int, owner: int, world: int, data: bytes) -> None:
-    """Write ``owner``'s payload of ``step`` and then its marker, atomically."""
-    storage = storage_for(os.path.join(node_dir, local_step_dir(step)))
-    marker = {"step": step, "owner": owner, "world": world, "length": len(data),
-              "algorithm": "xxh3_64", "checksum": f"{checksum(data):016x}"}
+def _step_storage(node_dir: str, step: int) -> Storage:
+    return storage_for(os.path.join(node_dir, local_step_dir(step)))
+
+
+def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Tensor, header: bytes,
+               flat_sum: int) -> None:
+    """Write ``owner``'s flat buffer of ``step`` and then its marker (the header, the
+    checksums), atomically."""
+    storage = _step_storage(node_dir, step)
+    marker = {"step": step, "owner": owner, "world": world, "length": flat.numel(), "algorithm": "xxh3_64",
+              "checksum": f"{flat_sum:016x}", "header": base64.b64encode(header).decode(),
+              "header_checksum": f"{checksum(header):016x}"}
     try:
         storage.make_root()
-        storage.write_atomic(payload_name(owner), data)
+        storage.write_atomic(payload_name(owner), byte_view(flat.numpy()))
         storage.write_atomic(marker_name(owner), json.dumps(marker).encode())
     except OSError as e:
         raise CheckpointingException(
             f"Local tier: cannot write rank {owner}'s copy of step {step} to {storage.describe()}: {e}") from e
 
 
-def read_copy(node_dir: str, marker: Dict[str, Any]) -> bytes:
-    """The verified payload a marker describes; :class:`CheckpointingException` if it is
-    missing, short or fails its checksum."""
-    storage = storage_for(os.path.join(node_dir, local_step_dir(marker["step"])))
+def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
+    """The pickled header a marker holds, and its content (checksum verified)."""
+    header = base64.b64decode(marker["header"])
+    if f"{checksum(header):016x}" != marker["header_checksum"]:
+        raise CheckpointingException(f"Local tier: the marker of rank {marker['owner']}'s copy of step "
+                                     f"{marker['step']} in {node_dir} fails its checksum")
+    return header, pickle.loads(header)
+
+
+def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = reader.readinto(buf[done:], offset + done)
+        if n <= 0:
+            raise CheckpointingException(f"Local tier: {where} is shorter than its marker says")
+        done += n
+
+
+def read_copy(node_dir: str, marker: Dict[str, Any],
+              sharded_state_dict: Optional[ShardedStateDict] = None, rank: int = -1) -> Tuple[Any, bytes]:
+    """Read the copy a marker describes, verifying its checksum: into the tensors of
+    ``sharded_state_dict`` when given (returns its loaded form), else into a new flat
+    buffer (returns it); with the pickled header. :class:`CheckpointingException` if it is
+    missing, short or damaged."""
+    storage = _step_storage(node_dir, marker["step"])
     name = payload_name(marker["owner"])
+    header, content = read_header(node_dir, marker)
+    hasher = new_hasher()
     try:
-        data = storage.read_bytes(name)
+        reader = storage.open_reader(name)
     except OSError as e:
         raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
-    if len(data) != marker["length"] or f"{checksum(data):016x}" != marker["checksum"]:
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        if sharded_state_dict is None:
+            out: Any = torch.empty(marker["length"], dtype=torch.uint8)
+            _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+            for _, offset, nbytes, _, _ in content["layout"]:
+                hasher.update(out.numpy()[offset:offset + nbytes])
+        else:
+            targets = _targets(sharded_state_dict)
+            _check_ids(targets, content, rank)
+            for entry in content["layout"]:
+                if entry[0] not in targets:
+                    continue
+                tensor = _target_tensor(targets[entry[0]], entry, rank)
+                dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
+                    tensor, device="cpu", memory_format=torch.contiguous_format)
+                view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
+                _read_all(reader, view, entry[1], storage.describe(name))
+                hasher.update(view)
+                if dest is not tensor:
+                    tensor.copy_(dest)
+            out = _result(sharded_state_dict, content["values"], rank)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    finally:
+        reader.close()
+    if f"{hasher.intdigest():016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {storage.describe(name)} fails its checksum")
-    return data
+    return out, header
 
 
 def scan(node_dir: str) -> List[Dict[str, Any]]:
     """The markers found in a node-local directory (unreadable ones are skipped)."""
-    found = []
+    found: List[Dict[str, Any]] = []
     root = storage_for(node_dir)
     if root.kind() != "dir":
         return found
@@ -207,7 +322,7 @@ def scan(node_dir: str) -> List[Dict[str, Any]]:
 def remove_copies(node_dir: str, step: int, owners: Sequence[int]) -> None:
     """Delete ``owners``' files of ``step`` (marker first), then the step's directory if
     it is empty; errors are logged."""
-    storage = storage_for(os.path.join(node_dir, local_step_dir(step)))
+    storage = _step_storage(node_dir, step)
     for owner in owners:
         for name in (marker_name(owner), payload_name(owner)):
             try:
@@ -281,6 +396,7 @@ class LocalTier:
         self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
         self.complete: List[int] = []  # steps complete in the local tier (this run)
         self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
+        self._buffer: Optional[torch.Tensor] = None  # the snapshot buffer, reused once the save in flight is done
 
     def _check_writable(self) -> None:
         probe = f".probe_rank_{self.rank:05d}"
@@ -297,20 +413,25 @@ class LocalTier:
         return step % self.interval == 0 and step > max(self.complete, default=-1)
 
     def save(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
-        """Snapshot this rank's state (blocking) and write and replicate it in the background."""
-        entries = run_agreed(lambda: snapshot(sharded_state_dict), f"Local tier: saving step {step}")
+        """Snapshot this rank's state (blocking: one copy into a reused flat buffer) and
+        write and replicate it in the background."""
+        snap = run_agreed(lambda: Snapshot(sharded_state_dict, self._buffer), f"Local tier: saving step {step}")
+        self._buffer = snap.flat if self._buffer is None or snap.flat.numel() > self._buffer.numel() else self._buffer
         errors: List[BaseException] = []
 
         def work() -> None:
             try:
-                data = serialize(entries)
-                write_copy(self.node_dir, step, self.rank, self.world, data)
-                message = {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+                flat_sum = flat_checksum(snap.flat, snap.layout)
+                write_copy(self.node_dir, step, self.rank, self.world, snap.flat, snap.header, flat_sum)
+                message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
                 received = exchange(self.transport, {dst: message for dst in self.sends_to}, self.receives_from)
-                for src, state in received.items():
+                for src, got in received.items():
                     if os.environ.get(FAIL_RECV_ENV) in (str(step), "any"):
                         raise CheckpointingException(f"Local tier: injected failure storing rank {src}'s replica")
-                    write_copy(self.node_dir, step, src, self.world, state["data"].numpy().tobytes())
+                    layout = pickle.loads(got["header"])["layout"]
+                    if flat_checksum(got["data"], layout) != got["checksum"]:
+                        raise CheckpointingException(f"Local tier: rank {src}'s replica of step {step} arrived damaged")
+                    write_copy(self.node_dir, step, src, self.world, got["data"], got["header"], got["checksum"])
             except BaseException as e:  # noqa: BLE001 - reported at finalize
                 errors.append(e)
 
