@@ -2,7 +2,7 @@
 ``torch.distributed.run`` agents, one per simulated node; the node's local directory is
 ``$TWO_TIER_NODE_DIR`` (set per agent), nodes come from torchrun's ``LOCAL_WORLD_SIZE``.
 
-``train ROOT STEPS OUT``: save steps 1..STEPS (local every step, persistent every 2);
+``train ROOT STEPS OUT``: save steps 1..STEPS (local every step, persistent every 3);
 ``restore ROOT - OUT``: load and check bit-exactly. Each rank writes ``OUT/rank_{rank}.json``.
 """
 
@@ -32,7 +32,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node_dir = os.environ["TWO_TIER_NODE_DIR"]
     report = {"rank": rank, "node_dir": node_dir, "group_rank": int(os.environ["GROUP_RANK"])}
-    with CheckpointManager(root, save_interval_steps=2, local_dir=node_dir, local_interval=1,
+    with CheckpointManager(root, save_interval_steps=3, local_dir=node_dir, local_interval=1,
                            replication_factor=2) as mgr:
         if mode == "train":
             for step in range(1, int(steps) + 1):

@@ -38,6 +38,7 @@ from ..sharded_tensor import ShardedTensor
 from ..storage import Storage, storage_for
 from ..storage.base import byte_view
 from ..transport import PGTransport
+from .crash import crash_point
 
 logger = logging.getLogger(__name__)
 
@@ -421,6 +422,7 @@ class LocalTier:
 
         def work() -> None:
             try:
+                crash_point("local", step)
                 flat_sum = flat_checksum(snap.flat, snap.layout)
                 write_copy(self.node_dir, step, self.rank, self.world, snap.flat, snap.header, flat_sum)
                 message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
