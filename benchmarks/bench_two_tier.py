@@ -1,8 +1,8 @@
 """Two-tier checkpointing: the local tier's save and restore against the persistent tier's.
 
 World ``--world`` (default 4) spawned gloo ranks, 2 simulated nodes (ranks split in two
-halves: ``node_of_rank``), each node with its own directory under ``--dir`` (the same disk
-as the persistent root, never tmpfs). State: ``--size-mib`` MiB of float32 tensors in all
+halves: ``node_of_rank``), each node with its own directory under ``--local-base`` (default
+``--dir``: the same disk as the persistent root; ``/dev/shm`` for node-local memory). State: ``--size-mib`` MiB of float32 tensors in all
 (8 tensors per rank, each rank its own shard). Per round, interleaved in rotating order:
 
 * saves: ``local`` = ``CheckpointManager(local_dir=, local_interval=1, replication_factor=2)
@@ -90,25 +90,26 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
     nodes = [r * 2 // world for r in range(world)]
     state = _state(rank, world, args.size_mib, fill=True)
     target = _state(rank, world, args.size_mib, fill=False)
-    node1 = scratch / "node1"
+    local_base = Path(args.local_dir)
+    node1 = local_base / "node1"
     rounds: List[Dict[str, float]] = []
     checks: Dict[str, object] = {}
     two_tier = CheckpointManager(str(scratch / "two_tier_root"), save_interval_steps=10**9,
-                                 local_dir=str(scratch / "node{node}"), local_interval=1,
+                                 local_dir=str(local_base / "node{node}"), local_interval=1,
                                  replication_factor=2, node_of_rank=nodes)
     persistent = CheckpointManager(str(scratch / "persistent_root"), async_save=True, keep_last=1)
 
     def moved_away(fn: Callable[[], Tuple[float, Tuple[str, int], bool]]):
         dist.barrier()
         if rank == 0:
-            node1.rename(scratch / "node1_away")
+            node1.rename(local_base / "node1_away")
         dist.barrier()
         try:
             return fn()
         finally:
             dist.barrier()
             if rank == 0:
-                (scratch / "node1_away").rename(node1)
+                (local_base / "node1_away").rename(node1)
             dist.barrier()
 
     loads = {"own": lambda: _timed_load(two_tier, target, state),
@@ -147,21 +148,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size-mib", type=float, default=256.0)
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--local-base", default=None, help="where the node-local directories go (default: under --dir)")
     add_scratch_and_output_flags(ap, HERE.parent.parent / "bench_tmp", HERE / "results" / "bench_two_tier.json")
     args = ap.parse_args()
     base = Path(args.dir)
     base.mkdir(parents=True, exist_ok=True)
     args.dir = tempfile.mkdtemp(prefix="bench_two_tier_", dir=base)
+    args.local_dir = tempfile.mkdtemp(prefix="bench_two_tier_local_", dir=args.local_base or args.dir)
     started = datetime.datetime.now().astimezone()
     before = os.getloadavg()
     try:
         result = spawn_ranks(_worker, args.world, args)
     finally:
+        shutil.rmtree(args.local_dir, ignore_errors=True)
         shutil.rmtree(args.dir, ignore_errors=True)
     after = os.getloadavg()
     rounds = result["rounds"]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    print(f"world {args.world}, 2 simulated nodes, {args.size_mib:g} MiB in all, {args.rounds} rounds, medians (s)")
+    print(f"world {args.world}, 2 simulated nodes, {args.size_mib:g} MiB in all, {args.rounds} rounds, medians (s); "
+          f"local dirs under {args.local_base or '--dir'}")
     print(f"{'save':<18}{'blocking':>10}{'completion':>12}")
     for name in ("local", "persistent_async"):
         print(f"{name:<18}{med[name + '_blocking']:>10.3f}{med[name + '_completion']:>12.3f}")

@@ -8,7 +8,7 @@ buffer's layout and the other values: ShardedObjects' data by unique key, the re
 path, pickled) — goes raw into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``, then
 a marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64
 checksums of both) is written last, both atomically. The snapshot is taken while ``save``
-blocks; checksumming, writing and replicating happen in a background thread, over a
+blocks; checksumming, writing (the own copy while replicating) and replicating happen in a background thread, over a
 process group of its own.
 A step counts in the local tier once every rank has written its own copy and every
 replica (agreed at :meth:`LocalTier.finalize`); a step that failed anywhere is removed
@@ -24,6 +24,7 @@ import os
 import pickle
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -424,9 +425,12 @@ class LocalTier:
             try:
                 crash_point("local", step)
                 flat_sum = flat_checksum(snap.flat, snap.layout)
-                write_copy(self.node_dir, step, self.rank, self.world, snap.flat, snap.header, flat_sum)
                 message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
-                received = exchange(self.transport, {dst: message for dst in self.sends_to}, self.receives_from)
+                with ThreadPoolExecutor(1, thread_name_prefix="local-tier-write") as pool:  # own copy while replicating
+                    own = pool.submit(write_copy, self.node_dir, step, self.rank, self.world, snap.flat, snap.header,
+                                      flat_sum)
+                    received = exchange(self.transport, {dst: message for dst in self.sends_to}, self.receives_from)
+                    own.result()
                 for src, got in received.items():
                     if os.environ.get(FAIL_RECV_ENV) in (str(step), "any"):
                         raise CheckpointingException(f"Local tier: injected failure storing rank {src}'s replica")
