@@ -158,3 +158,22 @@ def test_world_size_mismatch_names_the_persistent_step(tmp_path):
     assert_all_raise(errors, 2, "saved by 4 ranks, this run has 2", "persistent step 0")
     for e in errors:
         assert isinstance(e, CheckpointingException)
+
+
+def _restore_other_shape(rank: int, world: int, root: str, local: str, ranks: list) -> None:
+    state = _state(rank, world, 0, fill=False)
+    if rank in ranks:
+        state["model"]["w"] = ShardedTensor.from_rank_offsets("w", torch.zeros(64, 34), (0, rank, world))
+    with _manager(rank, root, local, NODES2) as m:
+        m.load(state)
+
+
+def test_a_state_of_another_layout_is_an_error_not_a_damaged_copy(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    pool.run(_train, root, local, NODES2, [1])  # no persistent step to fall back to
+    errors = pool.run_expect_error(_restore_other_shape, root, local, [0, 1, 2, 3])
+    assert_all_raise(errors, 4, "'w@0,0' was saved as (64, 33) torch.float32, the state to load into has (64, 34)")
+    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 receive from partners: the transport refuses the shape
+    errors = pool.run_expect_error(_restore_other_shape, root, local, [2, 3])
+    assert_all_raise(errors, 4, "restoring step 1 failed", "rank 2", "(64, 34)", "refused")

@@ -9,28 +9,34 @@
    into the rank's tensors), else a partner's replica (read into a buffer); each holder
    verifies (checksum) what it reads; failures are agreed, and the next holder of that
    rank's copy is tried.
-4. Holders send the replicas to their owners over the local tier's group; each owner
-   verifies the checksum again and copies them into its ``sharded_state_dict``. If some rank's copy is nowhere valid, every rank gets
+4. Holders send the replicas to their owners over the local tier's group, straight into
+   the owners' tensors (the transport's in-place receive); each owner verifies the
+   checksum again. If some rank's copy is nowhere valid, every rank gets
    ``None``: the caller falls back to the persistent tier.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..collectives import all_gather_object, run_agreed
+import torch
+
+from ..collectives import all_gather_object, raise_if_any, run_agreed
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
-from .local_tier import LocalTier, exchange, fill_from_flat, flat_checksum, read_copy, scan
+from ..transport import PGTransport
+from .local_tier import LayoutMismatch, LocalTier, exchange, fill_received, partners, read_copy, receiving_state, scan, wire_state
 
 logger = logging.getLogger(__name__)
 
 
-def _holders(gathered: List[List[Dict[str, Any]]], step: int, world: int) -> Optional[Dict[int, List[int]]]:
-    """owner -> the ranks holding its copy of ``step`` (the owner first), or ``None`` when
-    some owner's copy is held nowhere."""
+def _holders(gathered: List[List[Dict[str, Any]]], step: int, tier: LocalTier) -> Optional[Dict[int, List[int]]]:
+    """owner -> the ranks holding its copy of ``step`` (the owner first, then its partners —
+    so that the replicas are served by as many ranks as there are lost copies — then the
+    others, e.g. the partner's node-mates), or ``None`` when some owner's copy is held
+    nowhere."""
+    world = tier.world
     holders: Dict[int, List[int]] = {o: [] for o in range(world)}
     for holder, markers in enumerate(gathered):
         for m in markers:
@@ -38,7 +44,9 @@ def _holders(gathered: List[List[Dict[str, Any]]], step: int, world: int) -> Opt
                 holders[m["owner"]].append(holder)
     if any(not h for h in holders.values()):
         return None
-    return {o: sorted(h, key=lambda r: (r != o, r)) for o, h in holders.items()}
+    copies = len(tier.sends_to)
+    return {o: sorted(h, key=lambda r: (r != o, r not in partners(tier.node_of_rank, o, copies), r))
+            for o, h in holders.items()}
 
 
 def _check_world(gathered: List[List[Dict[str, Any]]], world: int, newer_than: int,
@@ -62,17 +70,21 @@ def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]], mine: Dict
     choice = {o: 0 for o in holders}
     loaded: Dict[int, Any] = {}  # owner -> what this rank read for it (itself: its state)
     while True:
-        failed = []
+        failed, mismatch = [], None
         for owner in [o for o, h in holders.items() if h[choice[o]] == tier.rank and o not in loaded]:
             try:
                 if owner == tier.rank:
                     loaded[owner] = read_copy(tier.node_dir, mine[owner], sharded_state_dict, tier.rank)[0]
                 else:
                     loaded[owner] = read_copy(tier.node_dir, mine[owner])
+            except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
+                mismatch = str(e)
             except CheckpointingException as e:
                 logger.warning("Local tier: %s", e)
                 failed.append(owner)
-        all_failed = [o for f in all_gather_object(failed) for o in f]
+        reports = all_gather_object((failed, mismatch))
+        raise_if_any([m for _, m in reports], f"Local tier: restoring step {step}")
+        all_failed = [o for f, _ in reports for o in f]
         if not all_failed:
             break
         for owner in all_failed:
@@ -80,20 +92,18 @@ def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]], mine: Dict
             if choice[owner] == len(holders[owner]):
                 logger.warning("Local tier: no valid copy of rank %d's shards of step %d", owner, step)
                 return False, None
-    sends = {o: {"data": flat, "header": header, "checksum": int(mine[o]["checksum"], 16)}
-             for o, (flat, header) in ((o, v) for o, v in loaded.items() if o != tier.rank)}
+    sends = {o: wire_state(*loaded[o], int(mine[o]["checksum"], 16)) for o in loaded if o != tier.rank}
     source = holders[tier.rank][choice[tier.rank]]
 
     def transfer_and_fill() -> Any:
-        received = exchange(tier.transport, sends, [source] if source != tier.rank else [])
         if source == tier.rank:
+            exchange(tier.transport, sends, [])
             return loaded[tier.rank]
-        got = received[source]
-        content = pickle.loads(got["header"])
-        if flat_checksum(got["data"], content["layout"]) != got["checksum"]:
-            raise CheckpointingException(f"Local tier: rank {tier.rank}'s copy of step {step} arrived damaged "
-                                         f"from rank {source}")
-        return fill_from_flat(sharded_state_dict, got["data"], content, tier.rank)
+        into = receiving_state(sharded_state_dict)  # received straight into this rank's tensors
+        transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"), state_dict=lambda: into)
+        received = exchange(transport, sends, [source])[source]
+        return fill_received(sharded_state_dict, received, tier.rank,
+                             f"rank {tier.rank}'s copy of step {step} from rank {source}")
 
     return True, run_agreed(transfer_and_fill, f"Local tier: restoring step {step}")
 
@@ -108,7 +118,7 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
     _check_world(gathered, tier.world, newer_than, persistent_step)
     steps = sorted({m["step"] for ms in gathered for m in ms if m["step"] > newer_than}, reverse=True)
     for step in steps:
-        holders = _holders(gathered, step, tier.world)
+        holders = _holders(gathered, step, tier)
         if holders is None:
             logger.warning("Local tier: step %d is incomplete (some rank's copy is held nowhere)", step)
             continue

@@ -154,13 +154,36 @@ class Snapshot:
         self.checksum: Optional[int] = None  # of the tensor bytes (set by the writer)
 
 
+def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:
+    """xxh3-64 of the bytes of ``tensors`` (CPU), one after the other."""
+    hasher = new_hasher()
+    for t in tensors:
+        hasher.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.intdigest()
+
+
 def flat_checksum(flat: torch.Tensor, layout: List[Entry]) -> int:
     """xxh3-64 of the tensor bytes of ``flat`` in layout order (padding excluded)."""
-    hasher = new_hasher()
-    data = flat.numpy()
-    for _, offset, nbytes, _, _ in layout:
-        hasher.update(data[offset:offset + nbytes])
-    return hasher.intdigest()
+    return tensors_checksum([flat[offset:offset + nbytes] for _, offset, nbytes, _, _ in layout])
+
+
+def wire_state(flat: torch.Tensor, header: bytes, flat_sum: int) -> Dict[str, Any]:
+    """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
+    header and the checksum."""
+    layout = pickle.loads(header)["layout"]
+    return {"tensors": {e[0]: _slot(flat, e) for e in sorted(layout)}, "header": header, "checksum": flat_sum}
+
+
+def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    """The receiver's side of :func:`wire_state`: its own tensors, filled in place."""
+    tensors = {i: (leaf.data if isinstance(leaf, ShardedTensor) else leaf)
+               for i, leaf in sorted(_targets(sharded_state_dict).items())
+               if isinstance(leaf, (ShardedTensor, torch.Tensor))}
+    return {"tensors": tensors, "header": b"", "checksum": 0}
+
+
+class LayoutMismatch(CheckpointingException):
+    """The state to load into does not match the saved one (not a damaged copy)."""
 
 
 def _targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
@@ -173,8 +196,8 @@ def _target_tensor(leaf: Any, entry: Entry, rank: int) -> torch.Tensor:
     ident, _, _, dtype, shape = entry
     tensor = leaf.data if isinstance(leaf, ShardedTensor) else leaf
     if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != dtype or tuple(tensor.shape) != tuple(shape):
-        got = (tuple(tensor.shape), str(tensor.dtype)) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise CheckpointingException(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
+        got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise LayoutMismatch(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
                                      f"the state to load into has {got}")
     return tensor
 
@@ -200,17 +223,16 @@ def _check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> No
     saved = {e[0] for e in header["layout"]} | set(header["values"])
     missing = sorted(i for i, leaf in targets.items() if i not in saved)
     if missing:
-        raise CheckpointingException(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
+        raise LayoutMismatch(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
 
 
-def fill_from_flat(sharded_state_dict: ShardedStateDict, flat: torch.Tensor, header: Dict[str, Any],
-                   rank: int) -> Any:
-    """Copy a received flat buffer into ``sharded_state_dict``'s tensors."""
-    targets = _targets(sharded_state_dict)
-    _check_ids(targets, header, rank)
-    for entry in header["layout"]:
-        if entry[0] in targets:
-            _target_tensor(targets[entry[0]], entry, rank).copy_(_slot(flat, entry))
+def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], rank: int, what: str) -> Any:
+    """``sharded_state_dict`` loaded from a :func:`wire_state` received in place; its
+    checksum verified."""
+    header = pickle.loads(received["header"])
+    _check_ids(_targets(sharded_state_dict), header, rank)
+    if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != received["checksum"]:
+        raise CheckpointingException(f"Local tier: {what} arrived damaged")
     return _result(sharded_state_dict, header["values"], rank)
 
 
@@ -344,22 +366,25 @@ def remove_copies(node_dir: str, step: int, owners: Sequence[int]) -> None:
 def exchange(transport: PGTransport, sends: Dict[int, Any], sources: Sequence[int]) -> Dict[int, Any]:
     """Send ``sends[dst]`` to each ``dst`` while receiving one state from each of
     ``sources`` (in a helper thread, so that pairs sending to each other do not wait on
-    each other). Raises the first error of either side."""
+    each other). Raises the first error of either side, after every send was tried."""
     received: Dict[int, Any] = {}
     errors: List[BaseException] = []
 
     def receive() -> None:
-        try:
-            for src in sources:
+        for src in sources:  # every sender is answered, whatever the others do
+            try:
                 received[src] = transport.recv_checkpoint(src)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
 
     thread = threading.Thread(target=receive, name="local-tier-recv", daemon=True)
     thread.start()
     try:
-        for dst, state in sends.items():
-            transport.send_checkpoint([dst], state)
+        for dst, state in sends.items():  # every receiver gets its transfer (or its refusal), whatever the others do
+            try:
+                transport.send_checkpoint([dst], state)
+            except CheckpointingException as e:
+                errors.append(e)
     finally:
         thread.join()
     if errors:
@@ -395,6 +420,7 @@ class LocalTier:
         self.receives_from = [r for r in range(self.world) if self.rank in partners(nodes, r, replication_factor - 1)]
         run_agreed(self._check_writable, "Local tier")
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.timeout = timeout
         self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
         self.complete: List[int] = []  # steps complete in the local tier (this run)
         self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
