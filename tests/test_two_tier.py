@@ -177,3 +177,35 @@ def test_a_state_of_another_layout_is_an_error_not_a_damaged_copy(tmp_path):
     shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 receive from partners: the transport refuses the shape
     errors = pool.run_expect_error(_restore_other_shape, root, local, [2, 3])
     assert_all_raise(errors, 4, "restoring step 1 failed", "rank 2", "(64, 34)", "refused")
+
+
+def _train_while_node0_dir_breaks(rank: int, world: int, root: str, local: str) -> tuple:
+    import torch.distributed as dist
+    node0 = Path(local.format(node=0))
+    with CheckpointManager(root, save_interval_steps=2, local_dir=local, local_interval=1, replication_factor=2,
+                           node_of_rank=NODES2) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait_until_finished()
+        dist.barrier()
+        if rank == 0:  # node 0's local file system fails: its path is no longer a directory
+            shutil.rmtree(node0)
+            node0.write_text("not a directory")
+        dist.barrier()
+        m.save(2, _state(rank, world, 2))  # local (fails on node 0) and persistent
+        m.wait_until_finished()
+        broken = (list(m.local.complete), m.all_steps())
+        dist.barrier()
+        if rank == 0:
+            node0.unlink()
+        dist.barrier()
+        m.save(3, _state(rank, world, 3))  # training goes on
+        m.wait_until_finished()
+        return broken, list(m.local.complete)
+
+
+def test_a_failing_local_file_system_loses_the_local_step_only(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_train_while_node0_dir_breaks, root, local) == [(([1], [2]), [1, 3])] * 4
+    assert not (tmp_path / "node1" / "local_0000002").exists()  # the replicas written on node 1 were removed
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
