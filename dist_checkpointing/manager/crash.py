@@ -10,8 +10,9 @@ import signal
 CRASH_ENV = "DIST_CKPT_MANAGER_CRASH"
 #: ``save``: the async save is writing; ``finalize``: every rank wrote its data, before the
 #: commit; ``tracker``: committed and indexed, before the tracker is replaced; ``delete``:
-#: a checkpoint's metadata.json is deleted, the rest is not.
-POINTS = ("save", "finalize", "tracker", "delete")
+#: a checkpoint's metadata.json is deleted, the rest is not; ``local``: a local-tier save's
+#: background work starts (nothing of the step written by this rank yet).
+POINTS = ("save", "finalize", "tracker", "delete", "local")
 
 
 def crash_point(point: str, step: int) -> None:

@@ -29,6 +29,8 @@ from .layout import (
     CONTENT_KEY, RELEASE, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
     write_tracker,
 )
+from .local_restore import restore as restore_local
+from .local_tier import LocalTier
 from .lock import RootLock
 from .retention import RetentionPolicy, check_positive, metric_value
 from .worker import RootWorker
@@ -87,6 +89,13 @@ class CheckpointManager:
             finished it (finalized at the next ``save``, ``load``, :meth:`wait_until_finished`
             or :meth:`close`).
         storage_options: options of the object store client (``s3://`` roots).
+        local_dir, local_interval, replication_factor, node_of_rank: two-tier mode (both
+            ``local_dir`` and ``local_interval`` given): every ``local_interval`` steps each
+            rank also writes its own shards to ``local_dir`` (node-local; ``{node}`` and
+            ``{rank}`` are replaced) and replicates them to ``replication_factor - 1`` ranks on
+            other nodes (``node_of_rank``: each rank's node; default from torchrun's
+            ``LOCAL_WORLD_SIZE``); :meth:`load` restores the newest step of either tier
+            (:mod:`.local_tier`).
 
     Collective (every rank calls them): the constructor, :meth:`save`, :meth:`load`,
     :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
@@ -98,7 +107,9 @@ class CheckpointManager:
     def __init__(self, root: Location, *, save_interval_steps: Optional[int] = None, keep_last: Optional[int] = None,
                  keep_every_n_steps: Optional[int] = None, keep_best: Optional[int] = None,
                  best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
-                 storage_options: Optional[Dict[str, Any]] = None):
+                 storage_options: Optional[Dict[str, Any]] = None, local_dir: Optional[Location] = None,
+                 local_interval: Optional[int] = None, replication_factor: int = 1,
+                 node_of_rank: Optional[List[int]] = None):
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
         check_positive("save_interval_steps", save_interval_steps)
         self.save_interval_steps = save_interval_steps
@@ -119,6 +130,17 @@ class CheckpointManager:
             self._worker = RootWorker(self.storage, self._child)
             for name in leftovers:
                 self._worker.delete(name, committed=False)
+        self.local: Optional[LocalTier] = None  # two-tier mode
+        self.restored_from: Optional[Tuple[str, int]] = None  # ("local" | "persistent", step) of the last load
+        if (local_dir is None) != (local_interval is None):
+            raise CheckpointingException("CheckpointManager: two-tier mode needs both local_dir and local_interval")
+        if local_dir is not None:
+            check_positive("local_interval", local_interval)
+            try:
+                self.local = LocalTier(os.fspath(local_dir), local_interval, replication_factor, node_of_rank)
+            except BaseException:
+                self.close(abort=True)
+                raise
 
     # -- storage ---------------------------------------------------------------------------
     def _open(self, location: str) -> Storage:
@@ -261,8 +283,9 @@ class CheckpointManager:
         if not _same_on_every_rank(agreed):
             raise CheckpointingException(
                 f"CheckpointManager: the ranks pass different steps to save (rank {self._rank}: step {step})")
+        saved_locally = self._save_local(step, sharded_state_dict)
         if not do_save:
-            return False
+            return saved_locally
         metrics = broadcast_object(metrics)  # rank 0's
         content = dict(content_metadata or {})
         content[CONTENT_KEY] = {"step": step, "metrics": metrics}
@@ -284,6 +307,17 @@ class CheckpointManager:
         request.add_finalize_fn(commit)
         self._queue.schedule_async_request(request)
         crash_point("save", step)
+        return True
+
+    def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> bool:
+        """Two-tier mode: finalize the local save in flight, then start ``step``'s if it is
+        on the local interval (every rank decides alike)."""
+        if self.local is None:
+            return False
+        self.local.finalize()
+        if not self.local.should_save(step):
+            return False
+        self.local.save(step, sharded_state_dict)
         return True
 
     def _after_commit_fn(self, step: int, metrics: Metrics) -> Callable[[], None]:
@@ -347,6 +381,8 @@ class CheckpointManager:
         background deletions."""
         self._check_open()
         self._finalize(blocking=True)
+        if self.local is not None:
+            self.local.finalize()
         if self._worker is not None:
             self._worker.wait()
 
@@ -368,9 +404,21 @@ class CheckpointManager:
              strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED) -> Any:
         """Load ``step`` (default: the newest complete checkpoint) into ``sharded_state_dict``
         (collective; rank 0's choice of step is used on every rank); returns what
-        :func:`dist_checkpointing.load` returns. The step is not deleted while it loads."""
+        :func:`dist_checkpointing.load` returns. The step is not deleted while it loads.
+
+        Two-tier mode, without ``step``: the newest step complete in either tier; from the
+        local tier when it is newer than every persistent checkpoint and every rank's copy
+        (own or replica) is found intact, else from the persistent tier (on every rank
+        alike). :attr:`restored_from` tells which."""
         self._check_open()
         self._finalize(blocking=True)
+        if self.local is not None and step is None:
+            self.local.finalize()
+            latest = self.latest_step()
+            restored = restore_local(self.local, sharded_state_dict, -1 if latest is None else latest, latest)
+            if restored is not None:
+                self.restored_from = ("local", restored[0])
+                return restored[1]
         with ExitStack() as held:
             def pick_and_hold() -> int:  # rank 0: the step, kept from deletion until every rank has read it
                 chosen = self._pick(step)
@@ -381,6 +429,7 @@ class CheckpointManager:
             chosen = _decided_on_rank0(pick_and_hold, "Loading")
             result = serialization.load(sharded_state_dict, self._checkpoint_dir(chosen), strict=strict)
             run_agreed(lambda: None, "Loading")  # every rank is done reading
+        self.restored_from = ("persistent", chosen)
         return result
 
     def load_common(self, step: Optional[int] = None) -> StateDict:
@@ -408,6 +457,8 @@ class CheckpointManager:
         try:
             if not abort:
                 self._finalize(blocking=True)
+                if self.local is not None:
+                    self.local.close()
         finally:
             self._closed = True
             if self._queue is not None:

@@ -1,0 +1,505 @@
+"""The local tier of two-tier checkpointing: frequent per-rank checkpoints in node-local
+directories, each replicated to partner ranks on other nodes over the process group.
+
+Every rank writes its own shards only (no cross-rank planning): a snapshot of its
+``sharded_state_dict`` — every tensor (ShardedTensors' local data, keyed by ``key`` and
+global offset) copied into one flat byte buffer, reused from save to save; a header (the
+buffer's layout and the other values: ShardedObjects' data by unique key, the rest by
+path, pickled) — goes raw into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``, then
+a marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64
+checksums of both) is written last, both atomically. The snapshot is taken while ``save``
+blocks; checksumming, writing (the own copy while replicating) and replicating happen in a background thread, over a
+process group of its own.
+A step counts in the local tier once every rank has written its own copy and every
+replica (agreed at :meth:`LocalTier.finalize`); a step that failed anywhere is removed
+everywhere and not counted. Restoring is in :mod:`.local_restore`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import get_rank, get_world_size, run_agreed
+from ..core import CheckpointingException
+from ..integrity import checksum, new_hasher
+from ..mapping import ShardedObject, ShardedStateDict
+from ..sharded_tensor import ShardedTensor
+from ..storage import Storage, storage_for
+from ..storage.base import byte_view
+from ..transport import PGTransport
+from .crash import crash_point
+
+logger = logging.getLogger(__name__)
+
+#: test-only fault: a rank whose environment sets this to a step (or ``any``) fails while
+#: storing a replica it received for that step (after the transfer).
+FAIL_RECV_ENV = "DIST_CKPT_LOCAL_FAIL_RECV"
+_STEP_DIR_RE = re.compile(r"^local_(\d{7,})$")
+_MARKER_RE = re.compile(r"^rank_(\d{5,})\.done$")
+
+
+def local_step_dir(step: int) -> str:
+    """The name of ``step``'s directory in a node-local directory."""
+    return f"local_{step:07d}"
+
+
+def payload_name(owner: int) -> str:
+    return f"rank_{owner:05d}.pt"
+
+
+def marker_name(owner: int) -> str:
+    return f"rank_{owner:05d}.done"
+
+
+def nodes_from_env(world: int) -> List[int]:
+    """Each rank's node from torchrun's ``LOCAL_WORLD_SIZE`` (ranks are numbered node by
+    node, as torchrun does); without it, one node per rank."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return [r // per_node for r in range(world)]
+
+
+def partners(node_of_rank: Sequence[int], rank: int, copies: int) -> List[int]:
+    """The ``copies`` ranks that hold replicas of ``rank``'s shards: the ranks with the
+    same index within their node on the next ``copies`` nodes (in node order, cyclically)."""
+    nodes = sorted(set(node_of_rank))
+    members = {n: [r for r, m in enumerate(node_of_rank) if m == n] for n in nodes}
+    mine = node_of_rank[rank]
+    index = members[mine].index(rank)
+    out = []
+    for k in range(1, copies + 1):
+        other = members[nodes[(nodes.index(mine) + k) % len(nodes)]]
+        out.append(other[index % len(other)])
+    return out
+
+
+# ----------------------------------------------------------------------------- payloads
+
+_ALIGN = 64  # each tensor's offset in the flat buffer (a uint8 slice can be viewed as any dtype)
+Entry = Tuple[str, int, int, str, Tuple[int, ...]]  # id, offset, bytes, dtype name, shape
+
+
+def _walk(x: Any, path: str, visit: Callable[[str, Any], Any]) -> Any:
+    """A copy of the nested dicts/lists ``x`` with each leaf replaced by ``visit(path, leaf)``."""
+    if isinstance(x, dict):
+        return {k: _walk(v, f"{path}/{k}", visit) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_walk(v, f"{path}/{i}", visit) for i, v in enumerate(x)]
+    return visit(path, x)
+
+
+def _leaf_id(path: str, leaf: Any) -> str:
+    if isinstance(leaf, ShardedTensor):
+        return f"t:{leaf.key}@{','.join(map(str, leaf.global_offset))}"
+    if isinstance(leaf, ShardedObject):
+        return f"o:{leaf.unique_key}"
+    return f"c:{path}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rsplit(".", 1)[-1])
+
+
+def _slot(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The tensor ``entry`` describes, a view of ``flat``."""
+    _, offset, nbytes, dtype, shape = entry
+    return flat[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
+
+
+class Snapshot:
+    """This rank's state as one flat uint8 buffer (every tensor, aligned) and a header: the
+    layout of the buffer and the other values, pickled. ``buffer``: a flat buffer to reuse
+    when it is large enough (no new pages to fault in at every save)."""
+
+    def __init__(self, sharded_state_dict: ShardedStateDict, buffer: Optional[torch.Tensor] = None):
+        tensors: List[Tuple[str, torch.Tensor]] = []
+        values: Dict[str, Any] = {}
+
+        def visit(path: str, leaf: Any) -> None:
+            ident = _leaf_id(path, leaf)
+            if isinstance(leaf, ShardedTensor):
+                if leaf.data is None:
+                    raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
+                tensors.append((ident, leaf.data.detach()))
+            elif isinstance(leaf, torch.Tensor):
+                tensors.append((ident, leaf.detach()))
+            elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
+                raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} "
+                                             f"at {path} is not supported; apply the factory first")
+            else:
+                values[ident] = leaf.data if isinstance(leaf, ShardedObject) else leaf
+
+        _walk(sharded_state_dict, "", visit)
+        self.layout: List[Entry] = []
+        size = 0
+        for ident, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            self.layout.append((ident, size, nbytes, str(t.dtype), tuple(t.shape)))
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self.flat = buffer[:size] if buffer is not None and buffer.numel() >= size else torch.empty(size, dtype=torch.uint8)
+        for entry, (_, t) in zip(self.layout, tensors):
+            _slot(self.flat, entry).copy_(t)
+        self.header = pickle.dumps({"layout": self.layout, "values": values})
+        self.checksum: Optional[int] = None  # of the tensor bytes (set by the writer)
+
+
+def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:
+    """xxh3-64 of the bytes of ``tensors`` (CPU), one after the other."""
+    hasher = new_hasher()
+    for t in tensors:
+        hasher.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.intdigest()
+
+
+def flat_checksum(flat: torch.Tensor, layout: List[Entry]) -> int:
+    """xxh3-64 of the tensor bytes of ``flat`` in layout order (padding excluded)."""
+    return tensors_checksum([flat[offset:offset + nbytes] for _, offset, nbytes, _, _ in layout])
+
+
+def wire_state(flat: torch.Tensor, header: bytes, flat_sum: int) -> Dict[str, Any]:
+    """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
+    header and the checksum."""
+    layout = pickle.loads(header)["layout"]
+    return {"tensors": {e[0]: _slot(flat, e) for e in sorted(layout)}, "header": header, "checksum": flat_sum}
+
+
+def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    """The receiver's side of :func:`wire_state`: its own tensors, filled in place."""
+    tensors = {i: (leaf.data if isinstance(leaf, ShardedTensor) else leaf)
+               for i, leaf in sorted(_targets(sharded_state_dict).items())
+               if isinstance(leaf, (ShardedTensor, torch.Tensor))}
+    return {"tensors": tensors, "header": b"", "checksum": 0}
+
+
+class LayoutMismatch(CheckpointingException):
+    """The state to load into does not match the saved one (not a damaged copy)."""
+
+
+def _targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    _walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(_leaf_id(path, leaf), leaf))
+    return out
+
+
+def _target_tensor(leaf: Any, entry: Entry, rank: int) -> torch.Tensor:
+    ident, _, _, dtype, shape = entry
+    tensor = leaf.data if isinstance(leaf, ShardedTensor) else leaf
+    if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != dtype or tuple(tensor.shape) != tuple(shape):
+        got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise LayoutMismatch(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
+                                     f"the state to load into has {got}")
+    return tensor
+
+
+def _result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: int) -> Any:
+    """``sharded_state_dict`` as ``dist_checkpointing.load`` returns it: tensors (filled in
+    place) for ShardedTensors, saved values for the rest."""
+
+    def visit(path: str, leaf: Any) -> Any:
+        ident = _leaf_id(path, leaf)
+        if isinstance(leaf, ShardedTensor):
+            return leaf.data
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+        if ident not in values:
+            raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
+        return values[ident]
+
+    return _walk(sharded_state_dict, "", visit)
+
+
+def _check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> None:
+    saved = {e[0] for e in header["layout"]} | set(header["values"])
+    missing = sorted(i for i, leaf in targets.items() if i not in saved)
+    if missing:
+        raise LayoutMismatch(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
+
+
+def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], rank: int, what: str) -> Any:
+    """``sharded_state_dict`` loaded from a :func:`wire_state` received in place; its
+    checksum verified."""
+    header = pickle.loads(received["header"])
+    _check_ids(_targets(sharded_state_dict), header, rank)
+    if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != received["checksum"]:
+        raise CheckpointingException(f"Local tier: {what} arrived damaged")
+    return _result(sharded_state_dict, header["values"], rank)
+
+
+# ----------------------------------------------------------------------------- files
+
+def _step_storage(node_dir: str, step: int) -> Storage:
+    return storage_for(os.path.join(node_dir, local_step_dir(step)))
+
+
+def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Tensor, header: bytes,
+               flat_sum: int) -> None:
+    """Write ``owner``'s flat buffer of ``step`` and then its marker (the header, the
+    checksums), atomically."""
+    storage = _step_storage(node_dir, step)
+    marker = {"step": step, "owner": owner, "world": world, "length": flat.numel(), "algorithm": "xxh3_64",
+              "checksum": f"{flat_sum:016x}", "header": base64.b64encode(header).decode(),
+              "header_checksum": f"{checksum(header):016x}"}
+    try:
+        storage.make_root()
+        storage.write_atomic(payload_name(owner), byte_view(flat.numpy()))
+        storage.write_atomic(marker_name(owner), json.dumps(marker).encode())
+    except OSError as e:
+        raise CheckpointingException(
+            f"Local tier: cannot write rank {owner}'s copy of step {step} to {storage.describe()}: {e}") from e
+
+
+def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
+    """The pickled header a marker holds, and its content (checksum verified)."""
+    header = base64.b64decode(marker["header"])
+    if f"{checksum(header):016x}" != marker["header_checksum"]:
+        raise CheckpointingException(f"Local tier: the marker of rank {marker['owner']}'s copy of step "
+                                     f"{marker['step']} in {node_dir} fails its checksum")
+    return header, pickle.loads(header)
+
+
+def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = reader.readinto(buf[done:], offset + done)
+        if n <= 0:
+            raise CheckpointingException(f"Local tier: {where} is shorter than its marker says")
+        done += n
+
+
+def read_copy(node_dir: str, marker: Dict[str, Any],
+              sharded_state_dict: Optional[ShardedStateDict] = None, rank: int = -1) -> Tuple[Any, bytes]:
+    """Read the copy a marker describes, verifying its checksum: into the tensors of
+    ``sharded_state_dict`` when given (returns its loaded form), else into a new flat
+    buffer (returns it); with the pickled header. :class:`CheckpointingException` if it is
+    missing, short or damaged."""
+    storage = _step_storage(node_dir, marker["step"])
+    name = payload_name(marker["owner"])
+    header, content = read_header(node_dir, marker)
+    hasher = new_hasher()
+    try:
+        reader = storage.open_reader(name)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        if sharded_state_dict is None:
+            out: Any = torch.empty(marker["length"], dtype=torch.uint8)
+            _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+            for _, offset, nbytes, _, _ in content["layout"]:
+                hasher.update(out.numpy()[offset:offset + nbytes])
+        else:
+            targets = _targets(sharded_state_dict)
+            _check_ids(targets, content, rank)
+            for entry in content["layout"]:
+                if entry[0] not in targets:
+                    continue
+                tensor = _target_tensor(targets[entry[0]], entry, rank)
+                dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
+                    tensor, device="cpu", memory_format=torch.contiguous_format)
+                view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
+                _read_all(reader, view, entry[1], storage.describe(name))
+                hasher.update(view)
+                if dest is not tensor:
+                    tensor.copy_(dest)
+            out = _result(sharded_state_dict, content["values"], rank)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    finally:
+        reader.close()
+    if f"{hasher.intdigest():016x}" != marker["checksum"]:
+        raise CheckpointingException(f"Local tier: {storage.describe(name)} fails its checksum")
+    return out, header
+
+
+def scan(node_dir: str) -> List[Dict[str, Any]]:
+    """The markers found in a node-local directory (unreadable ones are skipped)."""
+    found: List[Dict[str, Any]] = []
+    root = storage_for(node_dir)
+    if root.kind() != "dir":
+        return found
+    for name in root.list():
+        if not _STEP_DIR_RE.match(name.rstrip("/")):
+            continue
+        step_storage = storage_for(os.path.join(node_dir, name.rstrip("/")))
+        for file in step_storage.list():
+            if _MARKER_RE.match(file):
+                try:
+                    found.append(json.loads(step_storage.read_bytes(file)))
+                except (OSError, ValueError) as e:
+                    logger.warning("Local tier: skipping %s: %s", step_storage.describe(file), e)
+    return found
+
+
+def remove_copies(node_dir: str, step: int, owners: Sequence[int]) -> None:
+    """Delete ``owners``' files of ``step`` (marker first), then the step's directory if
+    it is empty; errors are logged."""
+    storage = _step_storage(node_dir, step)
+    for owner in owners:
+        for name in (marker_name(owner), payload_name(owner)):
+            try:
+                storage.delete(name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("Local tier: cannot delete %s: %s", storage.describe(name), e)
+    try:
+        os.rmdir(os.path.join(node_dir, local_step_dir(step)))
+    except OSError:
+        pass  # other ranks' files are still there
+
+
+# ----------------------------------------------------------------------------- exchange
+
+def exchange(transport: PGTransport, sends: Dict[int, Any], sources: Sequence[int]) -> Dict[int, Any]:
+    """Send ``sends[dst]`` to each ``dst`` while receiving one state from each of
+    ``sources`` (in a helper thread, so that pairs sending to each other do not wait on
+    each other). Raises the first error of either side, after every send was tried."""
+    received: Dict[int, Any] = {}
+    errors: List[BaseException] = []
+
+    def receive() -> None:
+        for src in sources:  # every sender is answered, whatever the others do
+            try:
+                received[src] = transport.recv_checkpoint(src)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+    thread = threading.Thread(target=receive, name="local-tier-recv", daemon=True)
+    thread.start()
+    try:
+        for dst, state in sends.items():  # every receiver gets its transfer (or its refusal), whatever the others do
+            try:
+                transport.send_checkpoint([dst], state)
+            except CheckpointingException as e:
+                errors.append(e)
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return received
+
+
+class LocalTier:
+    """The local tier of one rank (collective constructor: creates a gloo group of its own).
+
+    Args:
+        local_dir: the node-local directory; ``{node}`` and ``{rank}`` are replaced.
+        interval: save every that many steps.
+        replication_factor: copies of each rank's shards (its own + partners on other nodes).
+        node_of_rank: each rank's node (default: from torchrun's ``LOCAL_WORLD_SIZE``).
+        timeout: the longest wait of a transfer.
+    """
+
+    def __init__(self, local_dir: str, interval: int, replication_factor: int = 1,
+                 node_of_rank: Optional[Sequence[int]] = None, timeout: timedelta = timedelta(minutes=5)):
+        self.rank, self.world = get_rank(), get_world_size()
+        self.interval = interval
+        nodes = list(node_of_rank) if node_of_rank is not None else nodes_from_env(self.world)
+        if len(nodes) != self.world:
+            raise CheckpointingException(
+                f"Local tier: node_of_rank has {len(nodes)} entries for a world of {self.world} ranks")
+        if not 1 <= replication_factor <= len(set(nodes)):
+            raise CheckpointingException(
+                f"Local tier: replication_factor {replication_factor} needs as many nodes; there are {len(set(nodes))}")
+        self.node_of_rank = nodes
+        self.node_dir = str(local_dir).format(node=nodes[self.rank], rank=self.rank)
+        self.sends_to = partners(nodes, self.rank, replication_factor - 1)
+        self.receives_from = [r for r in range(self.world) if self.rank in partners(nodes, r, replication_factor - 1)]
+        run_agreed(self._check_writable, "Local tier")
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.timeout = timeout
+        self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
+        self.complete: List[int] = []  # steps complete in the local tier (this run)
+        self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
+        self._buffer: Optional[torch.Tensor] = None  # the snapshot buffer, reused once the save in flight is done
+
+    def _check_writable(self) -> None:
+        probe = f".probe_rank_{self.rank:05d}"
+        storage: Storage = storage_for(self.node_dir)
+        try:
+            storage.make_root()
+            storage.write_atomic(probe, b"ok")
+            storage.delete(probe)
+        except OSError as e:
+            raise CheckpointingException(f"Local tier: the node-local directory {self.node_dir} "
+                                         f"(rank {self.rank}) is not writable: {e}") from e
+
+    def should_save(self, step: int) -> bool:
+        return step % self.interval == 0 and step > max(self.complete, default=-1)
+
+    def save(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
+        """Snapshot this rank's state (blocking: one copy into a reused flat buffer) and
+        write and replicate it in the background."""
+        snap = run_agreed(lambda: Snapshot(sharded_state_dict, self._buffer), f"Local tier: saving step {step}")
+        self._buffer = snap.flat if self._buffer is None or snap.flat.numel() > self._buffer.numel() else self._buffer
+        errors: List[BaseException] = []
+
+        def work() -> None:
+            try:
+                crash_point("local", step)
+                flat_sum = flat_checksum(snap.flat, snap.layout)
+                message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
+                with ThreadPoolExecutor(1, thread_name_prefix="local-tier-write") as pool:  # own copy while replicating
+                    own = pool.submit(write_copy, self.node_dir, step, self.rank, self.world, snap.flat, snap.header,
+                                      flat_sum)
+                    received = exchange(self.transport, {dst: message for dst in self.sends_to}, self.receives_from)
+                    own.result()
+                for src, got in received.items():
+                    if os.environ.get(FAIL_RECV_ENV) in (str(step), "any"):
+                        raise CheckpointingException(f"Local tier: injected failure storing rank {src}'s replica")
+                    layout = pickle.loads(got["header"])["layout"]
+                    if flat_checksum(got["data"], layout) != got["checksum"]:
+                        raise CheckpointingException(f"Local tier: rank {src}'s replica of step {step} arrived damaged")
+                    write_copy(self.node_dir, step, src, self.world, got["data"], got["header"], got["checksum"])
+            except BaseException as e:  # noqa: BLE001 - reported at finalize
+                errors.append(e)
+
+        thread = threading.Thread(target=work, name=f"local-tier-{step}", daemon=True)
+        thread.start()
+        self._pending = (step, thread, errors)
+
+    def finalize(self) -> Optional[int]:
+        """Wait for the local save in flight and agree whether it succeeded on every rank
+        (collective). A failed step is removed everywhere (a warning names the error);
+        after a success the older local steps are removed. Returns the completed step."""
+        if self._pending is None:
+            return None
+        step, thread, errors = self._pending
+        self._pending = None
+        thread.join()
+        mine = [self.rank, *self.receives_from]
+
+        def check() -> None:
+            if errors:
+                raise errors[0]
+
+        try:
+            run_agreed(check, f"Local tier: step {step}")
+        except CheckpointingException as e:
+            logger.warning("Local tier: step %d is not counted: %s", step, e)
+            remove_copies(self.node_dir, step, mine)
+            return None
+        for old in {m["step"] for m in scan(self.node_dir) if m["step"] < step}:
+            remove_copies(self.node_dir, old, mine)
+        self.complete.append(step)
+        return step
+
+    def close(self) -> None:
+        """Finish the local save in flight (collective) and drop the group."""
+        self.finalize()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,211 @@
+"""Two-tier checkpointing (``CheckpointManager(..., local_dir=, local_interval=,
+replication_factor=)``) on real gloo process groups, nodes simulated by an explicit
+rank -> node mapping and one directory per node."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
+from dist_checkpointing.manager.local_tier import FAIL_RECV_ENV
+
+from .conftest import get_pool
+from .helpers import assert_all_raise, flip_byte
+
+
+def _tensor(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(64, 33, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _state(rank: int, world: int, step: int, fill: bool = True) -> dict:
+    local = _tensor(rank, step) if fill else torch.zeros(64, 33)
+    half = torch.arange(10, dtype=torch.int64) * (step + rank) if fill else torch.zeros(10, dtype=torch.int64)
+    return {"model": {"w": ShardedTensor.from_rank_offsets("w", local, (0, rank, world)),
+                      "b": [ShardedTensor.from_rank_offsets("b", half, (0, rank, world))]},
+            "rng": ShardedObject("rng", {"rank": rank, "step": step}, (world,), (rank,)),
+            "step": step}
+
+
+def _check(loaded: dict, rank: int, step: int) -> None:
+    assert torch.equal(loaded["model"]["w"], _tensor(rank, step)), (rank, step)
+    assert torch.equal(loaded["model"]["b"][0], torch.arange(10, dtype=torch.int64) * (step + rank))
+    assert loaded["rng"] == {"rank": rank, "step": step}
+    assert loaded["step"] == step
+
+
+def _manager(rank: int, root: str, local: str, nodes: list, replication: int = 2) -> CheckpointManager:
+    return CheckpointManager(root, save_interval_steps=100, local_dir=local, local_interval=1,
+                             replication_factor=replication, node_of_rank=nodes)
+
+
+def _train(rank: int, world: int, root: str, local: str, nodes: list, steps: list, replication: int = 2) -> list:
+    with _manager(rank, root, local, nodes, replication) as m:
+        for step in steps:
+            m.save(step, _state(rank, world, step))
+        m.wait_until_finished()
+        return list(m.local.complete)
+
+
+def _restore(rank: int, world: int, root: str, local: str, nodes: list, replication: int = 2) -> tuple:
+    with _manager(rank, root, local, nodes, replication) as m:
+        loaded = m.load(_state(rank, world, 0, fill=False))
+        kind, step = m.restored_from
+        _check(loaded, rank, step)
+        return kind, step
+
+
+NODES2 = [0, 0, 1, 1]  # 2 nodes of 2 ranks
+NODES4 = [0, 1, 2, 3]  # 4 nodes of 1 rank
+
+
+def _dirs(tmp_path: Path) -> tuple:
+    return str(tmp_path / "root"), str(tmp_path / "node{node}")
+
+
+def test_restore_from_own_copy_then_from_partner(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_train, root, local, NODES2, [0, 1, 2, 3]) == [[0, 1, 2, 3]] * 4
+    # only the newest local step is kept; each node holds its ranks' copies and their partners' replicas
+    assert sorted(p.name for p in (tmp_path / "node0" / "local_0000003").iterdir()) == [
+        f"rank_{r:05d}.{ext}" for r in range(4) for ext in ("done", "pt")]
+    assert not (tmp_path / "node0" / "local_0000002").exists()
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
+    shutil.rmtree(tmp_path / "node1")  # node 1 replaced: ranks 2 and 3 restore from node 0's replicas
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
+
+
+def test_both_copies_lost_falls_back_to_persistent(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    pool.run(_train, root, local, NODES2, [0, 1, 2])
+    for node in (0, 1):  # rank 2's copy and its replica
+        for ext in ("pt", "done"):
+            os.remove(tmp_path / f"node{node}" / "local_0000002" / f"rank_00002.{ext}")
+    assert pool.run(_restore, root, local, NODES2) == [("persistent", 0)] * 4
+
+
+def test_corrupted_replica_uses_next_replica_then_persistent(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    pool.run(_train, root, local, NODES4, [0, 1], 3)  # rank 0's copies: nodes 0, 1 and 2
+    shutil.rmtree(tmp_path / "node0")
+    flip_byte(tmp_path / "node1" / "local_0000001" / "rank_00000.pt", 200)
+    assert pool.run(_restore, root, local, NODES4, 3) == [("local", 1)] * 4
+    flip_byte(tmp_path / "node2" / "local_0000001" / "rank_00000.pt", 300)
+    assert pool.run(_restore, root, local, NODES4, 3) == [("persistent", 0)] * 4
+
+
+def _train_with_failing_partner(rank: int, world: int, root: str, local: str) -> tuple:
+    if rank == 2:
+        os.environ[FAIL_RECV_ENV] = "2"
+    try:
+        with _manager(rank, root, local, NODES2) as m:
+            for step in (1, 2):
+                m.save(step, _state(rank, world, step))
+            m.wait_until_finished()
+            after_failure = list(m.local.complete)
+            m.save(3, _state(rank, world, 3))  # training goes on
+            m.wait_until_finished()
+            return after_failure, list(m.local.complete)
+    finally:
+        os.environ.pop(FAIL_RECV_ENV, None)
+
+
+def test_partner_failing_during_replication_does_not_count_the_step(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_train_with_failing_partner, root, local) == [([1], [1, 3])] * 4
+    assert not (tmp_path / "node0" / "local_0000002").exists()
+    assert not (tmp_path / "node1" / "local_0000002").exists()
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
+
+
+def _open_unwritable(rank: int, world: int, root: str, local: str) -> None:
+    _manager(rank, root, local, NODES2)
+
+
+def _persistent_only(rank: int, world: int, root: str) -> tuple:
+    with CheckpointManager(root) as m:
+        m.save(5, _state(rank, world, 5))
+    with CheckpointManager(root) as m:
+        _check(m.load(_state(rank, world, 0, fill=False)), rank, 5)
+        return m.all_steps()
+
+
+def test_unwritable_local_dir_is_a_clear_error_and_persistent_tier_works(tmp_path):
+    pool = get_pool(4)
+    root = str(tmp_path / "root")
+    (tmp_path / "a_file").write_text("not a directory")
+    errors = pool.run_expect_error(_open_unwritable, root, str(tmp_path / "a_file" / "node{node}"))
+    assert_all_raise(errors, 4, "Local tier", "not writable", "a_file/node")
+    assert pool.run(_persistent_only, root) == [[5]] * 4
+
+
+def _restore_world2(rank: int, world: int, root: str, local: str) -> None:
+    with _manager(rank, root, local, [0, 1]) as m:
+        m.load(_state(rank, world, 0, fill=False))
+
+
+def test_world_size_mismatch_names_the_persistent_step(tmp_path):
+    root, local = _dirs(tmp_path)
+    get_pool(4).run(_train, root, local, NODES2, [0, 1])
+    errors = get_pool(2).run_expect_error(_restore_world2, root, local)
+    assert_all_raise(errors, 2, "saved by 4 ranks, this run has 2", "persistent step 0")
+    for e in errors:
+        assert isinstance(e, CheckpointingException)
+
+
+def _restore_other_shape(rank: int, world: int, root: str, local: str, ranks: list) -> None:
+    state = _state(rank, world, 0, fill=False)
+    if rank in ranks:
+        state["model"]["w"] = ShardedTensor.from_rank_offsets("w", torch.zeros(64, 34), (0, rank, world))
+    with _manager(rank, root, local, NODES2) as m:
+        m.load(state)
+
+
+def test_a_state_of_another_layout_is_an_error_not_a_damaged_copy(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    pool.run(_train, root, local, NODES2, [1])  # no persistent step to fall back to
+    errors = pool.run_expect_error(_restore_other_shape, root, local, [0, 1, 2, 3])
+    assert_all_raise(errors, 4, "'w@0,0' was saved as (64, 33) torch.float32, the state to load into has (64, 34)")
+    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 receive from partners: the transport refuses the shape
+    errors = pool.run_expect_error(_restore_other_shape, root, local, [2, 3])
+    assert_all_raise(errors, 4, "restoring step 1 failed", "rank 2", "(64, 34)", "refused")
+
+
+def _train_while_node0_dir_breaks(rank: int, world: int, root: str, local: str) -> tuple:
+    import torch.distributed as dist
+    node0 = Path(local.format(node=0))
+    with CheckpointManager(root, save_interval_steps=2, local_dir=local, local_interval=1, replication_factor=2,
+                           node_of_rank=NODES2) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait_until_finished()
+        dist.barrier()
+        if rank == 0:  # node 0's local file system fails: its path is no longer a directory
+            shutil.rmtree(node0)
+            node0.write_text("not a directory")
+        dist.barrier()
+        m.save(2, _state(rank, world, 2))  # local (fails on node 0) and persistent
+        m.wait_until_finished()
+        broken = (list(m.local.complete), m.all_steps())
+        dist.barrier()
+        if rank == 0:
+            node0.unlink()
+        dist.barrier()
+        m.save(3, _state(rank, world, 3))  # training goes on
+        m.wait_until_finished()
+        return broken, list(m.local.complete)
+
+
+def test_a_failing_local_file_system_loses_the_local_step_only(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_train_while_node0_dir_breaks, root, local) == [(([1], [2]), [1, 3])] * 4
+    assert not (tmp_path / "node1" / "local_0000002").exists()  # the replicas written on node 1 were removed
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
