@@ -1,18 +1,21 @@
-"""Restoring from the local tier (:mod:`.local_tier`), collectively.
+"""Restoring from the local tier (:mod:`.local_tier`), collectively, with per-rank
+collectives of fixed size (a few integers, or one integer per rank — never a rank's list of
+markers):
 
-1. Every rank lists the markers in its node-local directory; one ``all_gather_object``
-   tells every rank who holds which rank's copy of which step.
-2. The newest step newer than the newest persistent checkpoint for which every rank's
-   copy is held somewhere is tried. A step saved with another world size is an error
-   naming the persistent step to load instead.
-3. For each rank, the holder to read from is its own copy if it has one (read straight
-   into the rank's tensors), else a partner's replica (read into a buffer); each holder
-   verifies (checksum) what it reads; failures are agreed, and the next holder of that
-   rank's copy is tried.
+1. Every rank lists the markers in its node-local directory. One ``all_reduce`` (max)
+   finds a step newer than the newest persistent checkpoint saved with another world size
+   (an error naming the persistent step to load instead), and one the newest step anyone
+   holds that is still a candidate.
+2. For that step, one ``all_reduce`` (min) over one integer per rank picks, for each
+   rank's copy, the holder to read it from: its own copy if it has one (read straight into
+   its tensors), else a partner's replica, else any other holder (e.g. the partner's
+   node-mates). If some rank's copy is held nowhere, the next older step is tried.
+3. Each chosen holder verifies (checksum) what it reads; a holder whose copy fails drops
+   it and the choice is made again (the next holder of that copy); if some rank's copy is
+   nowhere valid, every rank gets ``None``: the caller falls back to the persistent tier.
 4. Holders send the replicas to their owners over the local tier's group, straight into
    the owners' tensors (the transport's in-place receive); each owner verifies the
-   checksum again. If some rank's copy is nowhere valid, every rank gets
-   ``None``: the caller falls back to the persistent tier.
+   checksum again.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ..collectives import all_gather_object, raise_if_any, run_agreed
+from ..collectives import run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
 from ..transport import PGTransport
@@ -31,79 +35,95 @@ from .local_tier import LayoutMismatch, LocalTier, exchange, fill_received, part
 logger = logging.getLogger(__name__)
 
 
-def _holders(gathered: List[List[Dict[str, Any]]], step: int, tier: LocalTier) -> Optional[Dict[int, List[int]]]:
-    """owner -> the ranks holding its copy of ``step`` (the owner first, then its partners —
-    so that the replicas are served by as many ranks as there are lost copies — then the
-    others, e.g. the partner's node-mates), or ``None`` when some owner's copy is held
-    nowhere."""
-    world = tier.world
-    holders: Dict[int, List[int]] = {o: [] for o in range(world)}
-    for holder, markers in enumerate(gathered):
-        for m in markers:
-            if m["step"] == step and m["owner"] in holders:
-                holders[m["owner"]].append(holder)
-    if any(not h for h in holders.values()):
-        return None
-    copies = len(tier.sends_to)
-    return {o: sorted(h, key=lambda r: (r != o, r not in partners(tier.node_of_rank, o, copies), r))
-            for o, h in holders.items()}
+def _reduce(values: List[int], op: "dist.ReduceOp", tier: LocalTier) -> List[int]:
+    """The element-wise ``op`` of every rank's ``values`` (same length everywhere)."""
+    if tier.group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=tier.group)
+    return t.tolist()
 
 
-def _check_world(gathered: List[List[Dict[str, Any]]], world: int, newer_than: int,
+def _check_world(markers: List[Dict[str, Any]], tier: LocalTier, newer_than: int,
                  persistent_step: Optional[int]) -> None:
-    other = sorted({(m["step"], m["world"]) for markers in gathered for m in markers
-                    if m["step"] > newer_than and m["world"] != world})
-    if other:
-        step, saved = other[-1]
+    """Raise on every rank if some rank holds a step newer than ``newer_than`` saved with
+    another world size (the newest such step and its world size, packed in one integer)."""
+    other = max((m["step"] << 24 | min(m["world"], (1 << 24) - 1) for m in markers
+                 if m["step"] > newer_than and m["world"] != tier.world), default=-1)
+    other = _reduce([other], dist.ReduceOp.MAX, tier)[0]
+    if other >= 0:
+        step, saved = other >> 24, other & ((1 << 24) - 1)
         instead = (f"load the persistent step {persistent_step} instead (CheckpointManager.load(step={persistent_step}))"
                    if persistent_step is not None else "there is no persistent checkpoint to load instead")
         raise CheckpointingException(
-            f"Local tier: step {step} was saved by {saved} ranks, this run has {world}: a local-tier checkpoint "
+            f"Local tier: step {step} was saved by {saved} ranks, this run has {tier.world}: a local-tier checkpoint "
             f"restores only at its own world size; {instead}")
 
 
-def _fetch(tier: LocalTier, step: int, holders: Dict[int, List[int]], mine: Dict[int, Dict[str, Any]],
+def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[int]]:
+    """For each owner, the rank to read its copy from among the ranks holding it (``held``:
+    this rank's copies, by owner): the owner first, then its partners, then the others, by
+    rank; ``None`` on every rank when some owner's copy is held nowhere."""
+    world, copies = tier.world, len(tier.sends_to)
+    nowhere = 3 * world
+    keys = [nowhere] * world
+    for owner in held:
+        if 0 <= owner < world:
+            rank = tier.rank
+            priority = 0 if rank == owner else 1 if rank in partners(tier.node_of_rank, owner, copies) else 2
+            keys[owner] = priority * world + rank
+    keys = _reduce(keys, dist.ReduceOp.MIN, tier)
+    if any(k == nowhere for k in keys):
+        return None
+    return [k % world for k in keys]
+
+
+def _fetch(tier: LocalTier, step: int, mine: Dict[int, Dict[str, Any]],
            sharded_state_dict: ShardedStateDict) -> Tuple[bool, Any]:
     """Load this rank's copy of ``step`` into ``sharded_state_dict`` (read from its own
-    copy, or received from a holder of a replica): ``(True, state)``, or ``(False, None)``
-    on every rank when some rank's copy is nowhere valid."""
-    choice = {o: 0 for o in holders}
+    copy, or received from a holder of a replica): ``(True, state)``; ``(False, None)`` on
+    every rank when some rank's copy is held nowhere, or nowhere valid."""
+    held = dict(mine)  # the copies of this step this rank may still serve, by owner
     loaded: Dict[int, Any] = {}  # owner -> what this rank read for it (itself: its state)
     while True:
-        failed, mismatch = [], None
-        for owner in [o for o, h in holders.items() if h[choice[o]] == tier.rank and o not in loaded]:
-            try:
-                if owner == tier.rank:
-                    loaded[owner] = read_copy(tier.node_dir, mine[owner], sharded_state_dict, tier.rank)[0]
-                else:
-                    loaded[owner] = read_copy(tier.node_dir, mine[owner])
-            except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
-                mismatch = str(e)
-            except CheckpointingException as e:
-                logger.warning("Local tier: %s", e)
-                failed.append(owner)
-        reports = all_gather_object((failed, mismatch))
-        raise_if_any([m for _, m in reports], f"Local tier: restoring step {step}")
-        all_failed = [o for f, _ in reports for o in f]
-        if not all_failed:
+        source = _choose(held, tier)
+        if source is None:
+            logger.warning("Local tier: no valid copy of some rank's shards of step %d", step)
+            return False, None
+
+        def read() -> int:
+            failed = 0
+            for owner in [o for o in held if source[o] == tier.rank and o not in loaded]:
+                try:
+                    if owner == tier.rank:
+                        loaded[owner] = read_copy(tier.node_dir, held[owner], sharded_state_dict, tier.rank)[0]
+                    else:
+                        loaded[owner] = read_copy(tier.node_dir, held[owner])
+                except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
+                    raise CheckpointingException(str(e)) from e
+                except CheckpointingException as e:
+                    logger.warning("Local tier: %s", e)
+                    del held[owner]
+                    failed = 1
+            return failed
+
+        _, (any_failed,) = run_agreed_with_flags(read, lambda failed: [failed or 0],
+                                                 f"Local tier: restoring step {step}")
+        if not any_failed:
             break
-        for owner in all_failed:
-            choice[owner] += 1
-            if choice[owner] == len(holders[owner]):
-                logger.warning("Local tier: no valid copy of rank %d's shards of step %d", owner, step)
-                return False, None
-    sends = {o: wire_state(*loaded[o], int(mine[o]["checksum"], 16)) for o in loaded if o != tier.rank}
-    source = holders[tier.rank][choice[tier.rank]]
+    sends = {o: wire_state(*loaded[o], int(held[o]["checksum"], 16))
+             for o in loaded if o != tier.rank and source[o] == tier.rank}
+    src = source[tier.rank]
 
     def transfer_and_fill() -> Any:
-        if source == tier.rank:
+        if src == tier.rank:
             exchange(tier.transport, sends, [])
             return loaded[tier.rank]
         into = receiving_state(sharded_state_dict)  # received straight into this rank's tensors
         transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"), state_dict=lambda: into)
-        received = exchange(transport, sends, [source])[source]
+        received = exchange(transport, sends, [src])[src]
         return fill_received(sharded_state_dict, received, tier.rank,
-                             f"rank {tier.rank}'s copy of step {step} from rank {source}")
+                             f"rank {tier.rank}'s copy of step {step} from rank {src}")
 
     return True, run_agreed(transfer_and_fill, f"Local tier: restoring step {step}")
 
@@ -114,16 +134,15 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
     ``sharded_state_dict`` (collective): ``(step, state_dict)``, or ``None`` on every rank
     when no such step can be restored (the caller loads ``persistent_step``)."""
     markers = run_agreed(lambda: scan(tier.node_dir), "Local tier: listing the node-local directory")
-    gathered = all_gather_object(markers)
-    _check_world(gathered, tier.world, newer_than, persistent_step)
-    steps = sorted({m["step"] for ms in gathered for m in ms if m["step"] > newer_than}, reverse=True)
-    for step in steps:
-        holders = _holders(gathered, step, tier)
-        if holders is None:
-            logger.warning("Local tier: step %d is incomplete (some rank's copy is held nowhere)", step)
-            continue
-        ok, state = _fetch(tier, step, holders, {m["owner"]: m for m in markers if m["step"] == step},
-                           sharded_state_dict)
+    _check_world(markers, tier, newer_than, persistent_step)
+    below = None  # steps at or above this one were tried
+    while True:
+        newest = max((m["step"] for m in markers if m["step"] > newer_than and (below is None or m["step"] < below)),
+                     default=-1)
+        step = _reduce([newest], dist.ReduceOp.MAX, tier)[0]
+        if step < 0:
+            return None
+        ok, state = _fetch(tier, step, {m["owner"]: m for m in markers if m["step"] == step}, sharded_state_dict)
         if ok:
             return step, state
-    return None
+        below = step
