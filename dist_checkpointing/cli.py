@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the checkpoint directory to create")
     p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    for name in ("inspect", "validate", "export", "import"):
+    for name in ("inspect", "validate", "export", "import", "convert"):
         sub.choices[name].add_argument(
             "--storage-option", dest="storage_options", action="append", type=_storage_option, metavar="KEY=VALUE",
             help="an option of the URL's storage client (repeatable; e.g. endpoint=http://host:port), "
@@ -174,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "convert":
             from .convert import convert_checkpoint
 
-            result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"))
+            result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"),
+                                        storage_options=options)
             print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
                   f"{result.objects} objects written in layout {args.layout}")
             return 0

@@ -31,13 +31,14 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from .bytes_view import nbytes
-from .core import CheckpointingConfig, CheckpointingException, load_config, malformed, open_storage, save_config
+from .core import (CheckpointingConfig, CheckpointingException, Location, checkpoint_location, load_config, malformed,
+                   open_storage, save_config)
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
 from .strategies.base import StoredItems
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
-from .storage import PosixStorage
+from .storage import PosixStorage, StorageOptions, url_scheme
 from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, original_global_shape
 from .strategies.torch_dist.metadata import build_metadata, read_metadata, stored_items, write_metadata
 from .tools.output import Progress, move_into_place, refuse_existing, staging_dir
@@ -60,8 +61,10 @@ class ConvertResult:
 
 
 def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], layout: str = "mcore-0.19",
-                       force: bool = False, progress: Optional[Progress] = None) -> ConvertResult:
-    """Write ``src`` to ``dst`` in ``layout`` (only ``"mcore-0.19"``: see the module doc).
+                       force: bool = False, progress: Optional[Progress] = None,
+                       storage_options: StorageOptions = None) -> ConvertResult:
+    """Write ``src`` (a directory or a URL, ``storage_options`` configure its client) to
+    the local directory ``dst`` in ``layout`` (only ``"mcore-0.19"``: see the module doc).
 
     An existing ``dst`` is replaced only with ``force``; the new checkpoint is written
     next to it and moved into place at the end, so a failed conversion leaves ``dst`` as
@@ -69,10 +72,13 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     anything is read. ``progress(done_bytes, total_bytes, key)`` is called after each
     tensor. Raises only CheckpointingException.
     """
-    src, dst = Path(src), Path(dst)
+    if url_scheme(dst):
+        raise CheckpointingException(f"Cannot convert to {dst}: the output must be a local path")
+    src, dst = checkpoint_location(src, storage_options), Path(dst)
     if layout not in LAYOUTS:
         raise CheckpointingException(f"Unknown checkpoint layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    refuse_overlap(src, dst, "convert")
+    if isinstance(src, Path):  # (a URL cannot overlap a local output)
+        refuse_overlap(src, dst, "convert")
     with malformed(f"Cannot convert {src} to {dst}"):
         config = load_config(src)
         if config.sharded_backend != "torch_dist":
@@ -81,7 +87,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         return _convert(src, dst, config, progress)
 
 
-def _convert(src: Path, dst: Path, config: CheckpointingConfig, progress: Optional[Progress]) -> ConvertResult:
+def _convert(src: Location, dst: Path, config: CheckpointingConfig, progress: Optional[Progress]) -> ConvertResult:
     start = time.perf_counter()
     metadata = read_metadata(src)
     keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
@@ -126,14 +132,14 @@ def _whole_tensor_meta(reader: TensorReader, key: str) -> tuple:
     return shape, reader.meta[key].dtype, (0,) * len(shape), shape, None
 
 
-def _object_payloads(src: Path, config: CheckpointingConfig, items: StoredItems,
+def _object_payloads(src: Location, config: CheckpointingConfig, items: StoredItems,
                      keys: List[str]) -> List[Tuple[str, bytes]]:
     """Every ShardedObject's stored bytes, and the common state as the ``common_state`` object."""
     out = []
     for key in keys:
         at = items.object_locations.get(key)
         if at is None:
-            raise CheckpointingException(f"{src / '.metadata'} has no storage entry for object {key!r}")
+            raise CheckpointingException(f"{open_storage(src).describe('.metadata')} has no storage entry for object {key!r}")
         problem = items.range_problem(f"item {key!r}", at)
         if problem is not None:
             raise CheckpointingException(f"{src}: {problem}")
@@ -149,7 +155,7 @@ def _object_payloads(src: Path, config: CheckpointingConfig, items: StoredItems,
     return out
 
 
-def _as_object_payload(src: Path, name: str) -> bytes:
+def _as_object_payload(src: Location, name: str) -> bytes:
     """``torch.save([state])`` from the bytes of ``torch.save(state)``, without unpickling:
     the pickle is wrapped into a one-element list (EMPTY_LIST before it, APPEND after it;
     memo indices are unchanged) and the other records of the archive are copied."""

@@ -207,6 +207,11 @@ def test_cli_on_urls(s3_server, no_aws_env, tmp_path, capsys):
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["layer.weight"], torch.arange(6.0).reshape(2, 3))
     assert main(["export", url, _url(s3_server), *flags]) == 1
     assert "must be a local path" in capsys.readouterr().err
+    assert main(["convert", url, str(tmp_path / "converted"), *flags]) == 0  # into a local directory
+    assert "1 tensors" in capsys.readouterr().out
+    assert main(["validate", str(tmp_path / "converted")]) == 0
+    assert main(["convert", url, _url(s3_server), *flags]) == 1
+    assert "must be a local path" in capsys.readouterr().err
     assert main(["validate", _url(s3_server), *flags]) == 1  # nothing there
     assert "not found" in capsys.readouterr().err
     assert main(["inspect", url]) == 1  # the environment alone points nowhere
