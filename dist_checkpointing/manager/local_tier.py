@@ -338,6 +338,8 @@ def scan(node_dir: str) -> List[Dict[str, Any]]:
             if _MARKER_RE.match(file):
                 try:
                     found.append(json.loads(step_storage.read_bytes(file)))
+                except FileNotFoundError:  # deleted since the listing (an older step's cleanup)
+                    continue
                 except (OSError, ValueError) as e:
                     logger.warning("Local tier: skipping %s: %s", step_storage.describe(file), e)
     return found

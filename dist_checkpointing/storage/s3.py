@@ -70,7 +70,6 @@ class S3WriteStream(WriteStream):
         self._part = self._take_part()
         self._fill = 0
         self._flushed = 0
-        self._hasher = None
         self._parts: "queue.Queue[Any]" = queue.Queue(maxsize=1)
         self._io_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._upload, args=(store, key), name="dist-ckpt-s3-writer",
@@ -95,14 +94,6 @@ class S3WriteStream(WriteStream):
                                max_concurrency=PARTS_IN_FLIGHT)
         except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread
             self._io_error = e
-
-    def start_checksum(self, hasher) -> None:
-        self._hasher = hasher
-
-    def take_checksum(self) -> int:
-        digest = self._hasher.intdigest()
-        self._hasher = None
-        return digest
 
     def tell(self) -> int:
         return self._flushed + self._fill
