@@ -8,10 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
-from dist_checkpointing.manager.local_tier import FAIL_RECV_ENV
+from dist_checkpointing.manager.local_tier import (FAIL_RECV_ENV, FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum,
+                                                   shared_buffer)
 
 from .conftest import get_pool
 from .helpers import assert_all_raise, flip_byte
@@ -209,3 +211,84 @@ def test_a_failing_local_file_system_loses_the_local_step_only(tmp_path):
     assert pool.run(_train_while_node0_dir_breaks, root, local) == [(([1], [2]), [1, 3])] * 4
     assert not (tmp_path / "node1" / "local_0000002").exists()  # the replicas written on node 1 were removed
     assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
+
+
+def _update_right_after_save(rank: int, world: int, root: str, local: str, snapshot: str) -> tuple:
+    with CheckpointManager(root, save_interval_steps=100, local_dir=local, local_interval=1, replication_factor=2,
+                           node_of_rank=NODES2, local_snapshot=snapshot) as m:
+        state = _state(rank, world, 1)
+        state["model"]["b"][0].data.share_memory_()  # memory a fork does not isolate: copied before save returns
+        m.save(1, state)
+        state["model"]["w"].data.add_(1.0)  # the next training step, while the snapshot is written
+        state["model"]["b"][0].data.zero_()
+        m.wait_until_finished()
+        return list(m.local.complete)
+
+
+@pytest.mark.parametrize("snapshot", ["fork", "copy"])
+def test_the_snapshot_is_the_state_when_save_was_called(tmp_path, snapshot):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_update_right_after_save, root, local, snapshot) == [[1]] * 4
+    assert pool.run(_restore, root, local, NODES2) == [("local", 1)] * 4  # the values of step 1, before the update
+    shutil.rmtree(tmp_path / "node0")  # and the replicas hold them too
+    assert pool.run(_restore, root, local, NODES2) == [("local", 1)] * 4
+
+
+def _counted_by_maybe_finalize(rank: int, world: int, root: str, local: str) -> tuple:
+    import time
+
+    with _manager(rank, root, local, NODES2) as m:
+        m.save(1, _state(rank, world, 1))
+        polls = 0
+        while not m.local.complete and polls < 2000:  # every rank decides alike: the loop ends on every rank together
+            m.maybe_finalize()
+            polls += 1
+            time.sleep(0.01)
+        return list(m.local.complete), polls >= 1
+
+
+def test_maybe_finalize_counts_a_finished_local_step_without_waiting(tmp_path):
+    root, local = _dirs(tmp_path)
+    assert get_pool(4).run(_counted_by_maybe_finalize, root, local) == [([1], True)] * 4
+
+
+def _train_with_dying_snapshot(rank: int, world: int, root: str, local: str) -> tuple:
+    with _manager(rank, root, local, NODES2) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait_until_finished()
+        if rank == 3:
+            os.environ[FAIL_SNAPSHOT_ENV] = "1"
+        try:
+            m.save(2, _state(rank, world, 2))  # rank 3's snapshot dies: its partner is told, nobody waits
+        finally:
+            os.environ.pop(FAIL_SNAPSHOT_ENV, None)
+        m.wait_until_finished()
+        after_failure = list(m.local.complete)
+        m.save(3, _state(rank, world, 3))  # training goes on
+        m.wait_until_finished()
+        return after_failure, list(m.local.complete)
+
+
+def test_a_snapshot_that_dies_does_not_count_the_step(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    assert pool.run(_train_with_dying_snapshot, root, local) == [([1], [1, 3])] * 4
+    assert not (tmp_path / "node0" / "local_0000002").exists()
+    assert not (tmp_path / "node1" / "local_0000002").exists()
+    assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
+
+
+def test_a_fork_snapshot_copies_shared_memory_before_returning():
+    private, shared = torch.arange(1000.0), torch.arange(2000.0).share_memory_()
+    snap = Snapshot({"p": private, "s": shared})
+    buffer = shared_buffer(snap.size)
+    child = snap.take(buffer, fork=True)
+    shared_slot = buffer[snap.layout[1][1]:snap.layout[1][1] + snap.layout[1][2]].view(torch.float32)
+    assert torch.equal(shared_slot, torch.arange(2000.0))  # a fork would not isolate it: copied here
+    shared.zero_()
+    private.zero_()  # the child still sees the values at the fork
+    checksum = child.result()
+    assert torch.equal(buffer[:4000].view(torch.float32), torch.arange(1000.0))
+    assert torch.equal(shared_slot, torch.arange(2000.0))
+    assert checksum == flat_checksum(snap.flat, snap.layout)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import mmap
 import os
 import pickle
 import re
@@ -28,16 +29,20 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..collectives import get_rank, get_world_size, run_agreed
+from ..bytes_view import as_bytes
+from ..collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
 from ..core import CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..storage import Storage, storage_for
 from ..storage.base import byte_view
+from ..strategies.async_utils import ForkedCall
+from ..strategies.memory_maps import not_isolated_by_fork
 from ..transport import PGTransport
 from .crash import crash_point
 
@@ -46,6 +51,8 @@ logger = logging.getLogger(__name__)
 #: test-only fault: a rank whose environment sets this to a step (or ``any``) fails while
 #: storing a replica it received for that step (after the transfer).
 FAIL_RECV_ENV = "DIST_CKPT_LOCAL_FAIL_RECV"
+#: test-only fault: a rank whose environment sets this has its forked snapshot die.
+FAIL_SNAPSHOT_ENV = "DIST_CKPT_LOCAL_FAIL_SNAPSHOT"
 _STEP_DIR_RE = re.compile(r"^local_(\d{7,})$")
 _MARKER_RE = re.compile(r"^rank_(\d{5,})\.done$")
 
@@ -119,21 +126,23 @@ def _slot(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 class Snapshot:
     """This rank's state as one flat uint8 buffer (every tensor, aligned) and a header: the
-    layout of the buffer and the other values, pickled. ``buffer``: a flat buffer to reuse
-    when it is large enough (no new pages to fault in at every save)."""
+    layout of the buffer and the other values, pickled. The constructor plans the layout
+    only; :meth:`take` copies the tensors in."""
 
-    def __init__(self, sharded_state_dict: ShardedStateDict, buffer: Optional[torch.Tensor] = None):
-        tensors: List[Tuple[str, torch.Tensor]] = []
+    def __init__(self, sharded_state_dict: ShardedStateDict):
+        self.tensors: List[torch.Tensor] = []
         values: Dict[str, Any] = {}
+        self.layout: List[Entry] = []
+        self.size = 0
 
         def visit(path: str, leaf: Any) -> None:
             ident = _leaf_id(path, leaf)
             if isinstance(leaf, ShardedTensor):
                 if leaf.data is None:
                     raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
-                tensors.append((ident, leaf.data.detach()))
+                self._add(ident, leaf.data.detach())
             elif isinstance(leaf, torch.Tensor):
-                tensors.append((ident, leaf.detach()))
+                self._add(ident, leaf.detach())
             elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
                 raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} "
                                              f"at {path} is not supported; apply the factory first")
@@ -141,17 +150,61 @@ class Snapshot:
                 values[ident] = leaf.data if isinstance(leaf, ShardedObject) else leaf
 
         _walk(sharded_state_dict, "", visit)
-        self.layout: List[Entry] = []
-        size = 0
-        for ident, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            self.layout.append((ident, size, nbytes, str(t.dtype), tuple(t.shape)))
-            size += -(-nbytes // _ALIGN) * _ALIGN
-        self.flat = buffer[:size] if buffer is not None and buffer.numel() >= size else torch.empty(size, dtype=torch.uint8)
-        for entry, (_, t) in zip(self.layout, tensors):
-            _slot(self.flat, entry).copy_(t)
         self.header = pickle.dumps({"layout": self.layout, "values": values})
-        self.checksum: Optional[int] = None  # of the tensor bytes (set by the writer)
+        self.flat: Optional[torch.Tensor] = None  # set by take()
+        self.checksum: Optional[int] = None  # of the tensor bytes (set by take() when forked)
+
+    def _add(self, ident: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.layout.append((ident, self.size, nbytes, str(t.dtype), tuple(t.shape)))
+        self.tensors.append(t)
+        self.size += -(-nbytes // _ALIGN) * _ALIGN
+
+    def take(self, buffer: torch.Tensor, fork: bool) -> Optional[ForkedCall]:
+        """Copy the tensors into ``buffer`` (at least :attr:`size` bytes). ``fork``: in a
+        forked child, which sees the tensors as they are now (copy-on-write; ``buffer``
+        must be shared memory), except tensors in memory a fork does not isolate (shared
+        or file-backed mappings), copied here first: returns the child at once; its result
+        is the checksum of the tensor bytes. Else all on this thread (e.g. a device-to-host
+        copy); returns None."""
+        self.flat = buffer[:self.size]
+        here = not_isolated_by_fork(self.tensors) if fork else [True] * len(self.tensors)
+        for entry, t, now in zip(self.layout, self.tensors, here):
+            if now:
+                _slot(self.flat, entry).copy_(t)
+        tensors, self.tensors = self.tensors, []
+        if not fork:
+            return None
+        pairs = [(self.flat.numpy()[offset:offset + nbytes], None if now else as_bytes(t).numpy())
+                 for (_, offset, nbytes, _, _), t, now in zip(self.layout, tensors, here) if nbytes]
+
+        def copy_and_hash() -> int:  # in the child: numpy copies (no torch thread pool after a fork)
+            if os.environ.get(FAIL_SNAPSHOT_ENV):
+                os._exit(3)
+            hasher = new_hasher()
+            for dst, src in pairs:
+                for start in range(0, len(dst), _HASH_CHUNK):  # hashed while hot in the cache
+                    if src is not None:
+                        np.copyto(dst[start:start + _HASH_CHUNK], src[start:start + _HASH_CHUNK])
+                    hasher.update(dst[start:start + _HASH_CHUNK])
+            return hasher.intdigest()
+
+        return ForkedCall(copy_and_hash, "Local tier snapshot")
+
+
+_HASH_CHUNK = 1 << 20
+
+
+def can_fork(snap: Snapshot) -> bool:
+    """Whether ``snap`` can be taken in a forked child: every tensor a plain CPU tensor
+    and ``os.fork`` available."""
+    return hasattr(os, "fork") and all(t.device.type == "cpu" and type(t) is torch.Tensor for t in snap.tensors)
+
+
+def shared_buffer(size: int) -> torch.Tensor:
+    """A flat uint8 buffer of ``size`` bytes in anonymous shared memory (a forked child's
+    writes reach this process; not limited by the size of ``/dev/shm``)."""
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)
 
 
 def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:
@@ -295,9 +348,12 @@ def read_copy(node_dir: str, marker: Dict[str, Any],
         if reader.size != marker["length"]:
             raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
                                          f"its marker says {marker['length']}")
-        if sharded_state_dict is None:
-            out: Any = torch.empty(marker["length"], dtype=torch.uint8)
-            _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+        if sharded_state_dict is None:  # (to send: mapped where the storage can, no copy)
+            mapped = reader.map()
+            out: Any = torch.frombuffer(mapped, dtype=torch.uint8) if mapped is not None else None
+            if out is None:
+                out = torch.empty(marker["length"], dtype=torch.uint8)
+                _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
             for _, offset, nbytes, _, _ in content["layout"]:
                 hasher.update(out.numpy()[offset:offset + nbytes])
         else:
@@ -366,9 +422,10 @@ def remove_copies(node_dir: str, step: int, owners: Sequence[int]) -> None:
 # ----------------------------------------------------------------------------- exchange
 
 def exchange(transport: PGTransport, sends: Dict[int, Any], sources: Sequence[int]) -> Dict[int, Any]:
-    """Send ``sends[dst]`` to each ``dst`` while receiving one state from each of
-    ``sources`` (in a helper thread, so that pairs sending to each other do not wait on
-    each other). Raises the first error of either side, after every send was tried."""
+    """Send ``sends[dst]`` to each ``dst`` (an exception: tell ``dst`` that nothing comes,
+    and why) while receiving one state from each of ``sources`` (in a helper thread, so
+    that pairs sending to each other do not wait on each other). Raises the first error of
+    either side, after every send was tried."""
     received: Dict[int, Any] = {}
     errors: List[BaseException] = []
 
@@ -383,6 +440,10 @@ def exchange(transport: PGTransport, sends: Dict[int, Any], sources: Sequence[in
     thread.start()
     try:
         for dst, state in sends.items():  # every receiver gets its transfer (or its refusal), whatever the others do
+            if isinstance(state, BaseException):
+                transport.send_failure([dst], f"rank {get_rank()} has no state to send: {state}")
+                errors.append(state)
+                continue
             try:
                 transport.send_checkpoint([dst], state)
             except CheckpointingException as e:
@@ -403,10 +464,13 @@ class LocalTier:
         replication_factor: copies of each rank's shards (its own + partners on other nodes).
         node_of_rank: each rank's node (default: from torchrun's ``LOCAL_WORLD_SIZE``).
         timeout: the longest wait of a transfer.
+        snapshot: ``"fork"`` (CPU tensors: :meth:`save` blocks for a fork, a child copies)
+            or ``"copy"`` (:meth:`save` copies on the calling thread).
     """
 
     def __init__(self, local_dir: str, interval: int, replication_factor: int = 1,
-                 node_of_rank: Optional[Sequence[int]] = None, timeout: timedelta = timedelta(minutes=5)):
+                 node_of_rank: Optional[Sequence[int]] = None, timeout: timedelta = timedelta(minutes=5),
+                 snapshot: str = "fork"):
         self.rank, self.world = get_rank(), get_world_size()
         self.interval = interval
         nodes = list(node_of_rank) if node_of_rank is not None else nodes_from_env(self.world)
@@ -426,7 +490,10 @@ class LocalTier:
         self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
         self.complete: List[int] = []  # steps complete in the local tier (this run)
         self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
-        self._buffer: Optional[torch.Tensor] = None  # the snapshot buffer, reused once the save in flight is done
+        self._buffer: Optional[torch.Tensor] = None  # the snapshot buffer (shared memory), reused once the save in flight is done
+        if snapshot not in ("fork", "copy"):
+            raise CheckpointingException(f"Local tier: snapshot must be 'fork' or 'copy', not {snapshot!r}")
+        self.snapshot = snapshot
 
     def _check_writable(self) -> None:
         probe = f".probe_rank_{self.rank:05d}"
@@ -443,16 +510,28 @@ class LocalTier:
         return step % self.interval == 0 and step > max(self.complete, default=-1)
 
     def save(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
-        """Snapshot this rank's state (blocking: one copy into a reused flat buffer) and
-        write and replicate it in the background."""
-        snap = run_agreed(lambda: Snapshot(sharded_state_dict, self._buffer), f"Local tier: saving step {step}")
-        self._buffer = snap.flat if self._buffer is None or snap.flat.numel() > self._buffer.numel() else self._buffer
+        """Snapshot this rank's state and write and replicate it in the background. The
+        snapshot blocks for a fork (CPU tensors, ``snapshot="fork"``: a child copies them
+        into the shared snapshot buffer as they were at the fork) or for one copy into
+        that buffer on this thread (otherwise)."""
+
+        def take() -> Tuple[Snapshot, Optional[ForkedCall]]:
+            snap = Snapshot(sharded_state_dict)
+            if self._buffer is None or self._buffer.numel() < snap.size:
+                self._buffer = shared_buffer(snap.size)
+            return snap, snap.take(self._buffer, self.snapshot == "fork" and can_fork(snap))
+
+        snap, child = run_agreed(take, f"Local tier: saving step {step}")
         errors: List[BaseException] = []
 
         def work() -> None:
             try:
                 crash_point("local", step)
-                flat_sum = flat_checksum(snap.flat, snap.layout)
+                try:
+                    flat_sum = child.result() if child is not None else flat_checksum(snap.flat, snap.layout)
+                except BaseException as e:  # noqa: BLE001 - the partners are told, then it is reported
+                    exchange(self.transport, {dst: e for dst in self.sends_to}, self.receives_from)
+                    raise
                 message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
                 with ThreadPoolExecutor(1, thread_name_prefix="local-tier-write") as pool:  # own copy while replicating
                     own = pool.submit(write_copy, self.node_dir, step, self.rank, self.world, snap.flat, snap.header,
@@ -473,13 +552,16 @@ class LocalTier:
         thread.start()
         self._pending = (step, thread, errors)
 
-    def finalize(self) -> Optional[int]:
-        """Wait for the local save in flight and agree whether it succeeded on every rank
-        (collective). A failed step is removed everywhere (a warning names the error);
+    def finalize(self, blocking: bool = True) -> Optional[int]:
+        """Wait for the local save in flight (``blocking=False``: only if every rank has
+        finished it; one 1-byte ``all_reduce``) and agree whether it succeeded on every
+        rank (collective). A failed step is removed everywhere (a warning names the error);
         after a success the older local steps are removed. Returns the completed step."""
         if self._pending is None:
             return None
         step, thread, errors = self._pending
+        if not blocking and all_reduce_max_uint8([int(thread.is_alive())], self.group)[0]:
+            return None
         self._pending = None
         thread.join()
         mine = [self.rank, *self.receives_from]

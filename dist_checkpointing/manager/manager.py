@@ -95,7 +95,9 @@ class CheckpointManager:
             ``{rank}`` are replaced) and replicates them to ``replication_factor - 1`` ranks on
             other nodes (``node_of_rank``: each rank's node; default from torchrun's
             ``LOCAL_WORLD_SIZE``); :meth:`load` restores the newest step of either tier
-            (:mod:`.local_tier`).
+            (:mod:`.local_tier`). ``local_snapshot``: ``"fork"`` (default; CPU tensors: a
+            local save blocks for a fork, a child copies the state) or ``"copy"`` (the
+            copy on the training thread).
 
     Collective (every rank calls them): the constructor, :meth:`save`, :meth:`load`,
     :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
@@ -109,7 +111,7 @@ class CheckpointManager:
                  best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
                  storage_options: Optional[Dict[str, Any]] = None, local_dir: Optional[Location] = None,
                  local_interval: Optional[int] = None, replication_factor: int = 1,
-                 node_of_rank: Optional[List[int]] = None):
+                 node_of_rank: Optional[List[int]] = None, local_snapshot: str = "fork"):
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
         check_positive("save_interval_steps", save_interval_steps)
         self.save_interval_steps = save_interval_steps
@@ -137,7 +139,8 @@ class CheckpointManager:
         if local_dir is not None:
             check_positive("local_interval", local_interval)
             try:
-                self.local = LocalTier(os.fspath(local_dir), local_interval, replication_factor, node_of_rank)
+                self.local = LocalTier(os.fspath(local_dir), local_interval, replication_factor, node_of_rank,
+                                       snapshot=local_snapshot)
             except BaseException:
                 self.close(abort=True)
                 raise
@@ -370,11 +373,14 @@ class CheckpointManager:
             raise CheckpointingException(f"Async save of step {pending} failed; no checkpoint was deleted: {e}") from e
 
     def maybe_finalize(self) -> None:
-        """Finalize the async save in flight if every rank has finished writing it, without
-        waiting (collective: one small ``all_reduce``; nothing without a save in flight).
+        """Finalize the async save in flight (and, in two-tier mode, the local save in
+        flight) if every rank has finished writing it, without waiting (collective: one
+        small ``all_reduce`` per save in flight).
         Call it every step, as Megatron-LM does, so a checkpoint counts as soon as it is done."""
         self._check_open()
         self._finalize(blocking=False)
+        if self.local is not None:
+            self.local.finalize(blocking=False)
 
     def wait_until_finished(self) -> None:
         """Finalize the async save in flight (collective); on rank 0 also wait for the

@@ -89,6 +89,13 @@ class RangeReader(ABC):
         """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
         (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""
 
+    def map(self) -> Optional[memoryview]:
+        """The whole file as a writable private memory map (pages read on first touch,
+        copied on first write, the file never changed), for a reader that would otherwise
+        copy all of it into a new buffer; ``None`` where the storage cannot map files. It
+        stays valid after :meth:`close`."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the file."""

@@ -188,6 +188,9 @@ class PosixReader(RangeReader):
     def readinto(self, buf, offset: int) -> int:
         return os.preadv(self._fd, [buf], offset)
 
+    def map(self) -> Optional[memoryview]:
+        return memoryview(mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)) if self.size else None
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

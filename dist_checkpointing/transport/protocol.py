@@ -155,6 +155,13 @@ class PGTransport:
         logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
 
+    def send_failure(self, dst_ranks: Sequence[int], reason: str) -> None:
+        """Tell every rank in ``dst_ranks`` (each calling :meth:`recv_checkpoint` with this
+        rank) that no state comes: each raises :class:`CheckpointingException` with
+        ``reason`` at once instead of waiting for its timeout."""
+        with contextlib.suppress(CheckpointingException):
+            self._fail_before_header(list(dst_ranks), reason, CheckpointingException(reason))
+
     def _fail_before_header(self, dsts: List[int], reason: str, error: Exception) -> NoReturn:
         """Tell every receiver that this state cannot be sent (a header with a negative
         length, the reason in place of the metadata), so each raises at once instead of
