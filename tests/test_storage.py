@@ -47,7 +47,12 @@ def check_storage_contract(storage: Storage) -> None:
     buf = bytearray(4)
     assert reader.size == 3000 and reader.read(2998, 10) == b"bc" and reader.readinto(buf, 1) == 4 and buf == b"bcab"
     assert reader.readinto(bytearray(8), 3000) == 0 and reader.read(3000, 5) == b""
+    mapped = reader.map()  # optional: None where the storage cannot map files
     reader.close()
+    if mapped is not None:  # a private map: valid after close, writes never reach the file
+        assert bytes(mapped) == b"abc" * 1000
+        mapped[0] = ord("z")
+        assert storage.read_bytes("data", max_bytes=3) == b"abca"
     assert storage.list() == ["claim", "data", "small"]  # no temporary files left
     assert storage.info("data").size == 3000 and storage.info("nope") is None and storage.kind("data") == "file"
     assert storage.kind("nope") is None
@@ -68,6 +73,9 @@ def test_posix_storage_contract(tmp_path):
     storage = PosixStorage(tmp_path / "ckpt")
     assert storage.kind() is None
     check_storage_contract(storage)
+    reader = storage.open_reader("data")
+    assert reader.map() is not None  # POSIX maps files
+    reader.close()
     assert storage.list() == ["data", "dropped", "small"]  # an aborted stream leaves its partial file
 
 
