@@ -10,12 +10,13 @@ markers):
    rank's copy, the holder to read it from: its own copy if it has one (read straight into
    its tensors), else a partner's replica, else any other holder (e.g. the partner's
    node-mates). If some rank's copy is held nowhere, the next older step is tried.
-3. Each chosen holder verifies (checksum) what it reads; a holder whose copy fails drops
-   it and the choice is made again (the next holder of that copy); if some rank's copy is
-   nowhere valid, every rank gets ``None``: the caller falls back to the persistent tier.
-4. Holders send the replicas to their owners over the local tier's group, straight into
-   the owners' tensors (the transport's in-place receive); each owner verifies the
-   checksum again.
+3. In rounds: holders send the replicas they serve over the local tier's group as mapped
+   from their files (unverified), straight into the owners' tensors (the transport's
+   in-place receive); then owners holding their own copy read it into their tensors. Each
+   owner verifies its checksum. One ``all_reduce`` of one flag per rank says whose copy
+   failed: its holder drops it and the choice is made again for those owners only; if some
+   rank's copy is nowhere valid, every rank gets ``None``: the caller falls back to the
+   persistent tier.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..collectives import run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
 from ..transport import PGTransport
-from .local_tier import LayoutMismatch, LocalTier, exchange, fill_received, partners, read_copy, receiving_state, scan, wire_state
+from .local_tier import (LayoutMismatch, LocalTier, exchange, fill_received, map_copy, partners, read_copy,
+                         receiving_state, scan, wire_state)
 
 logger = logging.getLogger(__name__)
 
@@ -78,54 +80,68 @@ def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[i
     return [k % world for k in keys]
 
 
+def _serve_and_read(tier: LocalTier, step: int, held: Dict[int, Dict[str, Any]], source: List[int],
+                    done: List[bool], sharded_state_dict: ShardedStateDict) -> Tuple[List[int], Any]:
+    """One round: holders send the replicas they serve (as mapped, unverified: the owner
+    verifies), owners without a copy of their own receive theirs straight into their
+    tensors, then owners with one read it. Returns one flag per owner (1: the copy used
+    for it failed its checksum) and this rank's loaded state (``None`` if not loaded)."""
+    failed = [0] * tier.world
+    state = None
+    sends = {o: wire_state(*map_copy(tier.node_dir, held[o]), int(held[o]["checksum"], 16))
+             for o in held if source[o] == tier.rank and o != tier.rank and not done[o]}
+    src = source[tier.rank]
+    if done[tier.rank] or src == tier.rank:
+        exchange(tier.transport, sends, [])
+    else:
+        into = receiving_state(sharded_state_dict)  # received straight into this rank's tensors
+        transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"), state_dict=lambda: into)
+        received = exchange(transport, sends, [src])[src]
+        try:
+            state = fill_received(sharded_state_dict, received, tier.rank,
+                                  f"rank {tier.rank}'s copy of step {step} from rank {src}")
+        except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
+            raise CheckpointingException(str(e)) from e
+        except CheckpointingException as e:
+            logger.warning("Local tier: %s", e)
+            failed[tier.rank] = 1
+    if not done[tier.rank] and src == tier.rank:
+        try:
+            state = read_copy(tier.node_dir, held[tier.rank], sharded_state_dict, tier.rank)[0]
+        except LayoutMismatch as e:
+            raise CheckpointingException(str(e)) from e
+        except CheckpointingException as e:
+            logger.warning("Local tier: %s", e)
+            failed[tier.rank] = 1
+    return failed, state
+
+
 def _fetch(tier: LocalTier, step: int, mine: Dict[int, Dict[str, Any]],
            sharded_state_dict: ShardedStateDict) -> Tuple[bool, Any]:
     """Load this rank's copy of ``step`` into ``sharded_state_dict`` (read from its own
     copy, or received from a holder of a replica): ``(True, state)``; ``(False, None)`` on
     every rank when some rank's copy is held nowhere, or nowhere valid."""
     held = dict(mine)  # the copies of this step this rank may still serve, by owner
-    loaded: Dict[int, Any] = {}  # owner -> what this rank read for it (itself: its state)
+    done = [False] * tier.world  # owners whose copy is loaded (the same on every rank)
+    state = None
     while True:
         source = _choose(held, tier)
         if source is None:
             logger.warning("Local tier: no valid copy of some rank's shards of step %d", step)
             return False, None
-
-        def read() -> int:
-            failed = 0
-            for owner in [o for o in held if source[o] == tier.rank and o not in loaded]:
-                try:
-                    if owner == tier.rank:
-                        loaded[owner] = read_copy(tier.node_dir, held[owner], sharded_state_dict, tier.rank)[0]
-                    else:
-                        loaded[owner] = read_copy(tier.node_dir, held[owner])
-                except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
-                    raise CheckpointingException(str(e)) from e
-                except CheckpointingException as e:
-                    logger.warning("Local tier: %s", e)
-                    del held[owner]
-                    failed = 1
-            return failed
-
-        _, (any_failed,) = run_agreed_with_flags(read, lambda failed: [failed or 0],
-                                                 f"Local tier: restoring step {step}")
-        if not any_failed:
-            break
-    sends = {o: wire_state(*loaded[o], int(held[o]["checksum"], 16))
-             for o in loaded if o != tier.rank and source[o] == tier.rank}
-    src = source[tier.rank]
-
-    def transfer_and_fill() -> Any:
-        if src == tier.rank:
-            exchange(tier.transport, sends, [])
-            return loaded[tier.rank]
-        into = receiving_state(sharded_state_dict)  # received straight into this rank's tensors
-        transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"), state_dict=lambda: into)
-        received = exchange(transport, sends, [src])[src]
-        return fill_received(sharded_state_dict, received, tier.rank,
-                             f"rank {tier.rank}'s copy of step {step} from rank {src}")
-
-    return True, run_agreed(transfer_and_fill, f"Local tier: restoring step {step}")
+        (failed, loaded), agreed = run_agreed_with_flags(
+            lambda: _serve_and_read(tier, step, held, source, done, sharded_state_dict),
+            lambda result: result[0] if result is not None else [0] * tier.world,
+            f"Local tier: restoring step {step}")
+        if loaded is not None and not failed[tier.rank]:
+            state = loaded
+        for owner, bad in enumerate(agreed):
+            if bad and source[owner] == tier.rank:  # the copy this rank served failed: not served again
+                held.pop(owner, None)
+            elif not bad:
+                done[owner] = True
+        if all(done):
+            return True, state
 
 
 def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: int,

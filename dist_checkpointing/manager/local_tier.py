@@ -330,12 +330,39 @@ def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
         done += n
 
 
-def read_copy(node_dir: str, marker: Dict[str, Any],
-              sharded_state_dict: Optional[ShardedStateDict] = None, rank: int = -1) -> Tuple[Any, bytes]:
-    """Read the copy a marker describes, verifying its checksum: into the tensors of
-    ``sharded_state_dict`` when given (returns its loaded form), else into a new flat
-    buffer (returns it); with the pickled header. :class:`CheckpointingException` if it is
-    missing, short or damaged."""
+def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes]:
+    """The payload a marker describes, to send as it is (the receiver verifies the
+    checksum): a private map of the file where the storage can map, else read into a new
+    buffer; with the pickled header. :class:`CheckpointingException` if it is missing or
+    of the wrong size."""
+    storage = _step_storage(node_dir, marker["step"])
+    name = payload_name(marker["owner"])
+    header, _ = read_header(node_dir, marker)
+    try:
+        reader = storage.open_reader(name)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        mapped = reader.map()
+        if mapped is not None:
+            return torch.frombuffer(mapped, dtype=torch.uint8), header
+        out = torch.empty(marker["length"], dtype=torch.uint8)
+        _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+        return out, header
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    finally:
+        reader.close()
+
+
+def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: ShardedStateDict,
+              rank: int) -> Tuple[Any, bytes]:
+    """Read the copy a marker describes into the tensors of ``sharded_state_dict``,
+    verifying its checksum; returns its loaded form and the pickled header.
+    :class:`CheckpointingException` if it is missing, short or damaged."""
     storage = _step_storage(node_dir, marker["step"])
     name = payload_name(marker["owner"])
     header, content = read_header(node_dir, marker)
@@ -348,29 +375,20 @@ def read_copy(node_dir: str, marker: Dict[str, Any],
         if reader.size != marker["length"]:
             raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
                                          f"its marker says {marker['length']}")
-        if sharded_state_dict is None:  # (to send: mapped where the storage can, no copy)
-            mapped = reader.map()
-            out: Any = torch.frombuffer(mapped, dtype=torch.uint8) if mapped is not None else None
-            if out is None:
-                out = torch.empty(marker["length"], dtype=torch.uint8)
-                _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
-            for _, offset, nbytes, _, _ in content["layout"]:
-                hasher.update(out.numpy()[offset:offset + nbytes])
-        else:
-            targets = _targets(sharded_state_dict)
-            _check_ids(targets, content, rank)
-            for entry in content["layout"]:
-                if entry[0] not in targets:
-                    continue
-                tensor = _target_tensor(targets[entry[0]], entry, rank)
-                dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
-                    tensor, device="cpu", memory_format=torch.contiguous_format)
-                view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
-                _read_all(reader, view, entry[1], storage.describe(name))
-                hasher.update(view)
-                if dest is not tensor:
-                    tensor.copy_(dest)
-            out = _result(sharded_state_dict, content["values"], rank)
+        targets = _targets(sharded_state_dict)
+        _check_ids(targets, content, rank)
+        for entry in content["layout"]:
+            if entry[0] not in targets:
+                continue
+            tensor = _target_tensor(targets[entry[0]], entry, rank)
+            dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
+                tensor, device="cpu", memory_format=torch.contiguous_format)
+            view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
+            _read_all(reader, view, entry[1], storage.describe(name))
+            hasher.update(view)
+            if dest is not tensor:
+                tensor.copy_(dest)
+        out = _result(sharded_state_dict, content["values"], rank)
     except OSError as e:
         raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
     finally:
