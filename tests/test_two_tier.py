@@ -146,6 +146,8 @@ def test_unwritable_local_dir_is_a_clear_error_and_persistent_tier_works(tmp_pat
     errors = pool.run_expect_error(_open_unwritable, root, str(tmp_path / "a_file" / "node{node}"))
     assert_all_raise(errors, 4, "Local tier", "not writable", "a_file/node")
     assert pool.run(_persistent_only, root) == [[5]] * 4
+    errors = pool.run_expect_error(_open_unwritable, root, "s3://bucket/node{node}")
+    assert_all_raise(errors, 4, "Local tier", "must be a node-local path", "s3://bucket/node")
 
 
 def _restore_world2(rank: int, world: int, root: str, local: str) -> None:

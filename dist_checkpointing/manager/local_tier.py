@@ -39,7 +39,7 @@ from ..core import CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
-from ..storage import Storage, storage_for
+from ..storage import PosixStorage, Storage, storage_for, url_scheme
 from ..storage.base import byte_view
 from ..strategies.async_utils import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
@@ -292,7 +292,10 @@ def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any]
 # ----------------------------------------------------------------------------- files
 
 def _step_storage(node_dir: str, step: int) -> Storage:
-    return storage_for(os.path.join(node_dir, local_step_dir(step)))
+    """A step's directory. Its files are not ``fsync``ed: a copy serves a restart of the
+    job (the page cache outlives the processes); after a crash of the node, each copy's
+    checksum decides whether it is used (else a replica, else the persistent tier)."""
+    return PosixStorage(os.path.join(node_dir, local_step_dir(step)), durable=False)
 
 
 def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Tensor, header: bytes,
@@ -500,6 +503,8 @@ class LocalTier:
                 f"Local tier: replication_factor {replication_factor} needs as many nodes; there are {len(set(nodes))}")
         self.node_of_rank = nodes
         self.node_dir = str(local_dir).format(node=nodes[self.rank], rank=self.rank)
+        if url_scheme(self.node_dir):
+            raise CheckpointingException(f"Local tier: local_dir must be a node-local path, not {self.node_dir!r}")
         self.sends_to = partners(nodes, self.rank, replication_factor - 1)
         self.receives_from = [r for r in range(self.world) if self.rank in partners(nodes, r, replication_factor - 1)]
         run_agreed(self._check_writable, "Local tier")

@@ -211,9 +211,10 @@ def fsync_dir(path: Union[str, Path]) -> None:
         os.close(fd)
 
 
-def atomic_write_file(path: Union[str, Path], data) -> None:
+def atomic_write_file(path: Union[str, Path], data, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see either the old file (or nothing) or
-    the whole new one; durable on return."""
+    the whole new one; durable on return (``durable=False``: left to the page cache, no
+    ``fsync``)."""
     path = os.fspath(path)
     directory, name = os.path.split(path)
     # A name of its own: two writers of one path never write into each other's file.
@@ -222,7 +223,8 @@ def atomic_write_file(path: Union[str, Path], data) -> None:
         with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -230,7 +232,8 @@ def atomic_write_file(path: Union[str, Path], data) -> None:
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(directory or ".")
+    if durable:
+        fsync_dir(directory or ".")
 
 
 #: a large file is deleted in pieces of this size, truncated from its end: freeing a file's
@@ -265,10 +268,13 @@ def _delete_in_pieces(path: str, pause: Optional[Callable[[], None]]) -> None:
 
 
 class PosixStorage(Storage):
-    """A local directory ``root``; names are file names inside it."""
+    """A local directory ``root``; names are file names inside it. ``durable=False``:
+    :meth:`write_atomic` leaves its files to the page cache (no ``fsync``: they survive a
+    crash of the process, not of the machine)."""
 
-    def __init__(self, root: Union[str, Path]):
+    def __init__(self, root: Union[str, Path], durable: bool = True):
         self.root = os.fspath(root)
+        self.durable = durable
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.root!r})"
@@ -283,7 +289,7 @@ class PosixStorage(Storage):
         return StagedFileWriter(self._path(name))
 
     def write_atomic(self, name: str, data) -> None:
-        atomic_write_file(self._path(name), data)
+        atomic_write_file(self._path(name), data, self.durable)
 
     def create_exclusive(self, name: str, data) -> None:
         path = self._path(name)
