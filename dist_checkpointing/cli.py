@@ -1,7 +1,8 @@
 """The command line: ``python -m dist_checkpointing`` (or ``dist-ckpt``) ``inspect``,
-``validate``, ``export`` and ``import`` a checkpoint, in one process without a process
-group. A checkpoint may be a directory or a URL (``s3://bucket/prefix``, …), configured by
-the environment and ``--storage-option KEY=VALUE``. Long operations show a progress bar on
+``validate``, ``export``, ``import`` and ``convert`` a checkpoint, and ``convert-local`` a
+local-tier checkpoint into a normal one, in one process without a process group. A
+checkpoint may be a directory or a URL (``s3://bucket/prefix``, …), configured by the
+environment and ``--storage-option KEY=VALUE``. Long operations show a progress bar on
 a terminal and log lines otherwise."""
 
 from __future__ import annotations
@@ -120,7 +121,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the checkpoint directory to create")
     p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    for name in ("inspect", "validate", "export", "import", "convert"):
+    p = sub.add_parser("convert-local", help="write a local-tier (two-tier mode) checkpoint as a normal one that "
+                       "loads under any layout", description="Write a step of a local-tier checkpoint (the node-local "
+                       "directories of CheckpointManager's two-tier mode) as a normal torch_dist checkpoint into OUT. "
+                       "Each rank's shards are read from its first intact copy (own or replica) in the order of the "
+                       "NODE_DIRs. Put options before the NODE_DIRs or after OUT.")
+    p.add_argument("node_dirs", nargs="+", metavar="NODE_DIR", help="a node-local directory (local_dir of a node)")
+    p.add_argument("out", metavar="OUT", help="the checkpoint to create: an empty or missing directory, or a URL "
+                   "(ROOT/iter_{step:07d} adds it to a CheckpointManager root)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="the step to convert (default: the newest step complete in the NODE_DIRs)")
+    for name in ("inspect", "validate", "export", "import", "convert", "convert-local"):
         sub.choices[name].add_argument(
             "--storage-option", dest="storage_options", action="append", type=_storage_option, metavar="KEY=VALUE",
             help="an option of the URL's storage client (repeatable; e.g. endpoint=http://host:port), "
@@ -178,6 +189,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         storage_options=options)
             print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
                   f"{result.objects} objects written in layout {args.layout}")
+            return 0
+        if args.command == "convert-local":
+            from .manager import convert_local_checkpoint
+
+            done = convert_local_checkpoint(args.node_dirs, args.out, args.step, storage_options=options)
+            print(f"{args.out}: step {done.step} of {done.world} ranks: {done.tensors} tensor chunks "
+                  f"({human_size(done.nbytes)}) and {done.objects} objects written")
             return 0
         count = import_checkpoint(args.source, args.out, args.force, storage_options=options)
         print(f"{args.out}: {count} tensors imported")

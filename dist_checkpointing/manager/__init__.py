@@ -5,10 +5,14 @@
 * :mod:`.retention` — the retention policies;
 * :mod:`.worker` — rank 0's background thread: index and tracker writes, deletions;
 * :mod:`.lock` — one manager per root;
+* :mod:`.local_tier`, :mod:`.local_restore`, :mod:`.local_format` — two-tier mode's local
+  tier: saving and replicating, restoring, the copies' headers;
+* :mod:`.local_convert` — a local-tier checkpoint converted into a normal one, offline;
 * :mod:`.crash` — test-only crash points.
 """
 
+from .local_convert import LocalConversion, convert_local_checkpoint
 from .manager import CheckpointManager
 from .retention import RetentionPolicy
 
-__all__ = ["CheckpointManager", "RetentionPolicy"]
+__all__ = ["CheckpointManager", "LocalConversion", "RetentionPolicy", "convert_local_checkpoint"]

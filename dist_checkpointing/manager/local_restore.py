@@ -22,6 +22,7 @@ markers):
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 from ..collectives import run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException
-from ..mapping import ShardedStateDict
+from ..mapping import ShardedObject, ShardedStateDict
+from ..sharded_tensor import ShardedTensor
 from ..transport import PGTransport
 from .local_tier import (LayoutMismatch, LocalTier, exchange, fill_received, map_copy, partners, read_copy,
                          receiving_state, scan, wire_state)
@@ -162,3 +164,18 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
         if ok:
             return step, state
         below = step
+
+
+def restored_state(sharded_state_dict: ShardedStateDict, restored: Any) -> ShardedStateDict:
+    """``sharded_state_dict`` holding what :func:`restore` returned for it (``restored``):
+    its ShardedTensors as they are (filled in place), its ShardedObjects with the restored
+    objects, the restored values for the rest — the restored step, ready to be saved."""
+    if isinstance(sharded_state_dict, dict):
+        return {k: restored_state(v, restored[k]) for k, v in sharded_state_dict.items()}
+    if isinstance(sharded_state_dict, list):
+        return [restored_state(v, r) for v, r in zip(sharded_state_dict, restored)]
+    if isinstance(sharded_state_dict, ShardedObject):
+        return replace(sharded_state_dict, data=restored)
+    if isinstance(sharded_state_dict, ShardedTensor):
+        return sharded_state_dict
+    return restored

@@ -27,7 +27,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from ..strategies.async_utils import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
 from ..transport import PGTransport
 from .crash import crash_point
+from .local_format import Entry, encode_header, leaf_id, walk
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +95,6 @@ def partners(node_of_rank: Sequence[int], rank: int, copies: int) -> List[int]:
 # ----------------------------------------------------------------------------- payloads
 
 _ALIGN = 64  # each tensor's offset in the flat buffer (a uint8 slice can be viewed as any dtype)
-Entry = Tuple[str, int, int, str, Tuple[int, ...]]  # id, offset, bytes, dtype name, shape
-
-
-def _walk(x: Any, path: str, visit: Callable[[str, Any], Any]) -> Any:
-    """A copy of the nested dicts/lists ``x`` with each leaf replaced by ``visit(path, leaf)``."""
-    if isinstance(x, dict):
-        return {k: _walk(v, f"{path}/{k}", visit) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_walk(v, f"{path}/{i}", visit) for i, v in enumerate(x)]
-    return visit(path, x)
-
-
-def _leaf_id(path: str, leaf: Any) -> str:
-    if isinstance(leaf, ShardedTensor):
-        return f"t:{leaf.key}@{','.join(map(str, leaf.global_offset))}"
-    if isinstance(leaf, ShardedObject):
-        return f"o:{leaf.unique_key}"
-    return f"c:{path}"
-
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.rsplit(".", 1)[-1])
@@ -136,7 +118,7 @@ class Snapshot:
         self.size = 0
 
         def visit(path: str, leaf: Any) -> None:
-            ident = _leaf_id(path, leaf)
+            ident = leaf_id(path, leaf)
             if isinstance(leaf, ShardedTensor):
                 if leaf.data is None:
                     raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
@@ -149,8 +131,8 @@ class Snapshot:
             else:
                 values[ident] = leaf.data if isinstance(leaf, ShardedObject) else leaf
 
-        _walk(sharded_state_dict, "", visit)
-        self.header = pickle.dumps({"layout": self.layout, "values": values})
+        walk(sharded_state_dict, "", visit)
+        self.header = encode_header(sharded_state_dict, self.layout, values)
         self.flat: Optional[torch.Tensor] = None  # set by take()
         self.checksum: Optional[int] = None  # of the tensor bytes (set by take() when forked)
 
@@ -220,11 +202,15 @@ def flat_checksum(flat: torch.Tensor, layout: List[Entry]) -> int:
     return tensors_checksum([flat[offset:offset + nbytes] for _, offset, nbytes, _, _ in layout])
 
 
+def tensor_views(flat: torch.Tensor, layout: List[Entry]) -> Dict[str, torch.Tensor]:
+    """The tensors of ``flat`` (views), by id."""
+    return {e[0]: _slot(flat, e) for e in sorted(layout)}
+
+
 def wire_state(flat: torch.Tensor, header: bytes, flat_sum: int) -> Dict[str, Any]:
     """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
     header and the checksum."""
-    layout = pickle.loads(header)["layout"]
-    return {"tensors": {e[0]: _slot(flat, e) for e in sorted(layout)}, "header": header, "checksum": flat_sum}
+    return {"tensors": tensor_views(flat, pickle.loads(header)["layout"]), "header": header, "checksum": flat_sum}
 
 
 def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
@@ -241,7 +227,7 @@ class LayoutMismatch(CheckpointingException):
 
 def _targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    _walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(_leaf_id(path, leaf), leaf))
+    walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(leaf_id(path, leaf), leaf))
     return out
 
 
@@ -260,7 +246,7 @@ def _result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: 
     place) for ShardedTensors, saved values for the rest."""
 
     def visit(path: str, leaf: Any) -> Any:
-        ident = _leaf_id(path, leaf)
+        ident = leaf_id(path, leaf)
         if isinstance(leaf, ShardedTensor):
             return leaf.data
         if isinstance(leaf, torch.Tensor):
@@ -269,7 +255,7 @@ def _result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: 
             raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
         return values[ident]
 
-    return _walk(sharded_state_dict, "", visit)
+    return walk(sharded_state_dict, "", visit)
 
 
 def _check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> None:

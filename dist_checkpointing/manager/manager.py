@@ -29,7 +29,7 @@ from .layout import (
     CONTENT_KEY, RELEASE, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
     write_tracker,
 )
-from .local_restore import restore as restore_local
+from .local_restore import restore as restore_local, restored_state
 from .local_tier import LocalTier
 from .lock import RootLock
 from .retention import RetentionPolicy, check_positive, metric_value
@@ -407,7 +407,8 @@ class CheckpointManager:
         return step
 
     def load(self, sharded_state_dict: ShardedStateDict, step: Optional[int] = None,
-             strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED) -> Any:
+             strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+             persist_local: bool = False) -> Any:
         """Load ``step`` (default: the newest complete checkpoint) into ``sharded_state_dict``
         (collective; rank 0's choice of step is used on every rank); returns what
         :func:`dist_checkpointing.load` returns. The step is not deleted while it loads.
@@ -415,7 +416,10 @@ class CheckpointManager:
         Two-tier mode, without ``step``: the newest step complete in either tier; from the
         local tier when it is newer than every persistent checkpoint and every rank's copy
         (own or replica) is found intact, else from the persistent tier (on every rank
-        alike). :attr:`restored_from` tells which."""
+        alike). :attr:`restored_from` tells which. With ``persist_local``, a step restored
+        from the local tier is then also saved as a persistent checkpoint of that step, by
+        :meth:`save` (``force``; async when the manager is), so that a run of another layout
+        or world size can load it; no effect when the step came from the persistent tier."""
         self._check_open()
         self._finalize(blocking=True)
         if self.local is not None and step is None:
@@ -424,6 +428,9 @@ class CheckpointManager:
             restored = restore_local(self.local, sharded_state_dict, -1 if latest is None else latest, latest)
             if restored is not None:
                 self.restored_from = ("local", restored[0])
+                self.local.complete.append(restored[0])  # it is in the local tier: not saved there again
+                if persist_local:
+                    self.save(restored[0], restored_state(sharded_state_dict, restored[1]), force=True)
                 return restored[1]
         with ExitStack() as held:
             def pick_and_hold() -> int:  # rank 0: the step, kept from deletion until every rank has read it
