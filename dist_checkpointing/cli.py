@@ -94,8 +94,8 @@ def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export and import "
-                                     "distributed checkpoints (of any registered backend).")
+    parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export, import and "
+                                     "convert distributed checkpoints (of any registered backend).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="describe a checkpoint: backend, common state, tensors, objects, size")
     p.add_argument("dir")

@@ -4,8 +4,8 @@ directories, each replicated to partner ranks on other nodes over the process gr
 Every rank writes its own shards only (no cross-rank planning): a snapshot of its
 ``sharded_state_dict`` — every tensor (ShardedTensors' local data, keyed by ``key`` and
 global offset) copied into one flat byte buffer, reused from save to save; a header (the
-buffer's layout and the other values: ShardedObjects' data by unique key, the rest by
-path, pickled) — goes raw into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``, then
+buffer's layout, the other values — ShardedObjects' data by unique key, the rest by path
+— and each entry's sharding, pickled: :mod:`.local_format`) — goes raw into ``{node dir}/local_{step:07d}/rank_{owner:05d}.pt``, then
 a marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64
 checksums of both) is written last, both atomically. The snapshot is taken while ``save``
 blocks; checksumming, writing (the own copy while replicating) and replicating happen in a background thread, over a
