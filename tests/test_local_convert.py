@@ -23,7 +23,7 @@ from dist_checkpointing.integrity import checksum
 from dist_checkpointing.manager import convert_local_checkpoint
 
 from .conftest import get_pool
-from .helpers import flip_byte
+from .helpers import assert_all_raise, flip_byte
 
 
 def _global(name: str, shape: tuple, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -126,6 +126,15 @@ def test_converted_checkpoint_loads_under_another_layout_and_world(trained, tmp_
     assert cli(["validate", str(out)]) == 0
 
 
+def test_converts_into_a_url(trained, ckpt_location):
+    nodes = [str(trained[4] / f"node{n}") for n in (0, 1)]
+    out = ckpt_location("converted")
+    assert convert_local_checkpoint(nodes, out).step == 3
+    get_pool(2).run(_load_other_layout, out, 3, 4)
+    with pytest.raises(CheckpointingException, match="converted.* is not empty"):
+        convert_local_checkpoint(nodes, out)
+
+
 def test_converts_from_replicas_when_a_node_is_lost(trained, tmp_path):
     nodes = _nodes(tmp_path, trained)
     shutil.rmtree(nodes[0])
@@ -166,6 +175,9 @@ def test_copies_of_different_world_sizes_are_refused(trained, tmp_path):
     with pytest.raises(CheckpointingException, match=r"saved by different world sizes \(by 2 ranks in .*world2.*node1; "
                                                      r"by 4 ranks in .*world4.*node0\)"):
         convert_local_checkpoint(nodes, tmp_path / "out", step=3)
+    with pytest.raises(CheckpointingException, match=r"copies of step 3 were saved by different world sizes"):
+        convert_local_checkpoint(nodes, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_step_not_present_and_bad_outputs_or_dirs_are_refused(trained, tmp_path):
@@ -181,6 +193,17 @@ def test_a_step_not_present_and_bad_outputs_or_dirs_are_refused(trained, tmp_pat
         convert_local_checkpoint([*nodes, str(tmp_path / "nowhere")], tmp_path / "out")
     with pytest.raises(CheckpointingException, match="at least one node directory"):
         convert_local_checkpoint([], tmp_path / "out")
+
+
+def _convert_in_a_rank(rank: int, world: int, nodes: list, out: str) -> None:
+    convert_local_checkpoint(nodes, out)
+
+
+def test_conversion_refuses_to_run_collectively(trained, tmp_path):
+    nodes = [str(trained[4] / f"node{n}") for n in (0, 1)]
+    errors = get_pool(2).run_expect_error(_convert_in_a_rank, nodes, str(tmp_path / "out"))
+    assert_all_raise(errors, 2, "runs in one process, not collectively")
+    assert not (tmp_path / "out").exists()
 
 
 def _as_old_markers(node_dir: Path) -> None:

@@ -83,7 +83,7 @@ def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]]
     out = open_storage(output, storage_options)
     if out.kind() == "file" or (out.kind() == "dir" and out.list()):
         raise CheckpointingException(f"Cannot convert a local-tier checkpoint to {out.describe()}: it is not empty")
-    with malformed(f"Converting local-tier step {step} of {', '.join(dirs)}"):
+    with malformed(f"Converting the local-tier checkpoint in {', '.join(dirs)}"):
         found = [(d, m) for d in dirs for m in scan(d)]
         step = _pick_step(found, step, dirs)
         copies = _copies_of(found, step, dirs)
@@ -94,10 +94,16 @@ def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]]
     return result
 
 
-def _complete(copies: List[Copy]) -> bool:
-    """Whether ``copies`` (of one step) hold every rank's shards, all saved by one world size."""
-    worlds = {m["world"] for _, m in copies}
-    return len(worlds) == 1 and set(range(worlds.pop())) <= {m["owner"] for _, m in copies}
+def _world_of(copies: List[Copy], step: int) -> int:
+    """The world size that saved ``copies`` (of ``step``); an error if they disagree."""
+    worlds: Dict[int, str] = {}
+    for d, m in copies:
+        worlds.setdefault(m["world"], d)
+    if len(worlds) > 1:
+        saved = "; ".join(f"by {w} ranks in {d}" for w, d in sorted(worlds.items()))
+        raise CheckpointingException(f"Local tier: the copies of step {step} were saved by different world sizes "
+                                     f"({saved}): they are not one checkpoint")
+    return next(iter(worlds))
 
 
 def _pick_step(found: List[Copy], step: Optional[int], dirs: List[str]) -> int:
@@ -107,25 +113,18 @@ def _pick_step(found: List[Copy], step: Optional[int], dirs: List[str]) -> int:
         if step not in steps:
             raise CheckpointingException(f"Local tier: step {step} is not in {', '.join(dirs)} (steps found: {steps})")
         return step
-    complete = [s for s in steps if _complete([(d, m) for d, m in found if m["step"] == s])]
-    if not complete:
-        raise CheckpointingException(f"Local tier: no step is complete in {', '.join(dirs)} (steps found: {steps}; "
-                                     "pass the step to convert to see what it lacks)")
-    return complete[-1]
+    for candidate in reversed(steps):
+        copies = [(d, m) for d, m in found if m["step"] == candidate]
+        if set(range(_world_of(copies, candidate))) <= {m["owner"] for _, m in copies}:
+            return candidate
+    raise CheckpointingException(f"Local tier: no step is complete in {', '.join(dirs)} (steps found: {steps}; "
+                                 "pass the step to convert to see what it lacks)")
 
 
 def _copies_of(found: List[Copy], step: int, dirs: List[str]) -> Dict[int, List[Copy]]:
     """Each rank's copies of ``step``, in the order of the node directories."""
     mine = [(d, m) for d, m in found if m["step"] == step]
-    worlds: Dict[int, str] = {}
-    for d, m in mine:
-        worlds.setdefault(m["world"], d)
-    if len(worlds) > 1:
-        saved = "; ".join(f"by {w} ranks in {d}" for w, d in sorted(worlds.items()))
-        raise CheckpointingException(f"Local tier: the copies of step {step} were saved by different world sizes "
-                                     f"({saved}): they are not one checkpoint")
-    world = next(iter(worlds))
-    copies: Dict[int, List[Copy]] = {r: [] for r in range(world)}
+    copies: Dict[int, List[Copy]] = {r: [] for r in range(_world_of(mine, step))}
     for d, m in mine:
         if m["owner"] in copies:
             copies[m["owner"]].append((d, m))
@@ -147,11 +146,12 @@ def _open_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[Dict[str, Any], t
             "a normal checkpoint needs: restore it with CheckpointManager.load(..., persist_local=True) instead")
     try:
         size = os.path.getsize(path)
-    except OSError as e:
+        if size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {path} has {size} bytes, its marker says {marker['length']}")
+        flat = (torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size
+                else torch.empty(0, dtype=torch.uint8))
+    except (OSError, RuntimeError) as e:  # (torch.from_file raises RuntimeError)
         raise CheckpointingException(f"Local tier: cannot read {path}: {e}") from e
-    if size != marker["length"]:
-        raise CheckpointingException(f"Local tier: {path} has {size} bytes, its marker says {marker['length']}")
-    flat = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     if f"{flat_checksum(flat, header['layout']):016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {path} fails its checksum")
     return header, flat, path
@@ -190,11 +190,11 @@ def _combined(step: int, copies: Dict[int, List[Copy]]) -> Tuple[ShardedStateDic
             else:
                 result.objects += 1
         if owner == 0:
-            if not isinstance(rank_state, dict) or _OTHER_RANKS in rank_state:
-                raise CheckpointingException(f"Local tier: rank 0's state of step {step} is not a dict without "
-                                             f"the key {_OTHER_RANKS!r}")
             state = rank_state
         else:
             others.extend(mains)
-    state[_OTHER_RANKS] = others
+    key = _OTHER_RANKS
+    while key in state:  # (a key of the saved state)
+        key += "_"
+    state[key] = others
     return state, result

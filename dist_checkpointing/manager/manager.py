@@ -428,7 +428,8 @@ class CheckpointManager:
             restored = restore_local(self.local, sharded_state_dict, -1 if latest is None else latest, latest)
             if restored is not None:
                 self.restored_from = ("local", restored[0])
-                self.local.complete.append(restored[0])  # it is in the local tier: not saved there again
+                if restored[0] not in self.local.complete:  # it is in the local tier: not saved there again
+                    self.local.complete.append(restored[0])
                 if persist_local:
                     self.save(restored[0], restored_state(sharded_state_dict, restored[1]), force=True)
                 return restored[1]
