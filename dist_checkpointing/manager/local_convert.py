@@ -3,18 +3,19 @@ process, no process group (``dist-ckpt convert-local``).
 
 Every rank's copy of the step is looked for in the given node-local directories, in their
 order; the first copy whose checksums hold is used (own copy or replica alike), mapped
-from its file rather than read into memory. Each copy's header describes its rank's
-sharded state dict (:mod:`.local_format`); their main replicas together, with rank 0's
-common state, are saved as one ``torch_dist`` checkpoint by :func:`dist_checkpointing.save`
-(which checks that they cover every global tensor exactly once), so it loads under any
-layout and world size, and the manager takes it as a step of its root when written as
-``{root}/iter_{step:07d}``.
+from its file rather than read into memory (:func:`.local_tier.map_copy`). Each copy's
+header describes its rank's sharded state dict (:mod:`.local_format`); their main
+replicas together, with rank 0's common state, are saved as one ``torch_dist`` checkpoint
+by :func:`dist_checkpointing.save` (which checks that they cover every global tensor
+exactly once), so it loads under any layout and world size, and the manager takes it as
+a step of its root when written as ``{root}/iter_{step:07d}``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +30,7 @@ from ..sharded_tensor import ShardedTensor
 from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
 from .local_format import describes_sharding, rebuild
-from .local_tier import flat_checksum, local_step_dir, payload_name, read_header, scan, tensor_views
+from .local_tier import flat_checksum, local_step_dir, map_copy, payload_name, scan, tensor_views
 
 logger = logging.getLogger(__name__)
 
@@ -136,22 +137,15 @@ def _copies_of(found: List[Copy], step: int, dirs: List[str]) -> Dict[int, List[
 
 
 def _open_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[Dict[str, Any], torch.Tensor, str]:
-    """The header and the flat buffer (mapped from its file) of the copy a marker
+    """The header and the flat buffer (a private map of its file) of the copy a marker
     describes, its checksums verified; with the file's path."""
-    _, header = read_header(node_dir, marker)
     path = os.path.join(node_dir, local_step_dir(marker["step"]), payload_name(marker["owner"]))
+    flat, header_bytes = map_copy(node_dir, marker)
+    header = pickle.loads(header_bytes)
     if not describes_sharding(header):
         raise NotConvertible(
             f"Local tier: {path} was written by a version of dist_checkpointing that did not record the sharding "
             "a normal checkpoint needs: restore it with CheckpointManager.load(..., persist_local=True) instead")
-    try:
-        size = os.path.getsize(path)
-        if size != marker["length"]:
-            raise CheckpointingException(f"Local tier: {path} has {size} bytes, its marker says {marker['length']}")
-        flat = (torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size
-                else torch.empty(0, dtype=torch.uint8))
-    except (OSError, RuntimeError) as e:  # (torch.from_file raises RuntimeError)
-        raise CheckpointingException(f"Local tier: cannot read {path}: {e}") from e
     if f"{flat_checksum(flat, header['layout']):016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {path} fails its checksum")
     return header, flat, path
