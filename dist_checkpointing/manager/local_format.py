@@ -9,9 +9,10 @@ The header (pickled into the marker) holds:
 * ``layout``: each tensor's ``(id, offset, nbytes, dtype, shape)`` in the flat buffer;
 * ``values``: the ShardedObjects' data and the other non-tensor leaves, by id;
 * ``format`` (:data:`HEADER_FORMAT`), ``structure`` (the state dict's nesting, each leaf
-  replaced by its id) and ``sharded`` (for each ShardedTensor and ShardedObject id, its
-  fields but the data: key, dtype, shapes, offsets, fragmentations, replica id, prepended
-  axes, flattened range): what a normal save needs. Markers written before conversion
+  replaced by its id), ``sharded`` (for each ShardedTensor and ShardedObject id, its
+  fields but the data — key, dtype, shapes, offsets, fragmentations, replica id, prepended
+  axes, flattened range — as a tuple) and ``fields`` (the names of those tuples' fields,
+  by id prefix): what a normal save needs. Markers written before conversion
   existed lack these three; restoring reads ``layout`` and ``values`` only.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import fields
+from operator import attrgetter
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -49,25 +51,26 @@ def leaf_id(path: str, leaf: Any) -> str:
     return f"c:{path}"
 
 
-def _fields(leaf: Any) -> Dict[str, Any]:
-    """A ShardedTensor's or ShardedObject's fields but its data."""
-    return {f.name: getattr(leaf, f.name) for f in fields(leaf) if f.name != "data"}
+#: the fields recorded of each ShardedTensor / ShardedObject (all but the data), by id prefix
+_FIELDS = {kind: tuple(f.name for f in fields(cls) if f.name != "data")
+           for kind, cls in (("t", ShardedTensor), ("o", ShardedObject))}
+_GET_FIELDS = {kind: attrgetter(*names) for kind, names in _FIELDS.items()}
 
 
 def encode_header(sharded_state_dict: ShardedStateDict, layout: List[Entry], values: Dict[str, Any]) -> bytes:
     """The pickled header of a snapshot of ``sharded_state_dict`` whose tensors lie in a
     flat buffer as ``layout`` says and whose other leaves are ``values``."""
-    sharded: Dict[str, Dict[str, Any]] = {}
+    sharded: Dict[str, Tuple[Any, ...]] = {}
 
     def visit(path: str, leaf: Any) -> str:
         ident = leaf_id(path, leaf)
-        if isinstance(leaf, (ShardedTensor, ShardedObject)):
-            sharded[ident] = _fields(leaf)
+        if ident[0] in _GET_FIELDS:
+            sharded[ident] = _GET_FIELDS[ident[0]](leaf)
         return ident
 
     structure = walk(sharded_state_dict, "", visit)
     return pickle.dumps({"format": HEADER_FORMAT, "layout": layout, "values": values, "structure": structure,
-                         "sharded": sharded})
+                         "fields": _FIELDS, "sharded": sharded})
 
 
 def describes_sharding(header: Dict[str, Any]) -> bool:
@@ -81,9 +84,10 @@ def rebuild(header: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> Sharded
 
     def visit(path: str, ident: str) -> Any:
         if ident.startswith("t:"):
-            return ShardedTensor(data=tensors[ident], **header["sharded"][ident])
+            return ShardedTensor(data=tensors[ident], **dict(zip(header["fields"]["t"], header["sharded"][ident])))
         if ident.startswith("o:"):
-            return ShardedObject(data=header["values"][ident], **header["sharded"][ident])
+            return ShardedObject(data=header["values"][ident],
+                                 **dict(zip(header["fields"]["o"], header["sharded"][ident])))
         return tensors[ident] if ident in tensors else header["values"][ident]
 
     return walk(header["structure"], "", visit)
