@@ -28,7 +28,7 @@ import torch
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 
-#: the header's format; 2: it records what a normal save needs (``structure``, ``sharded``).
+#: the header's format; 2: it records what a normal save needs (``structure``, ``fields``, ``sharded``).
 HEADER_FORMAT = 2
 Entry = Tuple[str, int, int, str, Tuple[int, ...]]  # id, offset, bytes, dtype name, shape
 
