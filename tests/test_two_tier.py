@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
-from dist_checkpointing.manager.local_tier import (FAIL_RECV_ENV, FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum,
-                                                   shared_buffer)
+from dist_checkpointing.manager.local_snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum, shared_buffer
+from dist_checkpointing.manager.local_tier import FAIL_RECV_ENV
 
 from .conftest import get_pool
 from .helpers import assert_all_raise, flip_byte

@@ -30,7 +30,8 @@ from ..sharded_tensor import ShardedTensor
 from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
 from .local_format import describes_sharding, rebuild
-from .local_tier import flat_checksum, local_step_dir, map_copy, payload_name, scan, tensor_views
+from .local_files import local_step_dir, map_copy, payload_name, scan
+from .local_snapshot import flat_checksum, tensor_views
 
 logger = logging.getLogger(__name__)
 

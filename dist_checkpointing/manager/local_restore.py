@@ -33,8 +33,9 @@ from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..transport import PGTransport
-from .local_tier import (LayoutMismatch, LocalTier, exchange, fill_received, map_copy, partners, read_copy,
-                         receiving_state, scan, wire_state)
+from .local_files import map_copy, read_copy, scan
+from .local_snapshot import LayoutMismatch, fill_received, receiving_state, wire_state
+from .local_tier import LocalTier, exchange, partners
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,190 @@
+"""The local tier's files (:mod:`.local_tier`) in a node-local directory: per step
+``local_{step:07d}/``, per owner rank the raw flat buffer ``rank_{owner:05d}.pt`` and then
+its marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64 of
+both), written atomically without ``fsync``; reading them back (verified), listing, removing."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import re
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from ..core import CheckpointingException
+from ..integrity import checksum, new_hasher
+from ..mapping import ShardedStateDict
+from ..storage import PosixStorage, Storage, storage_for
+from ..storage.base import byte_view
+from .local_snapshot import check_ids, leaf_targets, loaded_result, target_tensor
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR_RE = re.compile(r"^local_(\d{7,})$")
+_MARKER_RE = re.compile(r"^rank_(\d{5,})\.done$")
+
+
+def local_step_dir(step: int) -> str:
+    """The name of ``step``'s directory in a node-local directory."""
+    return f"local_{step:07d}"
+
+
+def payload_name(owner: int) -> str:
+    return f"rank_{owner:05d}.pt"
+
+
+def marker_name(owner: int) -> str:
+    return f"rank_{owner:05d}.done"
+
+
+def _step_storage(node_dir: str, step: int) -> Storage:
+    """A step's directory. Its files are not ``fsync``ed: a copy serves a restart of the
+    job (the page cache outlives the processes); after a crash of the node, each copy's
+    checksum decides whether it is used (else a replica, else the persistent tier)."""
+    return PosixStorage(os.path.join(node_dir, local_step_dir(step)), durable=False)
+
+
+def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Tensor, header: bytes,
+               flat_sum: int) -> None:
+    """Write ``owner``'s flat buffer of ``step`` and then its marker (the header, the
+    checksums), atomically."""
+    storage = _step_storage(node_dir, step)
+    marker = {"step": step, "owner": owner, "world": world, "length": flat.numel(), "algorithm": "xxh3_64",
+              "checksum": f"{flat_sum:016x}", "header": base64.b64encode(header).decode(),
+              "header_checksum": f"{checksum(header):016x}"}
+    try:
+        storage.make_root()
+        storage.write_atomic(payload_name(owner), byte_view(flat.numpy()))
+        storage.write_atomic(marker_name(owner), json.dumps(marker).encode())
+    except OSError as e:
+        raise CheckpointingException(
+            f"Local tier: cannot write rank {owner}'s copy of step {step} to {storage.describe()}: {e}") from e
+
+
+def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
+    """The pickled header a marker holds, and its content (checksum verified)."""
+    header = base64.b64decode(marker["header"])
+    if f"{checksum(header):016x}" != marker["header_checksum"]:
+        raise CheckpointingException(f"Local tier: the marker of rank {marker['owner']}'s copy of step "
+                                     f"{marker['step']} in {node_dir} fails its checksum")
+    return header, pickle.loads(header)
+
+
+def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = reader.readinto(buf[done:], offset + done)
+        if n <= 0:
+            raise CheckpointingException(f"Local tier: {where} is shorter than its marker says")
+        done += n
+
+
+def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes]:
+    """The payload a marker describes, to send as it is (the receiver verifies the
+    checksum): a private map of the file where the storage can map, else read into a new
+    buffer; with the pickled header. :class:`CheckpointingException` if it is missing or
+    of the wrong size."""
+    storage = _step_storage(node_dir, marker["step"])
+    name = payload_name(marker["owner"])
+    header, _ = read_header(node_dir, marker)
+    try:
+        reader = storage.open_reader(name)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        mapped = reader.map()
+        if mapped is not None:
+            return torch.frombuffer(mapped, dtype=torch.uint8), header
+        out = torch.empty(marker["length"], dtype=torch.uint8)
+        _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+        return out, header
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    finally:
+        reader.close()
+
+
+def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: ShardedStateDict,
+              rank: int) -> Tuple[Any, bytes]:
+    """Read the copy a marker describes into the tensors of ``sharded_state_dict``,
+    verifying its checksum; returns its loaded form and the pickled header.
+    :class:`CheckpointingException` if it is missing, short or damaged."""
+    storage = _step_storage(node_dir, marker["step"])
+    name = payload_name(marker["owner"])
+    header, content = read_header(node_dir, marker)
+    hasher = new_hasher()
+    try:
+        reader = storage.open_reader(name)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        targets = leaf_targets(sharded_state_dict)
+        check_ids(targets, content, rank)
+        for entry in content["layout"]:
+            if entry[0] not in targets:
+                continue
+            tensor = target_tensor(targets[entry[0]], entry, rank)
+            dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
+                tensor, device="cpu", memory_format=torch.contiguous_format)
+            view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
+            _read_all(reader, view, entry[1], storage.describe(name))
+            hasher.update(view)
+            if dest is not tensor:
+                tensor.copy_(dest)
+        out = loaded_result(sharded_state_dict, content["values"], rank)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
+    finally:
+        reader.close()
+    if f"{hasher.intdigest():016x}" != marker["checksum"]:
+        raise CheckpointingException(f"Local tier: {storage.describe(name)} fails its checksum")
+    return out, header
+
+
+def scan(node_dir: str) -> List[Dict[str, Any]]:
+    """The markers found in a node-local directory (unreadable ones are skipped)."""
+    found: List[Dict[str, Any]] = []
+    root = storage_for(node_dir)
+    if root.kind() != "dir":
+        return found
+    for name in root.list():
+        if not _STEP_DIR_RE.match(name.rstrip("/")):
+            continue
+        step_storage = storage_for(os.path.join(node_dir, name.rstrip("/")))
+        for file in step_storage.list():
+            if _MARKER_RE.match(file):
+                try:
+                    found.append(json.loads(step_storage.read_bytes(file)))
+                except FileNotFoundError:  # deleted since the listing (an older step's cleanup)
+                    continue
+                except (OSError, ValueError) as e:
+                    logger.warning("Local tier: skipping %s: %s", step_storage.describe(file), e)
+    return found
+
+
+def remove_copies(node_dir: str, step: int, owners: Sequence[int]) -> None:
+    """Delete ``owners``' files of ``step`` (marker first), then the step's directory if
+    it is empty; errors are logged."""
+    storage = _step_storage(node_dir, step)
+    for owner in owners:
+        for name in (marker_name(owner), payload_name(owner)):
+            try:
+                storage.delete(name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("Local tier: cannot delete %s: %s", storage.describe(name), e)
+    try:
+        os.rmdir(os.path.join(node_dir, local_step_dir(step)))
+    except OSError:
+        pass  # other ranks' files are still there

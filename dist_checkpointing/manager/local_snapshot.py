@@ -1,0 +1,206 @@
+"""The local tier's snapshot of one rank's state (:mod:`.local_tier`): every tensor in one
+flat, 64-byte aligned uint8 buffer (taken on the training thread, or by a forked child
+into shared memory), the pickled header (:mod:`.local_format`), the checksums, and the
+state as it travels between ranks on restore and is filled into the caller's tensors."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..bytes_view import as_bytes
+from ..core import CheckpointingException
+from ..integrity import new_hasher
+from ..mapping import ShardedObject, ShardedStateDict
+from ..sharded_tensor import ShardedTensor
+from ..strategies.async_utils import ForkedCall
+from ..strategies.memory_maps import not_isolated_by_fork
+from .local_format import Entry, encode_header, leaf_id, walk
+
+#: test-only fault: a rank whose environment sets this has its forked snapshot die.
+FAIL_SNAPSHOT_ENV = "DIST_CKPT_LOCAL_FAIL_SNAPSHOT"
+
+_ALIGN = 64  # each tensor's offset in the flat buffer (a uint8 slice can be viewed as any dtype)
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rsplit(".", 1)[-1])
+
+
+def slot(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The tensor ``entry`` describes, a view of ``flat``."""
+    _, offset, nbytes, dtype, shape = entry
+    return flat[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
+
+
+class Snapshot:
+    """This rank's state as one flat uint8 buffer (every tensor, aligned) and a header: the
+    layout of the buffer and the other values, pickled. The constructor plans the layout
+    only; :meth:`take` copies the tensors in."""
+
+    def __init__(self, sharded_state_dict: ShardedStateDict):
+        self.tensors: List[torch.Tensor] = []
+        values: Dict[str, Any] = {}
+        self.layout: List[Entry] = []
+        self.size = 0
+
+        def visit(path: str, leaf: Any) -> None:
+            ident = leaf_id(path, leaf)
+            if isinstance(leaf, ShardedTensor):
+                if leaf.data is None:
+                    raise CheckpointingException(f"Local tier: ShardedTensor {leaf.key!r} has no data")
+                self._add(ident, leaf.data.detach())
+            elif isinstance(leaf, torch.Tensor):
+                self._add(ident, leaf.detach())
+            elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
+                raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} "
+                                             f"at {path} is not supported; apply the factory first")
+            else:
+                values[ident] = leaf.data if isinstance(leaf, ShardedObject) else leaf
+
+        walk(sharded_state_dict, "", visit)
+        self.header = encode_header(sharded_state_dict, self.layout, values)
+        self.flat: Optional[torch.Tensor] = None  # set by take()
+        self.checksum: Optional[int] = None  # of the tensor bytes (set by take() when forked)
+
+    def _add(self, ident: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.layout.append((ident, self.size, nbytes, str(t.dtype), tuple(t.shape)))
+        self.tensors.append(t)
+        self.size += -(-nbytes // _ALIGN) * _ALIGN
+
+    def take(self, buffer: torch.Tensor, fork: bool) -> Optional[ForkedCall]:
+        """Copy the tensors into ``buffer`` (at least :attr:`size` bytes). ``fork``: in a
+        forked child, which sees the tensors as they are now (copy-on-write; ``buffer``
+        must be shared memory), except tensors in memory a fork does not isolate (shared
+        or file-backed mappings), copied here first: returns the child at once; its result
+        is the checksum of the tensor bytes. Else all on this thread (e.g. a device-to-host
+        copy); returns None."""
+        self.flat = buffer[:self.size]
+        here = not_isolated_by_fork(self.tensors) if fork else [True] * len(self.tensors)
+        for entry, t, now in zip(self.layout, self.tensors, here):
+            if now:
+                slot(self.flat, entry).copy_(t)
+        tensors, self.tensors = self.tensors, []
+        if not fork:
+            return None
+        pairs = [(self.flat.numpy()[offset:offset + nbytes], None if now else as_bytes(t).numpy())
+                 for (_, offset, nbytes, _, _), t, now in zip(self.layout, tensors, here) if nbytes]
+
+        def copy_and_hash() -> int:  # in the child: numpy copies (no torch thread pool after a fork)
+            if os.environ.get(FAIL_SNAPSHOT_ENV):
+                os._exit(3)
+            hasher = new_hasher()
+            for dst, src in pairs:
+                for start in range(0, len(dst), _HASH_CHUNK):  # hashed while hot in the cache
+                    if src is not None:
+                        np.copyto(dst[start:start + _HASH_CHUNK], src[start:start + _HASH_CHUNK])
+                    hasher.update(dst[start:start + _HASH_CHUNK])
+            return hasher.intdigest()
+
+        return ForkedCall(copy_and_hash, "Local tier snapshot")
+
+
+_HASH_CHUNK = 1 << 20
+
+
+def can_fork(snap: Snapshot) -> bool:
+    """Whether ``snap`` can be taken in a forked child: every tensor a plain CPU tensor
+    and ``os.fork`` available."""
+    return hasattr(os, "fork") and all(t.device.type == "cpu" and type(t) is torch.Tensor for t in snap.tensors)
+
+
+def shared_buffer(size: int) -> torch.Tensor:
+    """A flat uint8 buffer of ``size`` bytes in anonymous shared memory (a forked child's
+    writes reach this process; not limited by the size of ``/dev/shm``)."""
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)
+
+
+def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:
+    """xxh3-64 of the bytes of ``tensors`` (CPU), one after the other."""
+    hasher = new_hasher()
+    for t in tensors:
+        hasher.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.intdigest()
+
+
+def flat_checksum(flat: torch.Tensor, layout: List[Entry]) -> int:
+    """xxh3-64 of the tensor bytes of ``flat`` in layout order (padding excluded)."""
+    return tensors_checksum([flat[offset:offset + nbytes] for _, offset, nbytes, _, _ in layout])
+
+
+def tensor_views(flat: torch.Tensor, layout: List[Entry]) -> Dict[str, torch.Tensor]:
+    """The tensors of ``flat`` (views), by id."""
+    return {e[0]: slot(flat, e) for e in sorted(layout)}
+
+
+def wire_state(flat: torch.Tensor, header: bytes, flat_sum: int) -> Dict[str, Any]:
+    """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
+    header and the checksum."""
+    return {"tensors": tensor_views(flat, pickle.loads(header)["layout"]), "header": header, "checksum": flat_sum}
+
+
+def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    """The receiver's side of :func:`wire_state`: its own tensors, filled in place."""
+    tensors = {i: (leaf.data if isinstance(leaf, ShardedTensor) else leaf)
+               for i, leaf in sorted(leaf_targets(sharded_state_dict).items())
+               if isinstance(leaf, (ShardedTensor, torch.Tensor))}
+    return {"tensors": tensors, "header": b"", "checksum": 0}
+
+
+class LayoutMismatch(CheckpointingException):
+    """The state to load into does not match the saved one (not a damaged copy)."""
+
+
+def leaf_targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(leaf_id(path, leaf), leaf))
+    return out
+
+
+def target_tensor(leaf: Any, entry: Entry, rank: int) -> torch.Tensor:
+    ident, _, _, dtype, shape = entry
+    tensor = leaf.data if isinstance(leaf, ShardedTensor) else leaf
+    if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != dtype or tuple(tensor.shape) != tuple(shape):
+        got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise LayoutMismatch(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
+                                     f"the state to load into has {got}")
+    return tensor
+
+
+def loaded_result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: int) -> Any:
+    """``sharded_state_dict`` as ``dist_checkpointing.load`` returns it: tensors (filled in
+    place) for ShardedTensors, saved values for the rest."""
+
+    def visit(path: str, leaf: Any) -> Any:
+        ident = leaf_id(path, leaf)
+        if isinstance(leaf, ShardedTensor):
+            return leaf.data
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+        if ident not in values:
+            raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
+        return values[ident]
+
+    return walk(sharded_state_dict, "", visit)
+
+
+def check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> None:
+    saved = {e[0] for e in header["layout"]} | set(header["values"])
+    missing = sorted(i for i, leaf in targets.items() if i not in saved)
+    if missing:
+        raise LayoutMismatch(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
+
+
+def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], rank: int, what: str) -> Any:
+    """``sharded_state_dict`` loaded from a :func:`wire_state` received in place; its
+    checksum verified."""
+    header = pickle.loads(received["header"])
+    check_ids(leaf_targets(sharded_state_dict), header, rank)
+    if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != received["checksum"]:
+        raise CheckpointingException(f"Local tier: {what} arrived damaged")
+    return loaded_result(sharded_state_dict, header["values"], rank)
