@@ -102,26 +102,28 @@ def test_corrupted_replica_uses_next_replica_then_persistent(tmp_path):
     assert pool.run(_restore, root, local, NODES4, 3) == [("persistent", 0)] * 4
 
 
-def _train_with_failing_partner(rank: int, world: int, root: str, local: str) -> tuple:
-    if rank == 2:
-        os.environ[FAIL_RECV_ENV] = "2"
-    try:
-        with _manager(rank, root, local, NODES2) as m:
-            for step in (1, 2):
-                m.save(step, _state(rank, world, step))
+def _train_with_fault_at_step_2(rank: int, world: int, root: str, local: str, fault_rank: int, env: str) -> tuple:
+    """Local steps 1, 2, 3; ``fault_rank`` has ``env`` set while step 2 is saved."""
+    with _manager(rank, root, local, NODES2) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait_until_finished()
+        if rank == fault_rank:
+            os.environ[env] = "2"
+        try:
+            m.save(2, _state(rank, world, 2))
             m.wait_until_finished()
-            after_failure = list(m.local.complete)
-            m.save(3, _state(rank, world, 3))  # training goes on
-            m.wait_until_finished()
-            return after_failure, list(m.local.complete)
-    finally:
-        os.environ.pop(FAIL_RECV_ENV, None)
+        finally:
+            os.environ.pop(env, None)
+        after_failure = list(m.local.complete)
+        m.save(3, _state(rank, world, 3))  # training goes on
+        m.wait_until_finished()
+        return after_failure, list(m.local.complete)
 
 
 def test_partner_failing_during_replication_does_not_count_the_step(tmp_path):
     pool = get_pool(4)
     root, local = _dirs(tmp_path)
-    assert pool.run(_train_with_failing_partner, root, local) == [([1], [1, 3])] * 4
+    assert pool.run(_train_with_fault_at_step_2, root, local, 2, FAIL_RECV_ENV) == [([1], [1, 3])] * 4
     assert not (tmp_path / "node0" / "local_0000002").exists()
     assert not (tmp_path / "node1" / "local_0000002").exists()
     assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4
@@ -255,27 +257,11 @@ def test_maybe_finalize_counts_a_finished_local_step_without_waiting(tmp_path):
     assert get_pool(4).run(_counted_by_maybe_finalize, root, local) == [([1], True)] * 4
 
 
-def _train_with_dying_snapshot(rank: int, world: int, root: str, local: str) -> tuple:
-    with _manager(rank, root, local, NODES2) as m:
-        m.save(1, _state(rank, world, 1))
-        m.wait_until_finished()
-        if rank == 3:
-            os.environ[FAIL_SNAPSHOT_ENV] = "1"
-        try:
-            m.save(2, _state(rank, world, 2))  # rank 3's snapshot dies: its partner is told, nobody waits
-        finally:
-            os.environ.pop(FAIL_SNAPSHOT_ENV, None)
-        m.wait_until_finished()
-        after_failure = list(m.local.complete)
-        m.save(3, _state(rank, world, 3))  # training goes on
-        m.wait_until_finished()
-        return after_failure, list(m.local.complete)
-
-
 def test_a_snapshot_that_dies_does_not_count_the_step(tmp_path):
     pool = get_pool(4)
     root, local = _dirs(tmp_path)
-    assert pool.run(_train_with_dying_snapshot, root, local) == [([1], [1, 3])] * 4
+    # rank 3's snapshot dies: its partner is told, nobody waits
+    assert pool.run(_train_with_fault_at_step_2, root, local, 3, FAIL_SNAPSHOT_ENV) == [([1], [1, 3])] * 4
     assert not (tmp_path / "node0" / "local_0000002").exists()
     assert not (tmp_path / "node1" / "local_0000002").exists()
     assert pool.run(_restore, root, local, NODES2) == [("local", 3)] * 4

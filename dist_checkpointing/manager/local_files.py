@@ -11,14 +11,15 @@ import logging
 import os
 import pickle
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
 from ..core import CheckpointingException
 from ..integrity import checksum, new_hasher
 from ..mapping import ShardedStateDict
-from ..storage import PosixStorage, Storage, storage_for
+from ..storage import PosixStorage, RangeReader, Storage, storage_for
 from ..storage.base import byte_view
 from .local_snapshot import check_ids, leaf_targets, loaded_result, target_tensor
 
@@ -83,32 +84,42 @@ def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
         done += n
 
 
+@contextmanager
+def _payload(node_dir: str, marker: Dict[str, Any]) -> Iterator[Tuple[RangeReader, str, bytes, Dict[str, Any]]]:
+    """The payload a marker describes, open and of the size the marker says: ``(reader,
+    its description, the pickled header, the header)``; storage errors inside the block
+    become :class:`CheckpointingException` naming the file."""
+    storage = _step_storage(node_dir, marker["step"])
+    name = payload_name(marker["owner"])
+    where = storage.describe(name)
+    header, content = read_header(node_dir, marker)
+    try:
+        reader = storage.open_reader(name)
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {where}: {e}") from e
+    try:
+        if reader.size != marker["length"]:
+            raise CheckpointingException(f"Local tier: {where} has {reader.size} bytes, "
+                                         f"its marker says {marker['length']}")
+        yield reader, where, header, content
+    except OSError as e:
+        raise CheckpointingException(f"Local tier: cannot read {where}: {e}") from e
+    finally:
+        reader.close()
+
+
 def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes]:
     """The payload a marker describes, to send as it is (the receiver verifies the
     checksum): a private map of the file where the storage can map, else read into a new
     buffer; with the pickled header. :class:`CheckpointingException` if it is missing or
     of the wrong size."""
-    storage = _step_storage(node_dir, marker["step"])
-    name = payload_name(marker["owner"])
-    header, _ = read_header(node_dir, marker)
-    try:
-        reader = storage.open_reader(name)
-    except OSError as e:
-        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
-    try:
-        if reader.size != marker["length"]:
-            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
-                                         f"its marker says {marker['length']}")
+    with _payload(node_dir, marker) as (reader, where, header, _):
         mapped = reader.map()
         if mapped is not None:
             return torch.frombuffer(mapped, dtype=torch.uint8), header
         out = torch.empty(marker["length"], dtype=torch.uint8)
-        _read_all(reader, byte_view(out.numpy()), 0, storage.describe(name))
+        _read_all(reader, byte_view(out.numpy()), 0, where)
         return out, header
-    except OSError as e:
-        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
-    finally:
-        reader.close()
 
 
 def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: ShardedStateDict,
@@ -116,18 +127,8 @@ def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: Sharded
     """Read the copy a marker describes into the tensors of ``sharded_state_dict``,
     verifying its checksum; returns its loaded form and the pickled header.
     :class:`CheckpointingException` if it is missing, short or damaged."""
-    storage = _step_storage(node_dir, marker["step"])
-    name = payload_name(marker["owner"])
-    header, content = read_header(node_dir, marker)
     hasher = new_hasher()
-    try:
-        reader = storage.open_reader(name)
-    except OSError as e:
-        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
-    try:
-        if reader.size != marker["length"]:
-            raise CheckpointingException(f"Local tier: {storage.describe(name)} has {reader.size} bytes, "
-                                         f"its marker says {marker['length']}")
+    with _payload(node_dir, marker) as (reader, where, header, content):
         targets = leaf_targets(sharded_state_dict)
         check_ids(targets, content, rank)
         for entry in content["layout"]:
@@ -137,17 +138,13 @@ def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: Sharded
             dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
                 tensor, device="cpu", memory_format=torch.contiguous_format)
             view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
-            _read_all(reader, view, entry[1], storage.describe(name))
+            _read_all(reader, view, entry[1], where)
             hasher.update(view)
             if dest is not tensor:
                 tensor.copy_(dest)
         out = loaded_result(sharded_state_dict, content["values"], rank)
-    except OSError as e:
-        raise CheckpointingException(f"Local tier: cannot read {storage.describe(name)}: {e}") from e
-    finally:
-        reader.close()
     if f"{hasher.intdigest():016x}" != marker["checksum"]:
-        raise CheckpointingException(f"Local tier: {storage.describe(name)} fails its checksum")
+        raise CheckpointingException(f"Local tier: {where} fails its checksum")
     return out, header
 
 
