@@ -2,10 +2,11 @@
 collectives of fixed size (a few integers, or one integer per rank — never a rank's list of
 markers):
 
-1. Every rank lists the markers in its node-local directory. One ``all_reduce`` (max)
-   finds a step newer than the newest persistent checkpoint saved with another world size
-   (an error naming the persistent step to load instead), and one the newest step anyone
-   holds that is still a candidate.
+1. Every rank lists the markers in its node-local directory. One ``all_reduce`` (max) of
+   three integers finds a listing error on any rank, a step newer than the newest
+   persistent checkpoint saved with another world size (an error naming the persistent
+   step to load instead), and the newest step anyone holds (after a step is given up, one
+   more finds the next older candidate).
 2. For that step, one ``all_reduce`` (min) over one integer per rank picks, for each
    rank's copy, the holder to read it from: its own copy if it has one (read straight into
    its tensors), else a partner's replica, else any other holder (e.g. the partner's
@@ -28,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import run_agreed, run_agreed_with_flags
+from ..collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
 from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
@@ -49,20 +50,20 @@ def _reduce(values: List[int], op: "dist.ReduceOp", tier: LocalTier) -> List[int
     return t.tolist()
 
 
-def _check_world(markers: List[Dict[str, Any]], tier: LocalTier, newer_than: int,
-                 persistent_step: Optional[int]) -> None:
-    """Raise on every rank if some rank holds a step newer than ``newer_than`` saved with
-    another world size (the newest such step and its world size, packed in one integer)."""
-    other = max((m["step"] << 24 | min(m["world"], (1 << 24) - 1) for m in markers
-                 if m["step"] > newer_than and m["world"] != tier.world), default=-1)
-    other = _reduce([other], dist.ReduceOp.MAX, tier)[0]
-    if other >= 0:
-        step, saved = other >> 24, other & ((1 << 24) - 1)
-        instead = (f"load the persistent step {persistent_step} instead (CheckpointManager.load(step={persistent_step}))"
-                   if persistent_step is not None else "there is no persistent checkpoint to load instead")
-        raise CheckpointingException(
-            f"Local tier: step {step} was saved by {saved} ranks, this run has {tier.world}: a local-tier checkpoint "
-            f"restores only at its own world size; {instead}")
+def _world_mismatch(markers: List[Dict[str, Any]], tier: LocalTier, newer_than: int) -> int:
+    """The newest step newer than ``newer_than`` this rank holds saved with another world
+    size, packed with that world size in one integer (-1: none)."""
+    return max((m["step"] << 24 | min(m["world"], (1 << 24) - 1) for m in markers
+                if m["step"] > newer_than and m["world"] != tier.world), default=-1)
+
+
+def _raise_world_mismatch(other: int, tier: LocalTier, persistent_step: Optional[int]) -> None:
+    step, saved = other >> 24, other & ((1 << 24) - 1)
+    instead = (f"load the persistent step {persistent_step} instead (CheckpointManager.load(step={persistent_step}))"
+               if persistent_step is not None else "there is no persistent checkpoint to load instead")
+    raise CheckpointingException(
+        f"Local tier: step {step} was saved by {saved} ranks, this run has {tier.world}: a local-tier checkpoint "
+        f"restores only at its own world size; {instead}")
 
 
 def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[int]]:
@@ -152,19 +153,32 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
     """Load the newest local-tier step newer than ``newer_than`` into
     ``sharded_state_dict`` (collective): ``(step, state_dict)``, or ``None`` on every rank
     when no such step can be restored (the caller loads ``persistent_step``)."""
-    markers = run_agreed(lambda: scan(tier.node_dir), "Local tier: listing the node-local directory")
-    _check_world(markers, tier, newer_than, persistent_step)
+    error: Optional[str] = None
+    try:
+        markers = scan(tier.node_dir)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        markers, error = [], error_message(e)
     below = None  # steps at or above this one were tried
+
+    def newest() -> int:
+        return max((m["step"] for m in markers if m["step"] > newer_than and (below is None or m["step"] < below)),
+                   default=-1)
+
+    # one all_reduce: a listing error anywhere, a step of another world size, the newest step held
+    failed, other, step = _reduce([int(error is not None), _world_mismatch(markers, tier, newer_than), newest()],
+                                  dist.ReduceOp.MAX, tier)
+    if failed:
+        raise_if_any(all_gather_object(error, tier.group), "Local tier: listing the node-local directory")
+    if other >= 0:
+        _raise_world_mismatch(other, tier, persistent_step)
     while True:
-        newest = max((m["step"] for m in markers if m["step"] > newer_than and (below is None or m["step"] < below)),
-                     default=-1)
-        step = _reduce([newest], dist.ReduceOp.MAX, tier)[0]
         if step < 0:
             return None
         ok, state = _fetch(tier, step, {m["owner"]: m for m in markers if m["step"] == step}, sharded_state_dict)
         if ok:
             return step, state
         below = step
+        step = _reduce([newest()], dist.ReduceOp.MAX, tier)[0]
 
 
 def restored_state(sharded_state_dict: ShardedStateDict, restored: Any) -> ShardedStateDict:
