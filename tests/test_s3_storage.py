@@ -31,14 +31,6 @@ from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
 _TIMEOUT = 120.0
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The server's AWS environment in this process."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server.env()
-
-
 def _url(s3_server, name: str = "") -> str:
     return f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:10]}{name}"
 
