@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 
 def byte_view(data) -> memoryview:
@@ -88,6 +88,11 @@ class RangeReader(ABC):
     def will_read(self, offset: int, n: int) -> None:
         """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
         (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""
+
+    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]]) -> None:
+        """A hint: the byte ranges ``(offset, n)`` (sorted, disjoint) will be read soon,
+        roughly front to back, by any threads (e.g. the records of a load, each read by one
+        of several threads). Ignored by default."""
 
     @abstractmethod
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -42,7 +42,23 @@ class Reader:
         self.whole_records = whole_records
         self._files: Dict[str, RangeReader] = {}  # relative path -> open file
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
+        self._planned: Dict[str, List[Tuple[int, int]]] = {}  # relative path -> runs (offset, n) to read
         self._lock = threading.Lock()
+
+    def plan(self, items: Iterable[_StorageInfo]) -> None:
+        """The items about to be read, by several threads: each file plans the runs of
+        adjacent items smaller than :data:`PLANNED_ITEM_BYTES`
+        (:meth:`~...storage.RangeReader.will_read_ranges`) when it is opened, so that an
+        object store fetches many small records in a few large parallel requests. (A larger
+        item is announced by the thread that reads it: :func:`_read_into`.)"""
+        valid = [i for i in items if isinstance(i.relative_path, str) and isinstance(i.offset, int)
+                 and isinstance(i.length, int) and i.offset >= 0 and 0 < i.length < PLANNED_ITEM_BYTES]
+        for item in sorted(valid, key=lambda i: (i.relative_path, i.offset)):  # (others fail when read)
+            runs = self._planned.setdefault(item.relative_path, [])
+            if runs and item.offset == runs[-1][0] + runs[-1][1]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + item.length)
+            else:
+                runs.append((item.offset, item.length))
 
     def close(self) -> None:
         for file in self._files.values():
@@ -63,6 +79,9 @@ class Reader:
                 except OSError as e:
                     raise CheckpointingException(
                         f"Cannot open checkpoint data file {self.storage.describe(name)}: {e}") from e
+                # (a claim beyond the file fails in its own read)
+                file.will_read_ranges([(a, n) for a, n in self._planned.get(storage.relative_path, ())
+                                       if a + n <= file.size])
         if storage.offset < 0 or storage.length < 0 or storage.offset + storage.length > file.size:
             raise CheckpointingException(
                 f"Item {key!r}: the checkpoint metadata claims bytes {storage.offset}..{storage.offset + storage.length} "
@@ -165,6 +184,7 @@ class Reader:
 
 
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
+PLANNED_ITEM_BYTES = 32 << 20  # smaller items are planned per file (Reader.plan); larger ones, per thread
 
 
 def _read_bytes(file: RangeReader, offset: int, n: int, where: str, what: str) -> bytes:
