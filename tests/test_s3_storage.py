@@ -245,6 +245,25 @@ def test_a_planned_range_read_by_several_threads(s3_server, s3_env, monkeypatch)
     reader.close()
 
 
+def test_a_planned_range_hands_over_to_the_next_once_fetched(s3_server, s3_env):
+    """will_read_ranges' ``then`` (the loader opens its next file there) is called once, when
+    the last planned block has been started and the reads have caught up with the fetches,
+    not while blocks of the range are still to be fetched."""
+    storage = S3Storage(_url(s3_server))
+    data = bytes(range(256)) * (6 * PART_BYTES // 256)
+    storage.write_atomic("big", data)
+    reader, calls = storage.open_reader("big"), []
+    reader.will_read_ranges([(0, len(data))], then=lambda: calls.append(len(calls)))
+    got = bytearray(len(data))
+    assert calls == []  # 4 blocks in flight, 2 not started
+    for at in range(0, len(data), 1 << 20):
+        done, view = 0, memoryview(got)[at:at + (1 << 20)]
+        while done < view.nbytes:
+            done += reader.readinto(view[done:], at + done)
+    assert got == data and calls == [0]
+    reader.close()
+
+
 def test_read_ahead_of_several_threads_is_capped(s3_server, s3_env, monkeypatch):
     """4 threads each announce (will_read) and read their own range of 4 parts: every piece
     is fetched once, and the pieces held for all of them stay within AHEAD_PIECES_KEPT (plus

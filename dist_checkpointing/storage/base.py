@@ -89,10 +89,13 @@ class RangeReader(ABC):
         """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
         (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""
 
-    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]]) -> None:
+    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]], then: Optional[Callable[[], None]] = None) -> None:
         """A hint: the byte ranges ``(offset, n)`` (sorted, disjoint) will be read soon,
         roughly front to back, by any threads (e.g. the records of a load, each read by one
-        of several threads). Ignored by default."""
+        of several threads). A reader that fetches ahead calls ``then`` (once, from a
+        reading thread, holding no lock) when it has started fetching the last of them, so
+        that the caller can announce its next file in time. Ignored by default (``then``
+        is never called)."""
 
     @abstractmethod
     def close(self) -> None:

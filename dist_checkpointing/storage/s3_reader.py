@@ -6,7 +6,7 @@ import bisect
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .base import RangeReader
 from .s3_client import PART_BYTES, PARTS_IN_FLIGHT, _obstore, _os_errors
@@ -19,7 +19,7 @@ AHEAD_PIECES_KEPT = 2 * PARTS_IN_FLIGHT  # pieces fetched ahead for will_read, a
 
 class _Block:
     """A cached range ``[start, end)`` of an object: filled by the thread that fetches it,
-    awaited by the others; ``touched`` once a read asked for it; ``read`` the merged
+    awaited by the others (``ready``); ``touched`` once a read asked for it; ``read`` the merged
     ``[a, b)`` ranges read from it so far (a block of an announced range is dropped once
     every byte of it was read)."""
 
@@ -62,17 +62,20 @@ class _ReadAhead:
 class S3Reader(RangeReader):
     """Ranged GETs of one object, each copied once from obstore's buffer.
 
-    A range announced with :meth:`will_read` (the loader announces every record it will
-    read, merged per file) is read through blocks of :data:`PART_BYTES` laid from its start,
-    shared by all threads and fetched once: up to :data:`PARTS_IN_FLIGHT` blocks that no read
-    has asked for yet are fetched ahead, in parallel (at most :data:`SPAN_BLOCKS_KEPT` held:
-    the least recently used go first, a block every byte of which was read at once), so that
-    records of any size, the small headers that locate them included, arrive in large
-    parallel GETs. Outside the announced ranges, a read of :data:`PART_BYTES` or more is
-    fetched as such parts, up to :data:`PARTS_IN_FLIGHT` at once, and a smaller read is
-    served from an aligned block that holds it, shared and fetched once, the most recent
-    kept: blocks of :data:`SMALL_BLOCK_BYTES` for reads up to that size, of
-    :data:`PART_BYTES` (:data:`PARTS_IN_FLIGHT` kept) for larger ones."""
+    Ranges planned with :meth:`will_read_ranges` (a load plans each data file's runs of
+    small records) are read through blocks of :data:`PART_BYTES` laid from each range's
+    start, shared by all threads and fetched once: up to :data:`PARTS_IN_FLIGHT` blocks that
+    no read has asked for yet are fetched ahead, in parallel, on into the next planned
+    ranges (at most :data:`SPAN_BLOCKS_KEPT` held: the least recently used go first, a block
+    every byte of which was read at once), so that records and the small headers that
+    locate them arrive in large parallel GETs. A range a thread announces with
+    :meth:`will_read` (a large checksummed record, read 1 MiB at a time) is fetched for it in
+    :data:`PART_BYTES` pieces, :data:`PARTS_IN_FLIGHT` ahead (:data:`AHEAD_PIECES_KEPT` held
+    for all threads). Otherwise a read of :data:`PART_BYTES` or more is fetched as such
+    parts, up to :data:`PARTS_IN_FLIGHT` at once, and a smaller read is served from an
+    aligned block that holds it, shared and fetched once, the most recent kept: blocks of
+    :data:`SMALL_BLOCK_BYTES` for reads up to that size, of :data:`PART_BYTES`
+    (:data:`PARTS_IN_FLIGHT` kept) for larger ones."""
 
     def __init__(self, store: Any, key: str, size: int, url: str):
         self._store, self._key, self.size, self._url = store, key, size, url
@@ -81,9 +84,10 @@ class S3Reader(RangeReader):
         self._blocks: Dict[int, "OrderedDict[int, _Block]"] = {SMALL_BLOCK_BYTES: OrderedDict(),
                                                                PART_BYTES: OrderedDict()}
         self._keep = {SMALL_BLOCK_BYTES: SMALL_BLOCKS_KEPT, PART_BYTES: PARTS_IN_FLIGHT}
-        self._spans: List[_Span] = []  # announced, sorted by start, disjoint
+        self._spans: List[_Span] = []  # planned, sorted by start, disjoint
         self._span_starts: List[int] = []
         self._span_blocks: "OrderedDict[int, _Block]" = OrderedDict()  # by start, least recently used first
+        self._then: Optional[Callable[[], None]] = None  # see will_read_ranges
         self._local = threading.local()  # .ahead: the calling thread's _ReadAhead, if any
         self._ahead_pieces = 0  # pieces of every thread's read-ahead held (fetched or in flight)
         self._fetchers: Optional[ThreadPoolExecutor] = None
@@ -136,12 +140,15 @@ class S3Reader(RangeReader):
             dst[done:done + len(piece)] = piece
             done += len(piece)
 
-    # -- announced ranges ---------------------------------------------------------------------
-    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]]) -> None:
+    # -- planned ranges, read by any threads -----------------------------------------------------
+    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]], then: Optional[Callable[[], None]] = None) -> None:
         """Plan ``ranges`` (``(offset, n)``, sorted and disjoint) to be read soon, roughly
-        front to back, by any threads, and start fetching them ahead. A range that overlaps
-        one planned before is ignored."""
+        front to back, by any threads, and start fetching them ahead; ``then()`` is called
+        once the read-ahead has started fetching the last planned block and the reads have
+        reached the blocks fetched ahead (see :meth:`_span_read_ahead`). A range that
+        overlaps one planned before is ignored."""
         with self._lock:
+            self._then = then
             first = None
             for offset, n in ranges:
                 end = min(offset + n, self.size)
@@ -152,11 +159,12 @@ class S3Reader(RangeReader):
                 self._spans.insert(at, _Span(offset, end))
                 self._span_starts.insert(at, offset)
                 first = at if first is None else min(first, at)
-            if first is not None:
-                self._span_read_ahead(first)
+            done = self._span_read_ahead(first if first is not None else len(self._spans))
+        if done is not None:
+            done()
 
     def _span_index(self, offset: int) -> Optional[int]:
-        """The index of the announced span holding ``offset`` (called holding the lock)."""
+        """The index of the planned span holding ``offset`` (called holding the lock)."""
         at = bisect.bisect_right(self._span_starts, offset) - 1
         return at if at >= 0 and offset < self._spans[at].end else None
 
@@ -165,11 +173,14 @@ class S3Reader(RangeReader):
             at = self._span_index(offset)
         return None if at is None else self._spans[at]
 
-    def _span_read_ahead(self, at: int) -> None:
+    def _span_read_ahead(self, at: int) -> Optional[Callable[[], None]]:
         """Start fetching the next blocks of span ``at`` and the spans after it while fewer
-        than :data:`PARTS_IN_FLIGHT` fetched blocks wait for their first read (called
-        holding the lock)."""
-        waiting = sum(1 for b in self._span_blocks.values() if not b.touched)
+        than :data:`PARTS_IN_FLIGHT` blocks are in flight or wait for their first read (called
+        holding the lock); returns the ``then`` of :meth:`will_read_ranges` to call (without
+        the lock) once the last planned block was started and at most half of
+        :data:`PARTS_IN_FLIGHT` blocks are in flight or unread (the next file's read-ahead
+        then takes over as this one's blocks arrive, rather than all at once)."""
+        waiting = sum(1 for b in self._span_blocks.values() if not (b.touched and b.ready.is_set()))
         while waiting < PARTS_IN_FLIGHT and at < len(self._spans):
             span = self._spans[at]
             if span.ahead >= span.end:
@@ -182,6 +193,11 @@ class S3Reader(RangeReader):
             self._evict_span_blocks()
             self._pool().submit(self._fill, block, self._span_blocks, start)
             waiting += 1
+        if (self._then is None or waiting > PARTS_IN_FLIGHT // 2
+                or any(span.ahead < span.end for span in self._spans)):
+            return None
+        then, self._then = self._then, None
+        return then
 
     def _pool(self) -> ThreadPoolExecutor:
         """The threads that fetch ahead (called holding the lock)."""
@@ -206,7 +222,9 @@ class S3Reader(RangeReader):
             else:
                 self._span_blocks.move_to_end(start)
             block.touched = True
-            self._span_read_ahead(self._span_index(offset))  # type: ignore[arg-type] - the span holds it
+            done = self._span_read_ahead(self._span_index(offset))  # type: ignore[arg-type] - the span holds it
+        if done is not None:
+            done()
         if fetch:
             self._fill(block, self._span_blocks, start)
         self._wait(block)
@@ -303,10 +321,11 @@ class S3Reader(RangeReader):
         if n <= 0:
             return b""
         span = self._span_at(offset)
-        if n <= SMALL_BLOCK_BYTES or (span is not None and offset + n <= span.end):
+        in_span = span is not None and offset + n <= span.end
+        if n <= SMALL_BLOCK_BYTES or in_span:
             out = bytearray(n)
-            if span is not None and offset + n <= span.end:
-                self._copy_from_span(span, memoryview(out), offset)
+            if in_span:
+                self._copy_from_span(span, memoryview(out), offset)  # type: ignore[arg-type]
             else:
                 self._copy_from_blocks(SMALL_BLOCK_BYTES, memoryview(out), offset)
             return bytes(out)
