@@ -64,7 +64,7 @@ class S3Reader(RangeReader):
 
     Ranges planned with :meth:`will_read_ranges` (a load plans each data file's runs of
     small records) are read through blocks of :data:`PART_BYTES` laid from each range's
-    start, shared by all threads and fetched once: up to :data:`PARTS_IN_FLIGHT` blocks that
+    start (the last taking in a rest below a quarter part), shared by all threads and fetched once: up to :data:`PARTS_IN_FLIGHT` blocks that
     no read has asked for yet are fetched ahead, in parallel, on into the next planned
     ranges (at most :data:`SPAN_BLOCKS_KEPT` held: the least recently used go first, a block
     every byte of which was read at once), so that records and the small headers that
@@ -186,7 +186,7 @@ class S3Reader(RangeReader):
             if span.ahead >= span.end:
                 at += 1
                 continue
-            start, span.ahead = span.ahead, min(span.ahead + PART_BYTES, span.end)
+            start, span.ahead = self._block_bounds(span, span.ahead)
             if start in self._span_blocks:
                 continue
             block = self._span_blocks[start] = _Block(start, span.ahead)
@@ -209,14 +209,25 @@ class S3Reader(RangeReader):
         while len(self._span_blocks) > SPAN_BLOCKS_KEPT:
             self._span_blocks.popitem(last=False)
 
+    @staticmethod
+    def _block_bounds(span: _Span, offset: int) -> Tuple[int, int]:
+        """``[start, end)`` of the block of ``span`` that holds ``offset``: blocks of
+        :data:`PART_BYTES` from the span's start, the last one taking in a rest below a
+        quarter of that (one GET fewer)."""
+        full, rest = divmod(span.end - span.start, PART_BYTES)
+        last = full if rest >= PART_BYTES // 4 or not full else full - 1
+        k = min((offset - span.start) // PART_BYTES, last)
+        start = span.start + k * PART_BYTES
+        return start, span.end if k == last else start + PART_BYTES
+
     def _span_block(self, span: _Span, offset: int) -> _Block:
         """The block of ``span`` that holds ``offset``, fetched (and the read-ahead moved on)."""
-        start = span.start + (offset - span.start) // PART_BYTES * PART_BYTES
+        start, end = self._block_bounds(span, offset)
         with self._lock:
             block = self._span_blocks.get(start)
             fetch = block is None
             if fetch:
-                block = self._span_blocks[start] = _Block(start, min(start + PART_BYTES, span.end))
+                block = self._span_blocks[start] = _Block(start, end)
                 self._evict_span_blocks()
                 span.ahead = max(span.ahead, block.end)
             else:
