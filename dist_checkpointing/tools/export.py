@@ -92,7 +92,9 @@ def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, 
                   max_shard_bytes: int, progress: Optional[Progress]) -> List[Union[Path, str]]:
     """Export into a new directory next to ``out``, then move it (or its one file) into place."""
     with staging_dir(out) as (tmp, location):
-        names = _export(checkpoint_dir, PosixStorage(tmp), _TORCH_FNAME, format, keys, max_shard_bytes, progress)
+        # (plain writes: the tensors come from the reader's one reused buffer, staging would add memory)
+        names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
+                        max_shard_bytes, progress)
         if format == "torch":
             move_into_place(tmp / _TORCH_FNAME, location)
             return [out]
