@@ -35,13 +35,14 @@ from .core import (CheckpointingConfig, CheckpointingException, Location, checkp
                    open_storage, save_config)
 from .integrity import read_file_verified
 from .path_overlap import refuse_overlap
+from .save_claim import check_claim, claim_save_dir, current_save_id, release_claim
 from .strategies.base import StoredItems
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
-from .storage import PosixStorage, StorageOptions, url_scheme
+from .storage import PosixStorage, Storage, StorageOptions, url_scheme
 from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, original_global_shape
 from .strategies.torch_dist.metadata import build_metadata, read_metadata, stored_items, write_metadata
-from .tools.output import Progress, move_into_place, refuse_existing, staging_dir
+from .tools.output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
 from .whole_tensors import TensorReader
 
 logger = logging.getLogger(__name__)
@@ -63,31 +64,59 @@ class ConvertResult:
 def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], layout: str = "mcore-0.19",
                        force: bool = False, progress: Optional[Progress] = None,
                        storage_options: StorageOptions = None) -> ConvertResult:
-    """Write ``src`` (a directory or a URL, ``storage_options`` configure its client) to
-    the local directory ``dst`` in ``layout`` (only ``"mcore-0.19"``: see the module doc).
+    """Write ``src`` to ``dst`` (each a directory or a URL; ``storage_options`` configure
+    the client of each URL) in ``layout`` (only ``"mcore-0.19"``: see the module doc).
 
-    An existing ``dst`` is replaced only with ``force``; the new checkpoint is written
-    next to it and moved into place at the end, so a failed conversion leaves ``dst`` as
-    it was. A ``dst`` that is ``src``, holds it or lies inside it is refused before
-    anything is read. ``progress(done_bytes, total_bytes, key)`` is called after each
-    tensor. Raises only CheckpointingException.
+    An existing ``dst`` (a URL prefix that holds any object) is replaced only with
+    ``force``. A local ``dst`` is written next to it and moved into place at the end, so a
+    failed conversion leaves ``dst`` as it was. A URL ``dst`` is written in place as a save
+    writes it (an object store cannot rename): with ``force`` the old objects are deleted
+    first (``metadata.json`` first), the prefix is claimed, and ``metadata.json``, the
+    commit, is written last: what a failed conversion leaves never loads as complete. A
+    ``dst`` that is ``src``, holds it or lies inside it is refused before anything is
+    read. ``progress(done_bytes, total_bytes, key)`` is called after each tensor. Raises
+    only CheckpointingException.
     """
-    if url_scheme(dst):
-        raise CheckpointingException(f"Cannot convert to {dst}: the output must be a local path")
-    src, dst = checkpoint_location(src, storage_options), Path(dst)
+    to_url = bool(url_scheme(dst))
+    local_source_to_url = to_url and not url_scheme(src)
+    src = checkpoint_location(src, None if local_source_to_url else storage_options)
     if layout not in LAYOUTS:
         raise CheckpointingException(f"Unknown checkpoint layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    if isinstance(src, Path):  # (a URL cannot overlap a local output)
-        refuse_overlap(src, dst, "convert")
+    if isinstance(src, Path) and not to_url:  # (a URL cannot overlap a local path)
+        refuse_overlap(src, Path(dst), "convert")
     with malformed(f"Cannot convert {src} to {dst}"):
         config = load_config(src)
         if config.sharded_backend != "torch_dist":
             raise CheckpointingException(f"{src} is a {config.sharded_backend!r} checkpoint: only torch_dist converts")
+        new_config = CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None)
+        if to_url:
+            return _convert_to_url(src, str(dst), config, new_config, progress, force, storage_options)
+        dst = Path(dst)
         refuse_existing(dst, force)
-        return _convert(src, dst, config, progress)
+        with staging_dir(dst) as (tmp, location):
+            result = _convert(src, PosixStorage(tmp), str(dst), config, progress)
+            save_config(new_config, tmp)
+            move_into_place(tmp, location)
+        return result
 
 
-def _convert(src: Location, dst: Path, config: CheckpointingConfig, progress: Optional[Progress]) -> ConvertResult:
+def _convert_to_url(src: Location, dst: str, config: CheckpointingConfig, new_config: CheckpointingConfig,
+                    progress: Optional[Progress], force: bool, storage_options: StorageOptions) -> ConvertResult:
+    """Convert into the prefix ``dst`` with a save's commit rules (claim, ``metadata.json`` last)."""
+    out, old = url_output(dst, storage_options, force)
+    clear_url_output(out, old)
+    save_id = claim_save_dir(out)
+    result = _convert(src, out, dst, config, progress)
+    check_claim(out, save_id)
+    save_config(new_config, out)
+    release_claim(out, save_id)
+    return result
+
+
+def _convert(src: Location, out: Storage, dst: str, config: CheckpointingConfig,
+             progress: Optional[Progress]) -> ConvertResult:
+    """Write the converted data file and ``.metadata`` into ``out`` (``metadata.json``, the
+    commit, is the caller's)."""
     start = time.perf_counter()
     metadata = read_metadata(src)
     keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
@@ -96,7 +125,7 @@ def _convert(src: Location, dst: Path, config: CheckpointingConfig, progress: Op
         k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)))
     reader = TensorReader(src, keys, items)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
-    with staging_dir(dst) as (tmp, location), contextlib.closing(reader):
+    with contextlib.closing(reader):
 
         def payloads() -> Iterator[Union[torch.Tensor, bytes]]:
             done = 0
@@ -107,17 +136,14 @@ def _convert(src: Location, dst: Path, config: CheckpointingConfig, progress: Op
                     progress(done, sum(sizes.values()), key)
             yield from (payload for _, payload in objects)
 
-        out = PosixStorage(tmp)
         spans = write_file(out, DATA_FNAME, payloads())  # type: ignore[arg-type] - iterated once
         metas: List[Optional[tuple]] = [_whole_tensor_meta(reader, k) for k in keys] + [None] * len(objects)
         names = keys + [key for key, _ in objects]
         locations = [(key, meta, DATA_FNAME, off, length, cs)
                      for key, meta, (off, length, cs) in zip(names, metas, spans)]
         new_metadata = build_metadata([locations], out)
-        new_metadata.storage_meta = StorageMeta(checkpoint_id=str(dst), save_id=uuid.uuid4().hex)
+        new_metadata.storage_meta = StorageMeta(checkpoint_id=dst, save_id=current_save_id(out) or uuid.uuid4().hex)
         write_metadata(new_metadata, out)
-        save_config(CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None), tmp)
-        move_into_place(tmp, location)
     result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
                            objects=len(objects), nbytes=sum(sizes.values()))
     logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",

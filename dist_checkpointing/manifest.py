@@ -52,6 +52,7 @@ def file_sha256(storage: Storage, name: str) -> str:
     h = hashlib.sha256()
     file = storage.open_reader(name)
     try:
+        file.will_read_ranges([(0, file.size)])
         for offset in range(0, file.size, _READ_CHUNK):
             h.update(file.read(offset, _READ_CHUNK))
     finally:

@@ -4,21 +4,21 @@ A safetensors file is an 8-byte little-endian header length, a JSON header givin
 tensor's dtype, shape and byte range, then the tensors' bytes. The ``safetensors``
 library's writers take every tensor of a file at once (all in memory); since the header
 only needs shapes and dtypes, this writer emits the header first and then streams the
-tensors in, so a whole model can be exported holding one tensor at a time. Files written
-here are read by ``safetensors.safe_open`` (tested).
+tensors in, so a whole model can be exported holding one tensor at a time. The files are
+written through the storage layer (a local directory or an object-store prefix); they are
+read by ``safetensors.safe_open`` (tested).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .bytes_view import as_bytes
 from .core import CheckpointingException
+from .storage import Storage
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -38,12 +38,13 @@ def dtype_name(key: str, dtype: torch.dtype) -> str:
 
 
 class SafetensorsFileWriter:
-    """One safetensors file: the header is written on creation from the announced
-    ``(key, shape, dtype)`` list; then :meth:`write` takes each tensor, in that order."""
+    """The new safetensors file ``name`` of ``storage`` (streamed: :meth:`Storage.create_stream`):
+    the header is written on creation from the announced ``(key, shape, dtype)`` list; then
+    :meth:`write` takes each tensor, in that order; the file exists once :meth:`close` returns."""
 
-    def __init__(self, path: Union[str, Path], tensors: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+    def __init__(self, storage: Storage, name: str, tensors: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
                  metadata: Optional[Dict[str, str]] = None):
-        self.path = Path(path)
+        self.path = storage.describe(name)
         self._expected: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = []
         header: Dict[str, object] = {}
         offset = 0
@@ -56,7 +57,7 @@ class SafetensorsFileWriter:
             header["__metadata__"] = dict(metadata)
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned
-        self._file = open(self.path, "wb")
+        self._file = storage.create_stream(name)
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
         self._next = 0
         self.nbytes = 8 + len(encoded) + offset
@@ -75,18 +76,17 @@ class SafetensorsFileWriter:
         self._next += 1
 
     def close(self) -> None:
-        """Flush and fsync; every announced tensor must have been written."""
+        """Finish the file, durable on return; every announced tensor must have been written
+        (else the file is dropped)."""
         if self._next != len(self._expected):
-            self._file.close()
+            self._file.abort()
             raise CheckpointingException(
                 f"{self.path}: {len(self._expected) - self._next} announced tensors were not written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
 
     def abort(self) -> None:
-        """Close without checks (after an error)."""
-        self._file.close()
+        """Drop the file (after an error): an object store never creates it."""
+        self._file.abort()
 
 
 def shard_names(count: int) -> List[str]:
@@ -96,7 +96,7 @@ def shard_names(count: int) -> List[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def write_index(directory: Path, weight_map: Dict[str, str], total_size: int) -> None:
-    """``model.safetensors.index.json``: which file holds each tensor."""
+def write_index(storage: Storage, weight_map: Dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` in ``storage`` (atomically): which file holds each tensor."""
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX_FNAME).write_text(json.dumps(index, indent=2) + "\n")
+    storage.write_atomic(INDEX_FNAME, (json.dumps(index, indent=2) + "\n").encode())

@@ -9,7 +9,7 @@ import pytest
 
 from .dist_pool import DistPool
 from .locations import ckpt_location  # noqa: F401  (the local file system / S3 test matrix)
-from .s3_server import s3_server  # noqa: F401  (session fixture: one SeaweedFS S3 server per run)
+from .s3_server import no_aws_env, s3_env, s3_server  # noqa: F401  (one SeaweedFS S3 server per run; its env)
 
 _POOLS: dict = {}
 

@@ -413,3 +413,22 @@ def s3_server() -> Iterator[SeaweedFS]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> Dict[str, str]:
+    """The session server's AWS environment in this process (returned)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.env()
+
+
+@pytest.fixture
+def no_aws_env(monkeypatch) -> None:
+    """No usable AWS environment in this process: a wrong endpoint and keys."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing answers
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")

@@ -45,23 +45,6 @@ def _options(s3_server) -> dict:
             "client_options": {"allow_http": True}}
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-
-
-@pytest.fixture
-def no_aws_env(monkeypatch):
-    """No usable AWS environment in this process: a wrong endpoint and keys."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing answers
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-
-
 def _state(rank: int, world: int, fill: float) -> dict:
     return {
         "a": ShardedTensor.from_rank_offsets("a", torch.full((N,), fill + rank), (0, rank, world)),
@@ -205,13 +188,15 @@ def test_cli_on_urls(s3_server, no_aws_env, tmp_path, capsys):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["layer.weight"], torch.arange(6.0).reshape(2, 3))
-    assert main(["export", url, _url(s3_server), *flags]) == 1
-    assert "must be a local path" in capsys.readouterr().err
+    capsys.readouterr()
+    exported = _url(s3_server)
+    assert main(["export", url, exported, *flags]) == 0  # a URL to a URL
+    assert capsys.readouterr().out.split() == [f"{exported}/model.safetensors"]
     assert main(["convert", url, str(tmp_path / "converted"), *flags]) == 0  # into a local directory
     assert "1 tensors" in capsys.readouterr().out
     assert main(["validate", str(tmp_path / "converted")]) == 0
-    assert main(["convert", url, _url(s3_server), *flags]) == 1
-    assert "must be a local path" in capsys.readouterr().err
+    assert main(["convert", url, _url(s3_server), *flags]) == 0
+    assert "1 tensors" in capsys.readouterr().out
     assert main(["validate", _url(s3_server), *flags]) == 1  # nothing there
     assert "not found" in capsys.readouterr().err
     assert main(["inspect", url]) == 1  # the environment alone points nowhere

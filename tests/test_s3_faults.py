@@ -34,13 +34,6 @@ _FAST = {"retry_config": {"max_retries": 3, "retry_timeout": 10,
 _NUMEL = (PART_BYTES + (1 << 20)) // 4  # float32 per rank: a data file of two parts
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The session server's AWS environment in this process."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-
-
 def _url(server, name: str = "") -> str:
     return f"s3://{server.bucket}/{uuid.uuid4().hex[:10]}{name}"
 

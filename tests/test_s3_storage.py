@@ -31,14 +31,6 @@ from dist_checkpointing.storage.s3 import PART_BYTES, S3Storage  # noqa: E402
 _TIMEOUT = 120.0
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The server's AWS environment in this process."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server.env()
-
-
 def _url(s3_server, name: str = "") -> str:
     return f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:10]}{name}"
 
@@ -103,18 +95,7 @@ def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monk
 
     monkeypatch.setattr(s3_reader, "_obstore", CountingObstore)
 
-    def read_pieces(first: int) -> None:
-        for offset in range(first << 20, len(data), 4 << 20):
-            view = memoryview(got)[offset:offset + (1 << 20)]
-            done = 0
-            while done < view.nbytes:
-                done += reader.readinto(view[done:], offset + done)
-
-    threads = [threading.Thread(target=read_pieces, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _read_by_threads(reader, got, 0, lambda first: range(first << 20, len(data), 4 << 20))
     assert got == data and sorted(gets) == [(0, PART_BYTES), (PART_BYTES, PART_BYTES), (2 * PART_BYTES, 12345)]
     reader.close()
     monkeypatch.undo()
@@ -199,6 +180,127 @@ def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_e
     reader.close()
     assert got == data[100:]
     assert sorted(gets) == [(100 + k * PART_BYTES, min(PART_BYTES, len(got) - k * PART_BYTES)) for k in range(4)]
+
+
+def _read_by_threads(reader, got: bytearray, start: int, offsets_of) -> None:
+    """4 threads fill ``got`` (the object's bytes from ``start``) by ``readinto`` of 1 MiB
+    pieces: thread ``t`` reads the pieces at the object offsets ``offsets_of(t)``."""
+    def read(thread: int) -> None:
+        for at in offsets_of(thread):
+            view, done = memoryview(got)[at - start:at - start + (1 << 20)], 0
+            while done < view.nbytes:
+                done += reader.readinto(view[done:], at + done)
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+class _CountingObstore:
+    """obstore with its ``get_range`` calls recorded (``gets``: ``(start, length)``), the most
+    running at once (``peak``), and ``held()`` sampled at each call (``held_peak``)."""
+
+    def __init__(self, held=lambda: 0):
+        self._obstore, self._held, self._lock = s3_reader._obstore(), held, threading.Lock()
+        self.gets, self.running, self.peak, self.held_peak = [], 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._obstore, name)
+
+    def get_range(self, *args, **kwargs):
+        with self._lock:
+            self.gets.append((kwargs["start"], kwargs["length"]))
+            self.running += 1
+            self.peak, self.held_peak = max(self.peak, self.running), max(self.held_peak, self._held())
+        try:
+            time.sleep(0.02)  # (a slower server: GETs that can overlap do)
+            return self._obstore.get_range(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_planned_range_read_by_several_threads(s3_server, s3_env, monkeypatch):
+    """A range planned with will_read_ranges and read by 4 threads in interleaved 1 MiB pieces
+    (as the loader reads consecutive records): every block fetched once, several at once,
+    at most SPAN_BLOCKS_KEPT held, each dropped once read to its last byte."""
+    storage = S3Storage(_url(s3_server))
+    data = torch.randint(0, 255, (6 * PART_BYTES + 777,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_atomic("big", data)
+    reader = storage.open_reader("big")
+    counting = _CountingObstore(lambda: len(reader._span_blocks))
+    monkeypatch.setattr(s3_reader, "_obstore", lambda: counting)
+    start, got = 10, bytearray(len(data) - 10)
+    reader.will_read_ranges([(start, len(got))])
+    pieces = list(range(start, len(data), 1 << 20))
+    _read_by_threads(reader, got, start, lambda thread: pieces[thread::4])
+    assert got == data[start:]
+    # 6 blocks: the last takes in the rest of 767 bytes
+    assert sorted(counting.gets) == [(start + k * PART_BYTES, PART_BYTES + (767 if k == 5 else 0)) for k in range(6)]
+    assert counting.peak >= 2 and counting.held_peak <= s3_reader.SPAN_BLOCKS_KEPT
+    assert not reader._span_blocks  # every block read to its last byte was dropped
+    assert reader.read(0, 20) == data[:20]  # outside the planned range: its own GET
+    reader.close()
+
+
+def test_a_planned_range_hands_over_to_the_next_once_fetched(s3_server, s3_env):
+    """will_read_ranges' ``then`` (the loader opens its next file there) is called once, when
+    the last planned block has been started and the reads have caught up with the fetches,
+    not while blocks of the range are still to be fetched."""
+    storage = S3Storage(_url(s3_server))
+    data = bytes(range(256)) * (6 * PART_BYTES // 256)
+    storage.write_atomic("big", data)
+    reader, calls = storage.open_reader("big"), []
+    reader.will_read_ranges([(0, len(data))], then=lambda: calls.append(len(calls)))
+    got = bytearray(len(data))
+    assert calls == []  # 4 blocks in flight, 2 not started
+    for at in range(0, len(data), 1 << 20):
+        done, view = 0, memoryview(got)[at:at + (1 << 20)]
+        while done < view.nbytes:
+            done += reader.readinto(view[done:], at + done)
+    assert got == data and calls == [0]
+    reader.close()
+
+
+def test_read_ahead_of_several_threads_is_capped(s3_server, s3_env, monkeypatch):
+    """4 threads each announce (will_read) and read their own range of 4 parts: every piece
+    is fetched once, and the pieces held for all of them stay within AHEAD_PIECES_KEPT (plus
+    the one piece each thread needs next)."""
+    storage = S3Storage(_url(s3_server))
+    data = torch.randint(0, 255, (16 * PART_BYTES,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_atomic("big", data)
+    reader = storage.open_reader("big")
+    counting = _CountingObstore(lambda: reader._ahead_pieces)
+    monkeypatch.setattr(s3_reader, "_obstore", lambda: counting)
+    got = bytearray(len(data))
+
+    def announced(thread: int) -> range:
+        reader.will_read(thread * 4 * PART_BYTES, 4 * PART_BYTES)  # (called in the reading thread)
+        return range(thread * 4 * PART_BYTES, (thread + 1) * 4 * PART_BYTES, 1 << 20)
+
+    _read_by_threads(reader, got, 0, announced)
+    assert got == data
+    assert sorted(counting.gets) == [(k * PART_BYTES, PART_BYTES) for k in range(16)]
+    assert counting.held_peak <= s3_reader.AHEAD_PIECES_KEPT + 4 and reader._ahead_pieces == 0
+    reader.close()
+
+
+def test_a_load_fetches_small_records_in_large_parallel_gets(s3_server, s3_env, monkeypatch):
+    """A load plans the records it reads: 48 records of 1 MiB (and their headers), in
+    two data files, arrive in GETs of PART_BYTES, several at once, each byte fetched once."""
+    url, n = _url(s3_server), (1 << 20) // 4
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((n,), float(i))) for i in range(48)}
+    dc.save(state, url)
+    counting = _CountingObstore()
+    monkeypatch.setattr(s3_reader, "_obstore", lambda: counting)
+    request = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.zeros(n)) for i in range(48)}
+    loaded = dc.load(request, url)
+    assert all(torch.equal(loaded[f"t{i}"], torch.full((n,), float(i))) for i in range(48))
+    sizes = [storage_for(url).info(name).size for name in storage_for(url).list() if name.endswith(".distcp")]
+    assert sum(length for _, length in counting.gets) <= sum(sizes)
+    assert len(counting.gets) <= sum(-(-size // PART_BYTES) for size in sizes) and counting.peak >= 2
 
 
 def test_exclusive_create_conflict(s3_server, s3_env):

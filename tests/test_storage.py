@@ -69,8 +69,9 @@ def check_storage_contract(storage: Storage) -> None:
     stream.abort()  # the implementation's tests check what is left of "dropped"
 
 
-def test_posix_storage_contract(tmp_path):
-    storage = PosixStorage(tmp_path / "ckpt")
+@pytest.mark.parametrize("staged", [True, False])
+def test_posix_storage_contract(staged, tmp_path):
+    storage = PosixStorage(tmp_path / "ckpt", staged=staged)
     assert storage.kind() is None
     check_storage_contract(storage)
     reader = storage.open_reader("data")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 
 def byte_view(data) -> memoryview:
@@ -95,6 +95,14 @@ class RangeReader(ABC):
         copy all of it into a new buffer; ``None`` where the storage cannot map files. It
         stays valid after :meth:`close`."""
         return None
+
+    def will_read_ranges(self, ranges: Sequence[Tuple[int, int]], then: Optional[Callable[[], None]] = None) -> None:
+        """A hint: the byte ranges ``(offset, n)`` (sorted, disjoint) will be read soon,
+        roughly front to back, by any threads (e.g. the records of a load, each read by one
+        of several threads). A reader that fetches ahead calls ``then`` (once, from a
+        reading thread, holding no lock) when it has started fetching the last of them, so
+        that the caller can announce its next file in time. Ignored by default (``then``
+        is never called)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -175,6 +175,46 @@ class StagedFileWriter(WriteStream):
             super().close()
 
 
+class PlainFileWriter(WriteStream):
+    """A new file written with plain ``write`` calls straight from the caller's memory (no
+    staging buffers, no background thread): for a writer that hands over large pieces from
+    a buffer it reuses, where staging would only add memory. Durable once closed."""
+
+    def __init__(self, path: Union[str, Path]):
+        super().__init__()
+        self._path = str(path)
+        self._file = open(self._path, "xb", buffering=0)
+        self._written = 0
+
+    def write(self, data) -> int:  # type: ignore[override]
+        view = byte_view(data)
+        if self._hasher is not None:
+            self._hasher.update(view)
+        done = 0
+        while done < view.nbytes:
+            done += self._file.write(view[done:])
+        self._written += done
+        return done
+
+    def tell(self) -> int:
+        return self._written
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+            super().close()
+
+    def abort(self) -> None:
+        """Close without fsync (the partial file stays, as a staged stream's does)."""
+        if not self.closed:
+            self._file.close()
+            super().close()
+
+
 class PosixReader(RangeReader):
     """``pread``/``preadv`` on one open file descriptor."""
 
@@ -268,12 +308,16 @@ def _delete_in_pieces(path: str, pause: Optional[Callable[[], None]]) -> None:
 
 
 class PosixStorage(Storage):
-    """A local directory ``root``; names are file names inside it. ``durable=False``:
-    :meth:`write_atomic` leaves its files to the page cache (no ``fsync``: they survive a
-    crash of the process, not of the machine)."""
+    """A local directory ``root``; names are file names inside it. Streams stage their
+    bytes in reused buffers written from a background thread (:class:`StagedFileWriter`),
+    or with ``staged=False`` are written straight from the caller's memory
+    (:class:`PlainFileWriter`: no buffers; what a tool writing from its own reused buffer
+    wants). ``durable=False``: :meth:`write_atomic` leaves its files to the page cache (no
+    ``fsync``: they survive a crash of the process, not of the machine)."""
 
-    def __init__(self, root: Union[str, Path], durable: bool = True):
+    def __init__(self, root: Union[str, Path], staged: bool = True, durable: bool = True):
         self.root = os.fspath(root)
+        self._staged = staged
         self.durable = durable
 
     def __repr__(self) -> str:
@@ -286,7 +330,7 @@ class PosixStorage(Storage):
         return self._path(name)
 
     def create_stream(self, name: str) -> WriteStream:
-        return StagedFileWriter(self._path(name))
+        return (StagedFileWriter if self._staged else PlainFileWriter)(self._path(name))
 
     def write_atomic(self, name: str, data) -> None:
         atomic_write_file(self._path(name), data, self.durable)

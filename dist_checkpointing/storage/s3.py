@@ -364,4 +364,5 @@ class S3Storage(Storage):
         with _os_errors(f"list of {self.describe()}"):
             result = _obstore().list_with_delimiter(self._store, None)
         names = [o["path"] for o in result["objects"]] + list(result["common_prefixes"])
-        return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+        # (SeaweedFS lists a prefix whose objects were all deleted as an empty-named object)
+        return sorted(name for name in (n.rstrip("/").rsplit("/", 1)[-1] for n in names) if name)

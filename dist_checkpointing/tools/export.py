@@ -1,25 +1,28 @@
 """``export``: a checkpoint's tensors, each whole in its original shape, to safetensors
-files (streamed, one tensor in memory at a time) or one ``torch.save`` file."""
+files (streamed, one tensor in memory at a time) or one ``torch.save`` file, in a local
+directory or at a URL."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from ..bytes_view import nbytes
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
 from ..path_overlap import refuse_overlap
-from ..safetensors_stream import SafetensorsFileWriter, dtype_name, shard_names, write_index
+from ..safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
 from ..readers import load_tensors_metadata
-from ..storage import Storage, StorageOptions, url_scheme
+from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..whole_tensors import TensorReader
-from .output import PathLike, Progress, move_into_place, refuse_existing, staging_dir
+from .output import (OutputExistsError, PathLike, Progress, clear_url_output, delete_quietly, move_into_place,
+                     refuse_existing, staging_dir, url_output)
+
+_TORCH_FNAME = "export.pt"  # the torch format's file while it is written locally
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
 
@@ -44,92 +47,158 @@ def export_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     progress: Optional[Progress] = None,
     storage_options: StorageOptions = None,
-) -> List[Path]:
+) -> List[Union[Path, str]]:
     """Write the checkpoint's tensors, each whole in its original shape (flattened keys
-    restored), to the local ``out``; returns the files written. The checkpoint may be a
-    directory or a URL (``storage_options`` configure its client).
+    restored), to ``out`` (a local path or a URL); returns the files written (paths, or
+    URLs for a URL ``out``). The checkpoint may be a directory or a URL;
+    ``storage_options`` configure the client of each URL.
 
-    * ``format="safetensors"``: ``out`` is a directory holding ``model.safetensors``, or
-      ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` each plus
-      ``model.safetensors.index.json`` (the Hugging Face convention). Streamed: one tensor
-      in memory at a time.
-    * ``format="torch"``: ``out`` is one ``torch.save`` file of ``{key: tensor}`` (this
-      needs every exported tensor in memory at once).
+    * ``format="safetensors"``: ``out`` is a directory (or prefix) holding
+      ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at most
+      ``max_shard_bytes`` each plus ``model.safetensors.index.json`` (the Hugging Face
+      convention). Streamed: one tensor in memory at a time.
+    * ``format="torch"``: ``out`` is one ``torch.save`` file (or object) of ``{key: tensor}``
+      (this needs every exported tensor in memory at once).
 
     Only keys starting with ``key_prefix`` are exported (an error if none does). An
-    existing ``out`` is replaced only with ``force``; the new output is written next to
-    it and moved into place at the end, so a failed export leaves ``out`` as it was.
-    An ``out`` that is the checkpoint, holds it or lies inside it is refused before
-    anything is read. Raises only CheckpointingException.
+    existing ``out`` (a URL prefix that holds any object) is replaced only with ``force``.
+    A local output is written next to ``out`` and moved into place at the end, so a failed
+    export leaves ``out`` as it was. A URL output is written in place (an object store
+    cannot rename): with ``force`` the old output is deleted first, and a failed export
+    deletes what it wrote; a file appears only whole, and a sharded export's index is
+    written last, so nothing half-written looks complete. An ``out`` that is the
+    checkpoint, holds it or lies inside it is refused before anything is read. Raises only
+    CheckpointingException.
     """
-    if url_scheme(out):
-        raise CheckpointingException(f"Cannot export to {out}: the output must be a local path")
-    checkpoint_dir, out = checkpoint_location(checkpoint_dir, storage_options), Path(out)
+    to_url = bool(url_scheme(out))
+    local_source_to_url = to_url and not isinstance(checkpoint_dir, Storage) and not url_scheme(checkpoint_dir)
+    checkpoint_dir = checkpoint_location(checkpoint_dir, None if local_source_to_url else storage_options)
     if format not in ("safetensors", "torch"):
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointingException(f"max_shard_bytes must be a positive number of bytes, not {max_shard_bytes!r}")
-    if isinstance(checkpoint_dir, Path):  # (a URL cannot overlap a local output)
-        refuse_overlap(checkpoint_dir, out, "export")
+    if isinstance(checkpoint_dir, Path) and not to_url:  # (a URL cannot overlap a local path)
+        refuse_overlap(checkpoint_dir, Path(out), "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
         keys = _select_keys(checkpoint_dir, key_prefix)
-        refuse_existing(out, force)
-        return _export(checkpoint_dir, out, format, keys, max_shard_bytes, progress)
+        if not to_url:
+            refuse_existing(Path(out), force)
+            return _export_local(checkpoint_dir, Path(out), format, keys, max_shard_bytes, progress)
+        return _export_url(checkpoint_dir, str(out), format, keys, max_shard_bytes, progress, force, storage_options)
 
 
-def _export(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: List[str], max_shard_bytes: int,
-            progress: Optional[Progress]) -> List[Path]:
+def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: List[str],
+                  max_shard_bytes: int, progress: Optional[Progress]) -> List[Union[Path, str]]:
+    """Export into a new directory next to ``out``, then move it (or its one file) into place."""
+    with staging_dir(out) as (tmp, location):
+        # (plain writes: the tensors come from the reader's one reused buffer, staging would add memory)
+        names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
+                        max_shard_bytes, progress)
+        if format == "torch":
+            move_into_place(tmp / _TORCH_FNAME, location)
+            return [out]
+        move_into_place(tmp, location)
+        return [out / name for name in names]
+
+
+def _split_object_url(out: str) -> Tuple[str, str]:
+    """``(prefix URL, object name)`` of the URL of one object."""
+    parent, _, name = out.rstrip("/").rpartition("/")
+    if not name or parent.endswith(":/"):
+        raise CheckpointingException(f"Cannot export to {out}: the torch format needs the URL of an object "
+                                     "(scheme://bucket/name)")
+    return parent, name
+
+
+def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, keys: List[str], max_shard_bytes: int,
+                progress: Optional[Progress], force: bool, storage_options: StorageOptions) -> List[Union[Path, str]]:
+    """Export into the prefix ``out`` (the object ``out`` for the torch format) in place."""
+    if format == "torch":
+        parent, name = _split_object_url(out)
+        storage = open_storage(parent, storage_options)
+        try:
+            kind = storage.kind(name)
+        except OSError as e:
+            raise CheckpointingException(f"Cannot export to {out}: {e}") from e
+        if kind == "dir":
+            raise CheckpointingException(f"Cannot export to {out}: it is a prefix that holds objects, not an object")
+        if kind == "file":
+            if not force:
+                raise OutputExistsError(out)
+            storage.delete(name)
+        _export(checkpoint_dir, storage, name, format, keys, max_shard_bytes, progress)
+        return [out]
+    storage, old = url_output(out, storage_options, force)
+    clear_url_output(storage, old)
+    return [storage.describe(name)
+            for name in _export(checkpoint_dir, storage, "", format, keys, max_shard_bytes, progress)]
+
+
+def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str, format: str, keys: List[str],
+            max_shard_bytes: int, progress: Optional[Progress]) -> List[str]:
+    """Write the export into ``out`` (the torch format as the file ``torch_name``); returns
+    the names written. On failure, what was written is deleted."""
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())
     start = time.perf_counter()
-    with staging_dir(out) as (tmp, location), contextlib.closing(reader):
+    written: List[str] = []
+    with contextlib.closing(reader):
         done = 0
-        if format == "torch":
-            state = {}
-            for key in keys:
-                state[key] = reader.read(key).clone()
-                done += sizes[key]
-                if progress is not None:
-                    progress(done, total, key)
-            with open(tmp / "export.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            move_into_place(tmp / "export.pt", location)
-            written = [out]
-        else:
-            for key in keys:
-                dtype_name(key, reader.meta[key].dtype)  # refuse unsupported dtypes before writing
-            shards: List[List[str]] = [[]]
-            shard_bytes = 0
-            for key in keys:
-                if shards[-1] and shard_bytes + sizes[key] > max_shard_bytes:
-                    shards.append([])
-                    shard_bytes = 0
-                shards[-1].append(key)
-                shard_bytes += sizes[key]
-            names = shard_names(len(shards))
-            for name, shard in zip(names, shards):
-                writer = SafetensorsFileWriter(
-                    tmp / name, [(k, tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in shard],
-                    {"format": "pt"})
+
+        def report(key: str) -> None:
+            nonlocal done
+            done += sizes[key]
+            if progress is not None:
+                progress(done, total, key)
+
+        try:
+            if format == "torch":
+                state = {}
+                for key in keys:
+                    state[key] = reader.read(key).clone()
+                    report(key)
+                stream = out.create_stream(torch_name)
                 try:
-                    for key in shard:
-                        writer.write(key, reader.read(key))
-                        done += sizes[key]
-                        if progress is not None:
-                            progress(done, total, key)
+                    torch.save(state, stream)
+                    stream.close()
                 except BaseException:
-                    writer.abort()
+                    stream.abort()
                     raise
-                writer.close()
-            if len(shards) > 1:
-                write_index(tmp, {k: name for name, shard in zip(names, shards) for k in shard}, total)
-            written = [out / p.name for p in sorted(tmp.iterdir())]
-            move_into_place(tmp, location)
+                written.append(torch_name)
+            else:
+                for key in keys:
+                    dtype_name(key, reader.meta[key].dtype)  # refuse unsupported dtypes before writing
+                shards: List[List[str]] = [[]]
+                shard_bytes = 0
+                for key in keys:
+                    if shards[-1] and shard_bytes + sizes[key] > max_shard_bytes:
+                        shards.append([])
+                        shard_bytes = 0
+                    shards[-1].append(key)
+                    shard_bytes += sizes[key]
+                names = shard_names(len(shards))
+                for name, shard in zip(names, shards):
+                    writer = SafetensorsFileWriter(
+                        out, name, [(k, tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in shard],
+                        {"format": "pt"})
+                    try:
+                        for key in shard:
+                            writer.write(key, reader.read(key))
+                            report(key)
+                    except BaseException:
+                        writer.abort()
+                        raise
+                    writer.close()
+                    written.append(name)
+                if len(shards) > 1:  # last: the index marks the sharded export complete
+                    write_index(out, {k: name for name, shard in zip(names, shards) for k in shard}, total)
+                    written.append(INDEX_FNAME)
+        except BaseException:
+            delete_quietly(out, written)
+            raise
     seconds = time.perf_counter() - start
     logger.info("Exported %d tensors (%.1f MiB) of %s to %s in %.2f s (%.2f GB/s)", len(keys), total / 2**20,
                 checkpoint_dir, out, seconds, total / max(seconds, 1e-9) / 1e9)
-    return written
+    return sorted(written)

@@ -11,14 +11,14 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from ..core import CheckpointingException, malformed, open_storage
+from ..core import CheckpointingException, malformed
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
 from ..path_overlap import refuse_overlap
 from ..safetensors_stream import INDEX_FNAME
 from ..serialization import save
 from ..storage import StorageOptions, url_scheme
-from .output import OutputExistsError, PathLike, refuse_existing, remove_path
+from .output import PathLike, clear_url_output, refuse_existing, remove_path, url_output
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
 
@@ -114,15 +114,10 @@ def _import(source: Path, out: Path, force: bool) -> int:
 
 def _import_to_url(source: Path, out: str, force: bool, storage_options: StorageOptions) -> int:
     """:func:`import_checkpoint` into a URL: with ``force`` the files under it are deleted
-    first (one level: a checkpoint is flat; a sub-directory there is refused)."""
-    storage = open_storage(out, storage_options)
-    names = storage.list()
-    if names and not force:
-        raise OutputExistsError(out)
+    first (``metadata.json`` first; one level: a checkpoint is flat, a sub-directory there
+    is refused)."""
+    storage, names = url_output(out, storage_options, force)
     state = _read_source(source)
-    if names and isinstance(state, dict):
-        for name in names:
-            if storage.kind(name) != "file":
-                raise CheckpointingException(f"{storage.describe(name)} is not a file: not replacing {out}")
-            storage.delete(name)
+    if isinstance(state, dict):
+        clear_url_output(storage, names)
     return _save_state(source, state, storage, None)

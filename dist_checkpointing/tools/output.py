@@ -1,6 +1,8 @@
-"""Writing a tool's output safely: refuse to replace an existing output unless asked, write
-next to it, and move the finished output into place durably (for export, import and
-:mod:`dist_checkpointing.convert`)."""
+"""Writing a tool's output safely (for export, import and :mod:`dist_checkpointing.convert`):
+refuse to replace an existing output unless asked; a local output is written next to it
+and moved into place durably; a URL output (an object store cannot rename) is written in
+place, its marker of completeness last, after the old output (with ``force``) was deleted
+marker first — so nothing half-written or half-deleted looks complete."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Tuple, Union
+from typing import Callable, Iterator, List, Tuple, Union
 
-from ..core import CheckpointingException
+from ..core import CONFIG_FNAME, CheckpointingException, open_storage
 from ..path_overlap import output_location
+from ..safetensors_stream import INDEX_FNAME
+from ..storage import Storage, StorageOptions
 from ..storage.posix import fsync_dir
 
 PathLike = Union[str, os.PathLike]
@@ -24,7 +28,7 @@ class OutputExistsError(CheckpointingException):
     """The output of an export or import exists and replacing it was not asked for
     (``force=True``; on the command line ``--force``)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Union[Path, str]):
         super().__init__(f"{out} already exists (pass force=True to replace it)")
         self.out = out
 
@@ -79,3 +83,40 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     elif path.is_symlink() or path.exists():
         path.unlink()
+
+
+# the files whose presence marks an output complete: a checkpoint's, a sharded export's
+_COMPLETION_MARKERS = (CONFIG_FNAME, INDEX_FNAME)
+
+
+def url_output(out: str, storage_options: StorageOptions, force: bool) -> Tuple[Storage, List[str]]:
+    """The storage of the URL output ``out`` and the names stored there; raises
+    :class:`OutputExistsError` if it holds anything and ``force`` is not set."""
+    storage = open_storage(out, storage_options)
+    try:
+        names = storage.list()
+    except OSError as e:
+        raise CheckpointingException(f"Cannot list the output {storage.describe()}: {e}") from e
+    if names and not force:
+        raise OutputExistsError(out)
+    return storage, names
+
+
+def clear_url_output(storage: Storage, names: List[str]) -> None:
+    """Delete the files ``names`` of an output being replaced: the markers of completeness
+    first, so that an interrupted deletion leaves nothing that looks complete. One level
+    only (an output is flat): a sub-prefix there is refused before anything is deleted."""
+    for name in names:
+        if storage.kind(name) != "file":
+            raise CheckpointingException(f"{storage.describe(name)} is not a file: not replacing {storage.describe()}")
+    for name in sorted(names, key=lambda n: n not in _COMPLETION_MARKERS):
+        storage.delete(name)
+
+
+def delete_quietly(storage: Storage, names: List[str]) -> None:
+    """Best-effort removal of what a failed output wrote (the error being raised matters more)."""
+    for name in names:
+        try:
+            storage.delete(name)
+        except OSError:
+            pass

@@ -97,6 +97,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         try:
             tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
             tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
+            reader.plan(arg.storage for _, arg in tasks)
             if self.thread_count == 1 or len(tasks) <= 1:
                 for fn, arg in tasks:
                     fn(arg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -42,7 +42,53 @@ class Reader:
         self.whole_records = whole_records
         self._files: Dict[str, RangeReader] = {}  # relative path -> open file
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
+        self._planned: Dict[str, List[Tuple[int, int]]] = {}  # relative path -> runs (offset, n) to read
         self._lock = threading.Lock()
+
+    def plan(self, items: Iterable[_StorageInfo]) -> None:
+        """The items about to be read, by several threads: each file plans the runs of
+        adjacent items smaller than :data:`PLANNED_ITEM_BYTES`
+        (:meth:`~...storage.RangeReader.will_read_ranges`) when it is opened, so that an
+        object store fetches many small records in a few large parallel requests, the next
+        file's as soon as this one's are all being fetched (:meth:`_file`). (A larger item
+        is announced by the thread that reads it: :func:`_read_into`.)"""
+        valid = [i for i in items if isinstance(i.relative_path, str) and isinstance(i.offset, int)
+                 and isinstance(i.length, int) and i.offset >= 0 and 0 < i.length < PLANNED_ITEM_BYTES]
+        for item in sorted(valid, key=lambda i: (i.relative_path, i.offset)):  # (others fail when read)
+            runs = self._planned.setdefault(item.relative_path, [])
+            if runs and item.offset == runs[-1][0] + runs[-1][1]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + item.length)
+            else:
+                runs.append((item.offset, item.length))
+
+    def _file(self, relative_path: str) -> RangeReader:
+        """The data file ``relative_path``, opened once; on opening, its planned runs are
+        announced, and once they are all being fetched, the next planned file is opened too
+        (so that its read-ahead starts before the threads reach it)."""
+        with self._lock:
+            file = self._files.get(relative_path)
+            if file is not None:
+                return file
+            name = checked_data_file_name(self.storage.describe(), relative_path)
+            try:
+                file = self._files[relative_path] = self.storage.open_reader(name)
+            except OSError as e:
+                raise CheckpointingException(
+                    f"Cannot open checkpoint data file {self.storage.describe(name)}: {e}") from e
+        runs = [(a, n) for a, n in self._planned.get(relative_path, ()) if a + n <= file.size]
+        if runs:  # (a claim beyond the file fails in its own read)
+            file.will_read_ranges(runs, then=lambda: self._open_next(relative_path))
+        return file
+
+    def _open_next(self, relative_path: str) -> None:
+        """Open the planned file after ``relative_path`` (an error is left to its reads)."""
+        order = sorted(self._planned)
+        at = order.index(relative_path) + 1
+        if at < len(order):
+            try:
+                self._file(order[at])
+            except CheckpointingException:
+                pass
 
     def close(self) -> None:
         for file in self._files.values():
@@ -54,15 +100,7 @@ class Reader:
 
     def _open(self, key: str, storage: _StorageInfo) -> RangeReader:
         """The item's data file, once the file is known to hold the item's bytes."""
-        with self._lock:
-            file = self._files.get(storage.relative_path)
-            if file is None:
-                name = checked_data_file_name(self.storage.describe(), storage.relative_path)
-                try:
-                    file = self._files[name] = self.storage.open_reader(name)
-                except OSError as e:
-                    raise CheckpointingException(
-                        f"Cannot open checkpoint data file {self.storage.describe(name)}: {e}") from e
+        file = self._file(storage.relative_path)
         if storage.offset < 0 or storage.length < 0 or storage.offset + storage.length > file.size:
             raise CheckpointingException(
                 f"Item {key!r}: the checkpoint metadata claims bytes {storage.offset}..{storage.offset + storage.length} "
@@ -165,6 +203,7 @@ class Reader:
 
 
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache
+PLANNED_ITEM_BYTES = 32 << 20  # smaller items are planned per file (Reader.plan); larger ones, per thread
 
 
 def _read_bytes(file: RangeReader, offset: int, n: int, where: str, what: str) -> bytes:
