@@ -280,3 +280,22 @@ def test_a_fork_snapshot_copies_shared_memory_before_returning():
     assert torch.equal(buffer[:4000].view(torch.float32), torch.arange(1000.0))
     assert torch.equal(shared_slot, torch.arange(2000.0))
     assert checksum == flat_checksum(snap.flat, snap.layout)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_snapshot_holds_every_dtype_and_layout(fork):
+    tensors = {"bf16": torch.randn(33, 7).to(torch.bfloat16), "strided": torch.arange(60.0).view(6, 10).t(),
+               "empty": torch.empty(0, 5), "int": torch.arange(7, dtype=torch.int64), "bool": torch.tensor([True, False])}
+    expected = {name: t.clone() for name, t in tensors.items()}
+    snap = Snapshot(dict(tensors))
+    buffer = shared_buffer(snap.size)
+    child = snap.take(buffer, fork=fork)
+    for t in tensors.values():
+        if t.numel():
+            t.zero_() if t.dtype != torch.bool else t.fill_(False)  # after the snapshot: not in it
+    checksum = child.result() if child is not None else flat_checksum(snap.flat, snap.layout)
+    assert checksum == flat_checksum(snap.flat, snap.layout)
+    views = {ident: buffer[off:off + n].view(getattr(torch, dtype.split(".")[-1])).view(shape)
+             for ident, off, n, dtype, shape in snap.layout}
+    for name, t in expected.items():
+        assert views[f"c:/{name}"].dtype == t.dtype and torch.equal(views[f"c:/{name}"], t), name
