@@ -206,12 +206,22 @@ def test_conversion_refuses_to_run_collectively(trained, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _as_old_markers(node_dir: Path) -> None:
-    """Rewrite every marker as the code before conversion wrote it (header: layout and values only)."""
+class _CreatesAFile:
+    """Unpickling it would create ``path`` (code a header must never run)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _as_plain_pickle_markers(node_dir: Path, flag: Path) -> None:
+    """Rewrite every marker's header as a plain pickle (an earlier version's encoding) that
+    would create ``flag`` when unpickled; checksums kept valid."""
     for marker_path in node_dir.glob("local_*/rank_*.done"):
         marker = json.loads(marker_path.read_text())
-        header = pickle.loads(base64.b64decode(marker["header"]))
-        old = pickle.dumps({"layout": header["layout"], "values": header["values"]})
+        old = pickle.dumps({"layout": [], "values": {"c:/step": _CreatesAFile(str(flag))}})
         marker["header"], marker["header_checksum"] = base64.b64encode(old).decode(), f"{checksum(old):016x}"
         marker_path.write_text(json.dumps(marker))
 
@@ -230,16 +240,26 @@ def _restore(rank: int, world: int, root: str, local: str, persist: bool) -> tup
         return kind, step, m.all_steps(), list(m.local.complete)
 
 
-def test_old_markers_restore_but_are_not_converted(trained, tmp_path):
+def _restore_expecting_error(rank: int, world: int, root: str, local: str) -> None:
+    with CheckpointManager(root, save_interval_steps=100, local_dir=local, local_interval=1, replication_factor=2,
+                           node_of_rank=NODES[world]) as m:
+        m.load(_state(rank, world, 0))
+
+
+def test_plain_pickle_headers_are_refused_unread(trained, tmp_path):
     nodes = _nodes(tmp_path, trained)
     shutil.copytree(trained[4] / "root", tmp_path / "root")
+    flag = tmp_path / "code_ran"
     for node in nodes:
-        _as_old_markers(Path(node))
-    with pytest.raises(CheckpointingException, match=r"rank_00000.pt was written by a version .* did not record "
-                                                     r"the sharding .*persist_local=True"):
+        _as_plain_pickle_markers(Path(node), flag)
+    with pytest.raises(CheckpointingException, match=r"every copy of rank 0's shards of step 3 is damaged.*"
+                                                     r"not one this version writes"):
         convert_local_checkpoint(nodes, tmp_path / "out")
-    local = str(tmp_path / "node{node}")
-    assert get_pool(4).run(_restore, str(tmp_path / "root"), local, False) == [("local", 3, [], [3, 4])] * 4
+    # restore: every copy refused as a damaged one would be; no persistent step to fall back to
+    errors = get_pool(4).run_expect_error(_restore_expecting_error, str(tmp_path / "root"),
+                                          str(tmp_path / "node{node}"))
+    assert_all_raise(errors, 4, "no complete checkpoint")
+    assert not flag.exists()
 
 
 def test_persist_local_saves_the_restored_step_persistently(trained, tmp_path):

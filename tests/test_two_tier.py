@@ -299,3 +299,15 @@ def test_a_snapshot_holds_every_dtype_and_layout(fork):
              for ident, off, n, dtype, shape in snap.layout}
     for name, t in expected.items():
         assert views[f"c:/{name}"].dtype == t.dtype and torch.equal(views[f"c:/{name}"], t), name
+
+
+def test_a_replica_that_cannot_be_opened_uses_the_next_holder(tmp_path):
+    pool = get_pool(4)
+    root, local = _dirs(tmp_path)
+    pool.run(_train, root, local, NODES4, [0, 1], 3)  # rank 0's copies: nodes 0, 1 and 2
+    shutil.rmtree(tmp_path / "node0")
+    os.remove(tmp_path / "node1" / "local_0000001" / "rank_00000.pt")  # its marker is left: the holder finds no file
+    assert pool.run(_restore, root, local, NODES4, 3) == [("local", 1)] * 4
+    with open(tmp_path / "node2" / "local_0000001" / "rank_00000.pt", "r+b") as f:
+        f.truncate(100)  # shorter than its marker says
+    assert pool.run(_restore, root, local, NODES4, 3) == [("persistent", 0)] * 4

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +28,7 @@ from ..mapping import ShardedObject, ShardedStateDict, is_main_replica
 from ..sharded_tensor import ShardedTensor
 from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
-from .local_format import describes_sharding, rebuild
+from .local_format import rebuild
 from .local_files import local_step_dir, map_copy, payload_name, scan
 from .local_snapshot import flat_checksum, tensor_views
 
@@ -39,11 +38,6 @@ logger = logging.getLogger(__name__)
 #: only: nothing of it enters the common state).
 _OTHER_RANKS = "__local_tier_other_ranks__"
 Copy = Tuple[str, Dict[str, Any]]  # (node directory, marker)
-
-
-class NotConvertible(CheckpointingException):
-    """A copy written before conversion existed: its header lacks the sharding (another
-    copy of it would too)."""
 
 
 @dataclass
@@ -69,9 +63,8 @@ def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]]
     rank's shards are read from its first intact copy in this order. Runs in one process
     without a process group. Raises :class:`CheckpointingException` naming the directory,
     file or rank at fault: a step not found, ranks with no copy, copies saved by different
-    world sizes, a rank whose copies are all damaged, copies written before conversion
-    existed (restore those with ``CheckpointManager.load(..., persist_local=True)``), an
-    output that is not empty.
+    world sizes, a rank whose copies are all damaged or unreadable (a header of an earlier
+    version's encoding included), an output that is not empty.
     """
     if get_world_size() > 1:
         raise CheckpointingException("convert_local_checkpoint runs in one process, not collectively: call it "
@@ -141,12 +134,7 @@ def _open_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[Dict[str, Any], t
     """The header and the flat buffer (a private map of its file) of the copy a marker
     describes, its checksums verified; with the file's path."""
     path = os.path.join(node_dir, local_step_dir(marker["step"]), payload_name(marker["owner"]))
-    flat, header_bytes = map_copy(node_dir, marker)
-    header = pickle.loads(header_bytes)
-    if not describes_sharding(header):
-        raise NotConvertible(
-            f"Local tier: {path} was written by a version of dist_checkpointing that did not record the sharding "
-            "a normal checkpoint needs: restore it with CheckpointManager.load(..., persist_local=True) instead")
+    flat, _, header = map_copy(node_dir, marker)
     if f"{flat_checksum(flat, header['layout']):016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {path} fails its checksum")
     return header, flat, path
@@ -158,8 +146,6 @@ def _first_intact(owner: int, step: int, copies: List[Copy]) -> Tuple[Dict[str, 
     for node_dir, marker in copies:
         try:
             return _open_copy(node_dir, marker)
-        except NotConvertible:
-            raise
         except CheckpointingException as e:
             logger.warning("%s", e)
             problems.append(str(e))

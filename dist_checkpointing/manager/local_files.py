@@ -9,7 +9,6 @@ import base64
 import json
 import logging
 import os
-import pickle
 import re
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
@@ -21,6 +20,7 @@ from ..integrity import checksum, new_hasher
 from ..mapping import ShardedStateDict
 from ..storage import PosixStorage, RangeReader, Storage, storage_for
 from ..storage.base import byte_view
+from .local_format import decode_header
 from .local_snapshot import check_ids, leaf_targets, loaded_result, target_tensor
 
 logger = logging.getLogger(__name__)
@@ -67,12 +67,13 @@ def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Ten
 
 
 def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
-    """The pickled header a marker holds, and its content (checksum verified)."""
+    """The encoded header a marker holds, and its content (checksum verified, decoded
+    safely: :func:`.local_format.decode_header`)."""
     header = base64.b64decode(marker["header"])
+    where = f"rank {marker['owner']}'s copy of step {marker['step']} in {node_dir}"
     if f"{checksum(header):016x}" != marker["header_checksum"]:
-        raise CheckpointingException(f"Local tier: the marker of rank {marker['owner']}'s copy of step "
-                                     f"{marker['step']} in {node_dir} fails its checksum")
-    return header, pickle.loads(header)
+        raise CheckpointingException(f"Local tier: the marker of {where} fails its checksum")
+    return header, decode_header(header, where)
 
 
 def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
@@ -108,18 +109,18 @@ def _payload(node_dir: str, marker: Dict[str, Any]) -> Iterator[Tuple[RangeReade
         reader.close()
 
 
-def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes]:
+def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes, Dict[str, Any]]:
     """The payload a marker describes, to send as it is (the receiver verifies the
     checksum): a private map of the file where the storage can map, else read into a new
-    buffer; with the pickled header. :class:`CheckpointingException` if it is missing or
-    of the wrong size."""
-    with _payload(node_dir, marker) as (reader, where, header, _):
+    buffer; with the encoded header and its content. :class:`CheckpointingException` if it
+    is missing or of the wrong size."""
+    with _payload(node_dir, marker) as (reader, where, header, content):
         mapped = reader.map()
         if mapped is not None:
-            return torch.frombuffer(mapped, dtype=torch.uint8), header
+            return torch.frombuffer(mapped, dtype=torch.uint8), header, content
         out = torch.empty(marker["length"], dtype=torch.uint8)
         _read_all(reader, byte_view(out.numpy()), 0, where)
-        return out, header
+        return out, header, content
 
 
 def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: ShardedStateDict,

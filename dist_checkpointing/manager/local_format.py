@@ -4,7 +4,8 @@ dict rebuilt from a header and its flat buffer (for the offline conversion,
 
 Each leaf of a ``sharded_state_dict`` has an id: ``t:{key}@{global offset}`` for a
 ShardedTensor, ``o:{unique_key}`` for a ShardedObject, ``c:{path}`` for anything else.
-The header (pickled into the marker) holds:
+The header (pickled into the marker, plain data only, its values ``torch.save``d inside
+it and read back with the safe loader of ``common.pt``: :func:`decode_header`) holds:
 
 * ``layout``: each tensor's ``(id, offset, nbytes, dtype, shape)`` in the flat buffer;
 * ``values``: the ShardedObjects' data and the other non-tensor leaves, by id;
@@ -12,12 +13,13 @@ The header (pickled into the marker) holds:
   replaced by its id), ``sharded`` (for each ShardedTensor and ShardedObject id, its
   fields but the data — key, dtype, shapes, offsets, fragmentations, replica id, prepended
   axes, flattened range — as a tuple) and ``fields`` (the names of those tuples' fields,
-  by id prefix): what a normal save needs. Markers written before conversion
-  existed lack these three; restoring reads ``layout`` and ``values`` only.
+  by id prefix): what a normal save needs. Headers of earlier versions (values pickled
+  inline) are refused, never unpickled.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from dataclasses import fields
 from operator import attrgetter
@@ -25,10 +27,12 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from ..core import CheckpointingException
 from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
+from ..strategies.safe_pickle import safe_torch_load
 
-#: the header's format; 2: it records what a normal save needs (``structure``, ``fields``, ``sharded``).
+#: the header's format (2: it records what a normal save needs: ``structure``, ``fields``, ``sharded``)
 HEADER_FORMAT = 2
 Entry = Tuple[str, int, int, str, Tuple[int, ...]]  # id, offset, bytes, dtype name, shape
 
@@ -57,9 +61,22 @@ _FIELDS = {kind: tuple(f.name for f in fields(cls) if f.name != "data")
 _GET_FIELDS = {kind: attrgetter(*names) for kind, names in _FIELDS.items()}
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (containers, strings, numbers, ``torch`` dtypes, slices):
+    any other global a pickle names is refused, never looked up or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("builtins", "slice"):
+            return slice
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
 def encode_header(sharded_state_dict: ShardedStateDict, layout: List[Entry], values: Dict[str, Any]) -> bytes:
-    """The pickled header of a snapshot of ``sharded_state_dict`` whose tensors lie in a
-    flat buffer as ``layout`` says and whose other leaves are ``values``."""
+    """The header of a snapshot of ``sharded_state_dict`` whose tensors lie in a flat buffer
+    as ``layout`` says and whose other leaves are ``values``: the plain parts pickled, the
+    values (any objects, tensors too) ``torch.save``d inside it, as ``common.pt`` is."""
     sharded: Dict[str, Tuple[Any, ...]] = {}
 
     def visit(path: str, leaf: Any) -> str:
@@ -69,17 +86,34 @@ def encode_header(sharded_state_dict: ShardedStateDict, layout: List[Entry], val
         return ident
 
     structure = walk(sharded_state_dict, "", visit)
-    return pickle.dumps({"format": HEADER_FORMAT, "layout": layout, "values": values, "structure": structure,
-                         "fields": _FIELDS, "sharded": sharded})
+    saved = io.BytesIO()
+    torch.save(values, saved)
+    return pickle.dumps({"format": HEADER_FORMAT, "layout": layout, "values": saved.getvalue(),
+                         "structure": structure, "fields": _FIELDS, "sharded": sharded})
 
 
-def describes_sharding(header: Dict[str, Any]) -> bool:
-    """Whether ``header`` records what a normal save needs (written since :data:`HEADER_FORMAT` 2)."""
-    return header.get("format", 1) >= 2
+def decode_header(data: bytes, where: str) -> Dict[str, Any]:
+    """The header ``data`` (:func:`encode_header`) of the copy described at ``where``: its
+    plain parts with an unpickler that calls nothing, its values with the safe loader of
+    ``common.pt`` (its allow-list). :class:`CheckpointingException` for anything else —
+    a header of an earlier version (values pickled inline), damaged or hostile data —
+    without running any of it."""
+    try:
+        header = _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 - any malformed or refused pickle
+        raise CheckpointingException(f"Local tier: the header of {where} is not one this version writes "
+                                     f"(not loaded: {e})") from e
+    if not isinstance(header, dict) or not isinstance(header.get("layout"), list) or not isinstance(
+            header.get("values"), bytes):
+        raise CheckpointingException(f"Local tier: the header of {where} is not one this version writes")
+    header["values"] = safe_torch_load(header["values"], f"the values in the header of {where}")
+    if not isinstance(header["values"], dict):
+        raise CheckpointingException(f"Local tier: the header of {where} is malformed")
+    return header
 
 
 def rebuild(header: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ShardedStateDict:
-    """The sharded state dict a header (:func:`describes_sharding`) describes, nested as it
+    """The sharded state dict a header describes, nested as it
     was saved, with ``tensors`` (by id: views of the flat buffer) as its tensors' data."""
 
     def visit(path: str, ident: str) -> Any:

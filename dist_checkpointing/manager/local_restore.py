@@ -11,11 +11,12 @@ markers):
    rank's copy, the holder to read it from: its own copy if it has one (read straight into
    its tensors), else a partner's replica, else any other holder (e.g. the partner's
    node-mates). If some rank's copy is held nowhere, the next older step is tried.
-3. In rounds: holders send the replicas they serve over the local tier's group as mapped
-   from their files (unverified), straight into the owners' tensors (the transport's
-   in-place receive); then owners holding their own copy read it into their tensors. Each
-   owner verifies its checksum. One ``all_reduce`` of one flag per rank says whose copy
-   failed: its holder drops it and the choice is made again for those owners only; if some
+3. In rounds: holders map the replicas they serve from their files (one ``all_reduce`` of
+   one flag per rank says whether some copy cannot be opened: then the choice is made
+   again without it), send them over the local tier's group (unverified) straight into
+   the owners' tensors (the transport's in-place receive); then owners holding their own
+   copy read it into their tensors. Each owner verifies its checksum. One ``all_reduce`` of
+   one flag per rank says whose copy failed: its holder drops it and the choice is made again for those owners only; if some
    rank's copy is nowhere valid, every rank gets ``None``: the caller falls back to the
    persistent tier.
 """
@@ -84,16 +85,31 @@ def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[i
     return [k % world for k in keys]
 
 
-def _serve_and_read(tier: LocalTier, step: int, held: Dict[int, Dict[str, Any]], source: List[int],
-                    done: List[bool], sharded_state_dict: ShardedStateDict) -> Tuple[List[int], Any]:
-    """One round: holders send the replicas they serve (as mapped, unverified: the owner
-    verifies), owners without a copy of their own receive theirs straight into their
-    tensors, then owners with one read it. Returns one flag per owner (1: the copy used
-    for it failed its checksum) and this rank's loaded state (``None`` if not loaded)."""
+def _prepare_sends(tier: LocalTier, held: Dict[int, Dict[str, Any]], source: List[int],
+                   done: List[bool]) -> Tuple[Dict[int, Any], List[int]]:
+    """The replicas this rank serves this round, mapped from their files (not hashed: the
+    owner verifies), by owner; and one flag per owner (1: the copy this rank was to serve
+    cannot be opened — missing, short, a bad marker)."""
+    sends: Dict[int, Any] = {}
+    failed = [0] * tier.world
+    for owner in held:
+        if source[owner] == tier.rank and owner != tier.rank and not done[owner]:
+            try:
+                sends[owner] = wire_state(*map_copy(tier.node_dir, held[owner]), int(held[owner]["checksum"], 16))
+            except CheckpointingException as e:
+                logger.warning("Local tier: %s", e)
+                failed[owner] = 1
+    return sends, failed
+
+
+def _serve_and_read(tier: LocalTier, step: int, held: Dict[int, Dict[str, Any]], sends: Dict[int, Any],
+                    source: List[int], done: List[bool], sharded_state_dict: ShardedStateDict) -> Tuple[List[int], Any]:
+    """One round: holders send ``sends``, owners without a copy of their own receive theirs
+    straight into their tensors, then owners with one read it. Returns one flag per owner
+    (1: the copy used for it failed its checksum) and this rank's loaded state (``None``
+    if not loaded)."""
     failed = [0] * tier.world
     state = None
-    sends = {o: wire_state(*map_copy(tier.node_dir, held[o]), int(held[o]["checksum"], 16))
-             for o in held if source[o] == tier.rank and o != tier.rank and not done[o]}
     src = source[tier.rank]
     if done[tier.rank] or src == tier.rank:
         exchange(tier.transport, sends, [])
@@ -120,6 +136,13 @@ def _serve_and_read(tier: LocalTier, step: int, held: Dict[int, Dict[str, Any]],
     return failed, state
 
 
+def _drop_failed(agreed: List[int], held: Dict[int, Dict[str, Any]], source: List[int], rank: int) -> None:
+    """Forget the copies this rank served whose flag is set in ``agreed``."""
+    for owner, bad in enumerate(agreed):
+        if bad and source[owner] == rank:
+            held.pop(owner, None)
+
+
 def _fetch(tier: LocalTier, step: int, mine: Dict[int, Dict[str, Any]],
            sharded_state_dict: ShardedStateDict) -> Tuple[bool, Any]:
     """Load this rank's copy of ``step`` into ``sharded_state_dict`` (read from its own
@@ -128,22 +151,26 @@ def _fetch(tier: LocalTier, step: int, mine: Dict[int, Dict[str, Any]],
     held = dict(mine)  # the copies of this step this rank may still serve, by owner
     done = [False] * tier.world  # owners whose copy is loaded (the same on every rank)
     state = None
+    what = f"Local tier: restoring step {step}"
     while True:
         source = _choose(held, tier)
         if source is None:
             logger.warning("Local tier: no valid copy of some rank's shards of step %d", step)
             return False, None
+        prepared, agreed = run_agreed_with_flags(lambda: _prepare_sends(tier, held, source, done),
+                                                 lambda result: result[1] if result is not None else [0] * tier.world,
+                                                 what)
+        if any(agreed):  # a holder cannot open a copy it was to serve: choose again without it
+            _drop_failed(agreed, held, source, tier.rank)
+            continue
         (failed, loaded), agreed = run_agreed_with_flags(
-            lambda: _serve_and_read(tier, step, held, source, done, sharded_state_dict),
-            lambda result: result[0] if result is not None else [0] * tier.world,
-            f"Local tier: restoring step {step}")
+            lambda: _serve_and_read(tier, step, held, prepared[0], source, done, sharded_state_dict),
+            lambda result: result[0] if result is not None else [0] * tier.world, what)
         if loaded is not None and not failed[tier.rank]:
             state = loaded
+        _drop_failed(agreed, held, source, tier.rank)
         for owner, bad in enumerate(agreed):
-            if bad and source[owner] == tier.rank:  # the copy this rank served failed: not served again
-                held.pop(owner, None)
-            elif not bad:
-                done[owner] = True
+            done[owner] = done[owner] or not bad
         if all(done):
             return True, state
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..mapping import ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..strategies.async_utils import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
-from .local_format import Entry, encode_header, leaf_id, walk
+from .local_format import Entry, decode_header, encode_header, leaf_id, walk
 
 #: test-only fault: a rank whose environment sets this has its forked snapshot die.
 FAIL_SNAPSHOT_ENV = "DIST_CKPT_LOCAL_FAIL_SNAPSHOT"
@@ -138,10 +137,10 @@ def tensor_views(flat: torch.Tensor, layout: List[Entry]) -> Dict[str, torch.Ten
     return {e[0]: slot(flat, e) for e in sorted(layout)}
 
 
-def wire_state(flat: torch.Tensor, header: bytes, flat_sum: int) -> Dict[str, Any]:
+def wire_state(flat: torch.Tensor, header: bytes, content: Dict[str, Any], flat_sum: int) -> Dict[str, Any]:
     """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
-    header and the checksum."""
-    return {"tensors": tensor_views(flat, pickle.loads(header)["layout"]), "header": header, "checksum": flat_sum}
+    encoded header (``content`` decoded) and the checksum."""
+    return {"tensors": tensor_views(flat, content["layout"]), "header": header, "checksum": flat_sum}
 
 
 def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
@@ -199,7 +198,7 @@ def check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> Non
 def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], rank: int, what: str) -> Any:
     """``sharded_state_dict`` loaded from a :func:`wire_state` received in place; its
     checksum verified."""
-    header = pickle.loads(received["header"])
+    header = decode_header(received["header"], what)
     check_ids(leaf_targets(sharded_state_dict), header, rank)
     if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != received["checksum"]:
         raise CheckpointingException(f"Local tier: {what} arrived damaged")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -34,6 +33,7 @@ from ..strategies.async_utils import ForkedCall
 from ..transport import PGTransport
 from .crash import crash_point
 from .local_files import remove_copies, scan, write_copy
+from .local_format import decode_header
 from .local_snapshot import Snapshot, can_fork, flat_checksum, shared_buffer
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class LocalTier:
                 for src, got in received.items():
                     if os.environ.get(FAIL_RECV_ENV) in (str(step), "any"):
                         raise CheckpointingException(f"Local tier: injected failure storing rank {src}'s replica")
-                    layout = pickle.loads(got["header"])["layout"]
+                    layout = decode_header(got["header"], f"rank {src}'s replica of step {step}")["layout"]
                     if flat_checksum(got["data"], layout) != got["checksum"]:
                         raise CheckpointingException(f"Local tier: rank {src}'s replica of step {step} arrived damaged")
                     write_copy(self.node_dir, step, src, self.world, got["data"], got["header"], got["checksum"])
