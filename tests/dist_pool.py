@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Tuple
 
-from .helpers import free_port
+from .helpers import free_port, wait_with_progress
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,15 +111,24 @@ class DistPool:
             conn.send((fn, args))
 
     def collect(self, fn: Callable[..., Any], timeout: float = 120.0) -> List[Tuple[bool, Any]]:
-        """``(ok, value)`` per rank of the call started by :meth:`submit`; a hang fails."""
+        """``(ok, value)`` per rank of the call started by :meth:`submit`; a hang fails.
+
+        A hang is told from a slow machine by progress (:func:`helpers.wait_with_progress`):
+        the call fails once ``timeout`` has passed and the ranks' processes have then used
+        no CPU for a while, or after ``timeout`` times the hard-cap factor in any case."""
         replies = []
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
+            if not wait_with_progress(conn.poll, self._pids, timeout):
                 stacks = self._stacks()
                 self.restart()
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout} s (hang)\n{stacks}")
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__}: no progress after {timeout} s (hang)\n{stacks}")
             replies.append(conn.recv())
         return replies
+
+    def _pids(self) -> List[int]:
+        """The ranks' processes and their descendants (forked writers, workers)."""
+        pids = [p.pid for p in self._procs if p.pid is not None]
+        return pids + _descendants(pids)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> List[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
@@ -139,9 +148,7 @@ class DistPool:
 
     def _stacks(self) -> str:
         """Every thread's stack on every rank (faulthandler), for a hang's report."""
-        pids = [p.pid for p in self._procs if p.pid is not None]
-        pids += _descendants(pids)  # e.g. forked writers: they inherit the handler and the file
-        for pid in pids:
+        for pid in self._pids():  # with forked writers: they inherit the handler and the file
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from pathlib import Path
-from typing import Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.dict_utils import nested_values
@@ -19,6 +20,66 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Timeouts in the tests are hang detectors, not performance limits. One setting scales them:
+# DIST_CKPT_TEST_TIMEOUT_SCALE (a factor; unset: the machine's load average per core at the
+# moment, at least 1, at most 8). Pool calls also look at progress (wait_with_progress).
+_SCALE_ENV = "DIST_CKPT_TEST_TIMEOUT_SCALE"
+_HARD_CAP = 4.0  # a call still making progress fails after this many (scaled) timeouts
+_QUIET_S = 10.0  # ... and a call past its timeout fails once its processes were idle this long
+
+
+def timeout_scale() -> float:
+    """The factor every test timeout is multiplied by (see ``DIST_CKPT_TEST_TIMEOUT_SCALE``)."""
+    if os.environ.get(_SCALE_ENV):
+        return float(os.environ[_SCALE_ENV])
+    return min(8.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def slack(seconds: float) -> float:
+    """``seconds`` scaled for this machine's load: the timeout to pass to a wait."""
+    return seconds * timeout_scale()
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time used so far by ``pids`` and their reaped children (Linux ``/proc``; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
+
+
+def wait_with_progress(poll: Callable[[float], bool], pids: Callable[[], List[int]], timeout: float,
+                       quiet: float = _QUIET_S) -> bool:
+    """Wait until ``poll(seconds)`` says ready; False for a hang.
+
+    A hang is ``slack(timeout)`` seconds passed and then ``_QUIET_S`` seconds in which the
+    processes ``pids()`` used no CPU, or ``_HARD_CAP`` times that timeout in any case: a
+    slow or loaded machine keeps a call alive while its processes work."""
+    start = time.monotonic()
+    deadline, hard = start + slack(timeout), start + _HARD_CAP * slack(timeout)
+    if poll(min(timeout, 1.0) if os.path.isdir("/proc") else slack(timeout)):
+        return True
+    history: List[Tuple[float, float]] = []  # (time, cpu seconds) once past the deadline
+    while True:
+        if poll(1.0):
+            return True
+        now = time.monotonic()
+        if now < deadline:
+            continue
+        if now >= hard or not os.path.isdir("/proc"):
+            return False
+        history.append((now, cpu_seconds(pids())))
+        old = [c for t, c in history if now - t >= quiet]
+        if old and history[-1][1] - old[-1] < 0.05:
+            return False
 
 
 def assert_all_raise(excs: Sequence[BaseException], world: int, *fragments: str) -> None:
