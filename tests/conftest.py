@@ -17,6 +17,14 @@ _POOLS: dict = {}
 FIXTURES = Path(os.environ.get("DIST_CKPT_FIXTURES", Path(__file__).resolve().parent / "fixtures"))
 
 
+def pytest_configure(config):
+    """Megatron-Core peers are installed before the test modules are collected (they read
+    ``MCORE_SITE`` / ``MCORE19_SITE`` at import)."""
+    from .peers import ensure_peers
+
+    ensure_peers()
+
+
 def get_pool(world_size: int) -> DistPool:
     """The session's pool of ``world_size`` gloo ranks (started on first use)."""
     if world_size not in _POOLS:

@@ -3,10 +3,9 @@
 ``dist-ckpt convert`` (flattened keys rewritten whole, ``common.pt`` as the ``common_state``
 object), checked with Megatron-Core 0.19's own loader and with ours.
 
-Megatron-Core 0.19 is installed by .ci/run into ``.ci/mcore19_site`` (``MCORE19_SITE``),
-never into the library's environment; one subprocess with it on its PYTHONPATH loads
-every checkpoint of this module (tests/megatron19_peer_load.py). Without it the peer tests
-are skipped with the reason; the others run.
+Megatron-Core 0.19 is installed by the test session into ``.ci/mcore19_site``
+(``MCORE19_SITE``, tests/peers.py), never into the library's environment; one subprocess
+with it on its PYTHONPATH loads every checkpoint of this module (tests/megatron19_peer_load.py).
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import original_global_shape, read_metadata
 
 from .conftest import FIXTURES, get_pool
+from .peers import require
 
-MCORE19_SITE = os.environ.get("MCORE19_SITE", str(Path(__file__).resolve().parents[1] / ".ci" / "mcore19_site"))
-HAVE_MCORE19 = (Path(MCORE19_SITE) / "megatron" / "core").is_dir()
 DISTOPT_015 = FIXTURES / "mcore_v0_15" / "distopt_flat"
 COMMON = {"step": 9, "args": {"lr": 0.1, "name": "tiny"}, "content_metadata": {"by": "dist_checkpointing"}}
 
@@ -104,8 +102,7 @@ def ckpts(tmp_path_factory):
 def peer(ckpts, tmp_path_factory):
     """Megatron-Core 0.19 loads every checkpoint of :func:`ckpts` at TP4 (one subprocess):
     returns its stdout and stderr."""
-    if not HAVE_MCORE19:
-        pytest.skip(f"megatron-core 0.19 not installed in {MCORE19_SITE} (.ci/run installs it)")
+    site = require("MCORE19_SITE")
     ours = {"tp": 4, "tensors": _full(2), "objects": _expected_objects(2), "common": COMMON}
     spec = [dict(ours, dir=str(ckpts[name])) for name in ("ours19", "ours19_async", "converted")]
     if DISTOPT_015.is_dir():
@@ -114,7 +111,7 @@ def peer(ckpts, tmp_path_factory):
                      "objects": exp["objects"], "common": exp["common"]})
     spec_file = tmp_path_factory.mktemp("peer") / "spec.pt"
     torch.save(spec, spec_file)
-    env = {**os.environ, "PYTHONPATH": MCORE19_SITE, "MASTER_PORT": str(29500 + os.getpid() % 500)}
+    env = {**os.environ, "PYTHONPATH": site, "MASTER_PORT": str(29500 + os.getpid() % 500)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron19_peer_load.py")), str(spec_file)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

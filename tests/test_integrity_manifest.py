@@ -23,9 +23,9 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.tools import validate_checkpoint
 
 from .conftest import get_pool
+from .peers import require
 
 _TIMEOUT = 60.0
-MCORE19_SITE = Path(os.environ.get("MCORE19_SITE", Path(__file__).resolve().parents[1] / ".ci" / "mcore19_site"))
 
 
 def _full(world: int) -> torch.Tensor:
@@ -171,7 +171,7 @@ def _megatron_manifest_functions():
     """Megatron-Core 0.19's own manifest functions, taken from its installed source
     (importing ``megatron.core`` needs Triton and CUDA): ``save_integrity_manifest`` and
     ``_verify_integrity_manifest_impl`` with their constants and ``maybe_msc``."""
-    core = MCORE19_SITE / "megatron" / "core"
+    core = Path(require("MCORE19_SITE")) / "megatron" / "core"
     spec = importlib.util.spec_from_file_location("_mcore19_msc_utils", core / "msc_utils.py")
     msc_utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(msc_utils)
@@ -189,8 +189,6 @@ def _megatron_manifest_functions():
     return namespace
 
 
-@pytest.mark.skipif(not (MCORE19_SITE / "megatron" / "core").is_dir(),
-                    reason=f"megatron-core 0.19 not installed in {MCORE19_SITE} (.ci/run installs it)")
 def test_megatron_core_019_manifest_format(saved, tmp_path):
     mcore = _megatron_manifest_functions()
     assert mcore["INTEGRITY_FNAME"] == MANIFEST_FNAME

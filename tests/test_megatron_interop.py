@@ -1,8 +1,8 @@
 """Megatron-Core (a test-time peer only) reads what this library writes.
 
-Megatron-Core 0.15 is installed by .ci/run into a separate directory (``MCORE_SITE``),
-never into the library's environment; the check runs in a subprocess with that directory
-on its PYTHONPATH. Without it the test is skipped with the reason.
+Megatron-Core 0.15 is installed by the test session into a separate directory
+(``MCORE_SITE``, tests/peers.py), never into the library's environment; the check runs in a
+subprocess with that directory on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ from dist_checkpointing import ShardedObject, ShardedTensor
 
 from .conftest import get_pool
 
-MCORE_SITE = os.environ.get("MCORE_SITE", str(Path(__file__).resolve().parents[1] / ".ci" / "mcore_site"))
-pytestmark = pytest.mark.skipif(
-    not (Path(MCORE_SITE) / "megatron" / "core").is_dir(),
-    reason=f"megatron-core 0.15 not installed in {MCORE_SITE} (.ci/run installs it)",
-)
+from .peers import require
 
 
 def _save(rank, world, ckpt):
@@ -49,7 +45,7 @@ def _save(rank, world, ckpt):
 def test_megatron_core_015_loads_our_checkpoint(world, tmp_path):
     ckpt = tmp_path / "ckpt"
     get_pool(world).run(_save, str(ckpt))
-    env = {**os.environ, "PYTHONPATH": MCORE_SITE, "MASTER_PORT": str(29000 + os.getpid() % 1000 + world)}
+    env = {**os.environ, "PYTHONPATH": require("MCORE_SITE"), "MASTER_PORT": str(29000 + os.getpid() % 1000 + world)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_peer_load.py")), str(ckpt), str(world)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "MEGATRON LOAD OK" in proc.stdout, proc.stderr[-4000:]
