@@ -100,6 +100,13 @@ class ShardedMLP:
         return h.hexdigest()[:16]
 
 
+def _all_ranks_here(out: str, rank: int) -> None:
+    """Wait (through files, not a collective) until every rank has reached this point."""
+    Path(out, f"at_kill_{rank}").touch()
+    while not all(Path(out, f"at_kill_{r}").exists() for r in range(WORLD)):
+        time.sleep(0.01)
+
+
 def _rank_main(rank: int, port: int, phase: str, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -115,6 +122,7 @@ def _rank_main(rank: int, port: int, phase: str, args: argparse.Namespace, out: 
             report.update(resumed_at=start, resumed_digest=model.digest(), found=mgr.all_steps())
         for step in range(start + 1, args.steps + 1):
             if phase == "crash" and step == args.kill_at:
+                _all_ranks_here(out, rank)  # none is left inside a collective with a dead peer
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finalization: a real crash
             model.train_step(step)
             mgr.save(step, model.sharded_state_dict(step))
@@ -147,7 +155,7 @@ def _run(phase: str, args: argparse.Namespace, out: str) -> List[Optional[int]]:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=600)  # a hang fails the demo; a normal run takes seconds
         if p.exitcode is None:
             p.kill()
             p.join()
