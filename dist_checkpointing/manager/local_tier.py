@@ -273,13 +273,13 @@ class LocalTier:
         return step
 
     def _remove_others(self, step: int) -> None:
-        """Remove this job's copies of every step but ``step`` from this node-local
-        directory: older steps, and those no restart of this job may use any more — newer
-        steps (a history abandoned when an older step was loaded) and steps saved with
-        another world size. Copies of other jobs are never touched."""
+        """Remove this job's copies but those of ``step`` at this world size from this
+        node-local directory: older steps, and those no restart of this job may use any
+        more — newer steps (a history abandoned when an older step was loaded) and copies
+        saved with another world size. Copies of other jobs are never touched."""
         others: Dict[int, List[int]] = {}
         for m in scan(self.node_dir):
-            if m["job"] == self.job and m["step"] != step:
+            if m["job"] == self.job and (m["step"] != step or m["world"] != self.world):
                 others.setdefault(m["step"], []).append(m["owner"])
         for old, owners in sorted(others.items()):
             remove_copies(self.node_dir, old, owners)
