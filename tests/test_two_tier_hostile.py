@@ -203,13 +203,20 @@ def _damage(marker: Path, how: str) -> None:
         marker.write_text(json.dumps(HOSTILE[how](json.loads(marker.read_text()))))
 
 
+def _train_and_reference(rank: int, world: int, root: str, local: str, ref: str) -> None:
+    """Local steps 0..2, and step 2's state as a plain checkpoint ``ref`` (to compare with)."""
+    _train(rank, world, root, local, [0, 1, 2])
+    dc.save(_state(rank, world, 2), ref)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """Local step 2 (persistent step 0) at world 2 and 4."""
     runs = {}
     for world in (2, 4):
         base = tmp_path_factory.mktemp(f"world{world}")
-        get_pool(world).run(_train, str(base / "root"), str(base / "node{node}"), [0, 1, 2], timeout=TIMEOUT)
+        get_pool(world).run(_train_and_reference, str(base / "root"), str(base / "node{node}"), str(base / "ref"),
+                            timeout=TIMEOUT)
         runs[world] = base
     return runs
 
@@ -246,3 +253,69 @@ def test_a_hostile_marker_is_a_damaged_copy(saved, tmp_path, world, how):
     # no valid copy of the last rank's shards: the persistent tier, on every rank alike; then a local step
     # is saved, finalized and the directories cleaned up with the hostile markers in them
     assert pool.run(_restore_copy, root, local, True, timeout=TIMEOUT) == [("persistent", 0, [1])] * world
+
+
+# ------------------------------------------------ a local restore answers like a persistent load
+
+def _request(rank: int, world: int, variant: str) -> dict:
+    full = _state(rank, world, 0, fill=False)
+    sharded = {"model": {"w": full["model"]["w"]}, "rng": full["rng"]}  # what model.sharded_state_dict() gives
+    return {"sharded only": sharded,
+            "some sharded items": {"model": {"w": full["model"]["w"]}},
+            "other common values": full | {"step": 999, "new": "mine", "args": {"lr": 1.0}},
+            "non-persistent": sharded | {"mine": LocalNonpersistentObject({"rank": rank})}}[variant]
+
+
+def _assert_same(got, expected, path="") -> None:
+    assert type(got) is type(expected), (path, type(got), type(expected))
+    if isinstance(expected, dict):
+        assert got.keys() == expected.keys(), (path, sorted(got), sorted(expected))
+        for k in expected:
+            _assert_same(got[k], expected[k], f"{path}/{k}")
+    elif isinstance(expected, list):
+        assert len(got) == len(expected), path
+        for i, (g, e) in enumerate(zip(got, expected)):
+            _assert_same(g, e, f"{path}/{i}")
+    elif isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), path
+    else:
+        assert got == expected, path
+
+
+def _restore_like_load(rank: int, world: int, root: str, local: str, ref: str, variant: str) -> tuple:
+    with _manager(rank, world, root, local) as m:
+        got = m.load(_request(rank, world, variant))
+        restored_from = m.restored_from
+    _assert_same(got, dc.load(_request(rank, world, variant), ref))
+    return restored_from
+
+
+@WORLDS
+@pytest.mark.parametrize("variant", ["sharded only", "some sharded items", "other common values", "non-persistent"])
+def test_a_local_restore_returns_what_load_returns(saved, tmp_path, world, variant):
+    base, pool = saved[world], get_pool(world)
+    args = (str(base / "root"), str(base / "node{node}"), str(base / "ref"), variant)
+    assert pool.run(_restore_like_load, *args, timeout=TIMEOUT) == [("local", 2)] * world  # from own copies
+    for name in ("node0", "node1"):
+        shutil.copytree(base / name, tmp_path / name)
+    shutil.rmtree(tmp_path / "node1")  # node 1 replaced: its ranks receive their copies from node 0's replicas
+    args = (args[0], str(tmp_path / "node{node}"), *args[2:])
+    assert pool.run(_restore_like_load, *args, timeout=TIMEOUT) == [("local", 2)] * world
+
+
+def _persist_sharded_only(rank: int, world: int, root: str, local: str) -> tuple:
+    with _manager(rank, world, root, local) as m:
+        m.load(_request(rank, world, "sharded only"), persist_local=True)
+        m.wait_until_finished()
+        return m.restored_from, m.all_steps()
+
+
+@WORLDS
+def test_persist_local_of_a_sharded_only_request_keeps_the_common_state(tmp_path, world):
+    pool = get_pool(world)
+    root, local = _dirs(tmp_path, "root")
+    pool.run(_train, root, local, [1, 2], timeout=TIMEOUT)
+    assert pool.run(_persist_sharded_only, root, local, timeout=TIMEOUT) == [(("local", 2), [2])] * world
+    common = dc.load_common_state_dict(Path(root) / "iter_0000002")
+    assert common["step"] == 2 and common["args"] == {"lr": 0.1}
+    assert torch.equal(common["model"]["scale"], torch.tensor([0.5, 2.0]))
