@@ -123,7 +123,9 @@ def decode_header(data: bytes, where: str, length: int) -> Dict[str, Any]:
 
 def dtype_of(name: Any) -> Optional[torch.dtype]:
     """The torch dtype a layout entry names (``"torch.float32"``), or ``None``."""
-    found = getattr(torch, name.rsplit(".", 1)[-1], None) if isinstance(name, str) and name.startswith("torch.") else None
+    if not isinstance(name, str) or not name.startswith("torch."):
+        return None
+    found = getattr(torch, name[len("torch."):], None)
     return found if isinstance(found, torch.dtype) else None
 
 

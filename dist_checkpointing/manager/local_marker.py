@@ -82,16 +82,18 @@ def _problem(raw: Any, step: int, owner: int) -> Optional[str]:
     are those its file name and directory say."""
     if not isinstance(raw, dict):
         return f"not a JSON object but {type(raw).__name__}"
+    hex16 = {name: isinstance(raw.get(name), str) and bool(_HEX16_RE.match(raw[name]))
+             for name in ("checksum", "header_checksum")}
     checks = (
-        ("step", _is_int(raw.get("step"), 0, MAX_STEP) and raw.get("step") == step, f"the step {step} of its directory"),
+        ("step", _is_int(raw.get("step"), 0, MAX_STEP) and raw.get("step") == step,
+         f"the step {step} of its directory"),
         ("owner", _is_int(raw.get("owner"), 0, MAX_WORLD - 1) and raw.get("owner") == owner,
          f"the owner {owner} of its name"),
         ("world", _is_int(raw.get("world"), 1, MAX_WORLD), f"an integer in 1..{MAX_WORLD}"),
         ("length", _is_int(raw.get("length"), 0, MAX_STEP), "a non-negative integer"),
         ("algorithm", raw.get("algorithm") == "xxh3_64", "'xxh3_64'"),
-        ("checksum", isinstance(raw.get("checksum"), str) and bool(_HEX16_RE.match(raw["checksum"])), "16 hex digits"),
-        ("header_checksum", isinstance(raw.get("header_checksum"), str) and bool(_HEX16_RE.match(raw["header_checksum"])),
-         "16 hex digits"),
+        ("checksum", hex16["checksum"], "16 hex digits"),
+        ("header_checksum", hex16["header_checksum"], "16 hex digits"),
         ("header", isinstance(raw.get("header"), str), "a base64 string"),
         ("job", _is_job(raw.get("job")), "an object with a root and a 32-hex-digit run id"),
     )
