@@ -131,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(ROOT/iter_{step:07d} adds it to a CheckpointManager root)")
     p.add_argument("--step", type=int, metavar="N",
                    help="the step to convert (default: the newest step complete in the NODE_DIRs)")
+    p.add_argument("--root", metavar="ROOT", help="convert the copies of the job with this persistent root only "
+                   "(needed when the NODE_DIRs hold copies of the step from several jobs)")
     for name in ("inspect", "validate", "export", "import", "convert", "convert-local"):
         sub.choices[name].add_argument(
             "--storage-option", dest="storage_options", action="append", type=_storage_option, metavar="KEY=VALUE",
@@ -193,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "convert-local":
             from .manager import convert_local_checkpoint
 
-            done = convert_local_checkpoint(args.node_dirs, args.out, args.step, storage_options=options)
+            done = convert_local_checkpoint(args.node_dirs, args.out, args.step, storage_options=options,
+                                            root=args.root)
             print(f"{args.out}: step {done.step} of {done.world} ranks: {done.tensors} tensor chunks "
                   f"({human_size(done.nbytes)}) and {done.objects} objects written")
             return 0

@@ -170,14 +170,72 @@ def test_a_missing_rank_is_named(trained, tmp_path):
         convert_local_checkpoint(nodes, tmp_path / "out")
 
 
+def _set_job(node_dir: Path, job: dict) -> None:
+    """Make every marker in ``node_dir`` claim ``job``."""
+    for marker in node_dir.glob("local_*/rank_*.done"):
+        marker.write_text(json.dumps(json.loads(marker.read_text()) | {"job": job}))
+
+
+def _job(node_dir: Path) -> dict:
+    return json.loads(next(node_dir.glob("local_*/rank_*.done")).read_text())["job"]
+
+
+def test_copies_of_two_jobs_are_never_mixed(trained, tmp_path):
+    nodes = [str(trained[4] / "node0"), str(trained[2] / "node1")]  # step 3 of two jobs
+    for kwargs in ({"step": 3}, {}):
+        with pytest.raises(CheckpointingException, match=r"copies of step 3 belong to 2 jobs \(root .*world2.*root "
+                                                         r"\(run .*\) in .*node1; root .*world4.*root .*node0\).*--root"):
+            convert_local_checkpoint(nodes, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+    # naming the job: its copies only (node 0 of the world-4 run holds every rank's copy)
+    done = convert_local_checkpoint(nodes, tmp_path / "out", root=str(trained[4] / "root"))
+    assert (done.step, done.world, done.job) == (3, 4, _job(trained[4] / "node0"))
+    assert set(done.sources.values()) <= {os.path.join(nodes[0], "local_0000003", f"rank_{r:05d}.pt") for r in range(4)}
+    get_pool(2).run(_load_other_layout, str(tmp_path / "out"), 3, 4)
+    done = convert_local_checkpoint(nodes, tmp_path / "out2", root=str(trained[2] / "root"))
+    assert (done.step, done.world, done.job) == (3, 2, _job(trained[2] / "node1"))  # node 1 holds both its ranks
+    assert cli(["convert-local", *nodes, str(tmp_path / "out3"), "--root", str(trained[4] / "root") + "/"]) == 0
+
+
 def test_copies_of_different_world_sizes_are_refused(trained, tmp_path):
-    nodes = [str(trained[4] / "node0"), str(trained[2] / "node1")]
-    with pytest.raises(CheckpointingException, match=r"saved by different world sizes \(by 2 ranks in .*world2.*node1; "
+    shutil.copytree(trained[2] / "node1", tmp_path / "node1")
+    _set_job(tmp_path / "node1", _job(trained[4] / "node0"))  # one job, restarted with another world size
+    nodes = [str(trained[4] / "node0"), str(tmp_path / "node1")]
+    with pytest.raises(CheckpointingException, match=r"saved by different world sizes \(by 2 ranks in .*node1; "
                                                      r"by 4 ranks in .*world4.*node0\)"):
         convert_local_checkpoint(nodes, tmp_path / "out", step=3)
     with pytest.raises(CheckpointingException, match=r"copies of step 3 were saved by different world sizes"):
         convert_local_checkpoint(nodes, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+_HOSTILE = {"empty": lambda doc: {}, "string step": lambda doc: doc | {"step": "3"},
+            "step 2**70": lambda doc: doc | {"step": 2**70}, "world 2**70": lambda doc: doc | {"world": 2**70},
+            "negative length": lambda doc: doc | {"length": -1}, "list owner": lambda doc: doc | {"owner": [1]}}
+
+
+@pytest.mark.parametrize("how", sorted(_HOSTILE))
+def test_hostile_markers_are_damaged_copies_in_conversion(trained, tmp_path, how):
+    nodes = _nodes(tmp_path, trained)
+    own = Path(nodes[0]) / "local_0000003" / "rank_00001.done"
+    own.write_text(json.dumps(_HOSTILE[how](json.loads(own.read_text()))))
+    done = convert_local_checkpoint(nodes, tmp_path / "out")  # rank 1's replica on node 1 is used
+    assert done.sources[1] == os.path.join(nodes[1], "local_0000003", "rank_00001.pt")
+    replica = Path(nodes[1]) / "local_0000003" / "rank_00001.done"
+    replica.write_text(json.dumps(_HOSTILE[how](json.loads(replica.read_text()))))
+    with pytest.raises(CheckpointingException, match=r"no copy of rank 1's shards of step 3|no step is complete"):
+        convert_local_checkpoint(nodes, tmp_path / "out2", step=3)
+
+
+def test_a_valid_marker_claiming_a_huge_world_allocates_nothing(trained, tmp_path):
+    nodes = _nodes(tmp_path, trained)
+    for node in nodes:  # every copy of step 3 claims 2**24 ranks: valid markers, an incomplete step
+        for marker in Path(node).glob("local_0000003/*.done"):
+            marker.write_text(json.dumps(json.loads(marker.read_text()) | {"world": 2**24}))
+    with pytest.raises(CheckpointingException, match=r"ranks missing: \[4, 5, 6, 7, 8\] \.\.\. 16777212 in all"):
+        convert_local_checkpoint(nodes, tmp_path / "out", step=3)
+    with pytest.raises(CheckpointingException, match="no step is complete"):
+        convert_local_checkpoint(nodes, tmp_path / "out")
 
 
 def test_a_step_not_present_and_bad_outputs_or_dirs_are_refused(trained, tmp_path):
@@ -248,7 +306,6 @@ def _restore_expecting_error(rank: int, world: int, root: str, local: str) -> No
 
 def test_plain_pickle_headers_are_refused_unread(trained, tmp_path):
     nodes = _nodes(tmp_path, trained)
-    shutil.copytree(trained[4] / "root", tmp_path / "root")
     flag = tmp_path / "code_ran"
     for node in nodes:
         _as_plain_pickle_markers(Path(node), flag)
@@ -256,17 +313,16 @@ def test_plain_pickle_headers_are_refused_unread(trained, tmp_path):
                                                      r"not one this version writes"):
         convert_local_checkpoint(nodes, tmp_path / "out")
     # restore: every copy refused as a damaged one would be; no persistent step to fall back to
-    errors = get_pool(4).run_expect_error(_restore_expecting_error, str(tmp_path / "root"),
+    errors = get_pool(4).run_expect_error(_restore_expecting_error, str(trained[4] / "root"),  # (its job's root)
                                           str(tmp_path / "node{node}"))
     assert_all_raise(errors, 4, "no complete checkpoint")
     assert not flag.exists()
 
 
-def test_persist_local_saves_the_restored_step_persistently(trained, tmp_path):
-    for node in (0, 1):
-        shutil.copytree(trained[4] / f"node{node}", tmp_path / f"node{node}")
-    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 restore from node 0's replicas
+def test_persist_local_saves_the_restored_step_persistently(tmp_path):
     root = tmp_path / "root"
+    get_pool(4).run(_train, str(root), str(tmp_path / "node{node}"), NODES[4], [1, 2, 3])
+    shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 restore from node 0's replicas
     assert get_pool(4).run(_restore, str(root), str(tmp_path / "node{node}"), True) == [("local", 3, [3], [3, 4])] * 4
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     get_pool(2).run(_load_other_layout, str(root / "iter_0000003"), 3, 4)

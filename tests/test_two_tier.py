@@ -152,18 +152,52 @@ def test_unwritable_local_dir_is_a_clear_error_and_persistent_tier_works(tmp_pat
     assert_all_raise(errors, 4, "Local tier", "must be a node-local path", "s3://bucket/node")
 
 
-def _restore_world2(rank: int, world: int, root: str, local: str) -> None:
-    with _manager(rank, root, local, [0, 1]) as m:
-        m.load(_state(rank, world, 0, fill=False))
+def _resharded(rank: int, world: int, step: int, fill: bool = True) -> dict:
+    """A state whose global shapes do not depend on the world size: ``w`` (8, 12) by rows."""
+    rows = 8 // world
+    full = torch.randn(8, 12, generator=torch.Generator().manual_seed(step))
+    return {"w": ShardedTensor.from_rank_offsets("w", full[rank * rows:(rank + 1) * rows].clone() if fill
+                                                 else torch.zeros(rows, 12), (0, rank, world)),
+            "step": step}
 
 
-def test_world_size_mismatch_names_the_persistent_step(tmp_path):
+def _run_resharded(rank: int, world: int, root: str, local: str, steps: list, interval: int) -> tuple:
+    """Restart: load (the newest step this run can restore), check it, then save ``steps``."""
+    nodes = [r * 2 // world for r in range(world)]  # two nodes
+    with CheckpointManager(root, save_interval_steps=interval, local_dir=local, local_interval=1,
+                           replication_factor=2, node_of_rank=nodes) as m:
+        restored = None
+        if m.latest_step() is not None:
+            loaded = m.load(_resharded(rank, world, 0, fill=False))
+            restored = m.restored_from
+            assert torch.equal(loaded["w"], _resharded(rank, world, restored[1])["w"].data), restored
+            assert loaded["step"] == restored[1]
+        for step in steps:
+            m.save(step, _resharded(rank, world, step))
+        m.wait_until_finished()
+        return restored
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4)])
+def test_after_a_world_size_change_restarts_restore_the_newest_step_they_can(tmp_path, before, after):
     root, local = _dirs(tmp_path)
-    get_pool(4).run(_train, root, local, NODES2, [0, 1])
-    errors = get_pool(2).run_expect_error(_restore_world2, root, local)
-    assert_all_raise(errors, 2, "saved by 4 ranks, this run has 2", "persistent step 0")
-    for e in errors:
-        assert isinstance(e, CheckpointingException)
+    # local steps 1..6 at the old world size, persistent 4
+    assert get_pool(before).run(_run_resharded, root, local, [1, 2, 3, 4, 5, 6], 4) == [None] * before
+    keep = tmp_path / "old_step_6"
+    for node in (0, 1):
+        shutil.copytree(tmp_path / f"node{node}" / "local_0000006", keep / f"node{node}")
+    # restart at the new size: local step 6 is skipped (another world size), persistent 4 loaded; train on
+    assert get_pool(after).run(_run_resharded, root, local, [5], 100) == [("persistent", 4)] * after
+    for node in (0, 1):  # once step 5 counted, the old world's copies were removed
+        assert sorted(p.name for p in (tmp_path / f"node{node}").iterdir()) == ["local_0000005"]
+    # every later restart restores this run's newest step, even with the stale copies put back
+    assert get_pool(after).run(_run_resharded, root, local, [], 100) == [("local", 5)] * after
+    for node in (0, 1):
+        shutil.copytree(keep / f"node{node}", tmp_path / f"node{node}" / "local_0000006")
+    assert get_pool(after).run(_run_resharded, root, local, [6], 100) == [("local", 5)] * after
+    assert get_pool(after).run(_run_resharded, root, local, [], 100) == [("local", 6)] * after
+    markers = sorted(p.name for node in (0, 1) for p in (tmp_path / f"node{node}" / "local_0000006").glob("*.done"))
+    assert markers == sorted(f"rank_{r:05d}.done" for r in range(after) for _ in (0, 1))  # own copy + replica
 
 
 def _restore_other_shape(rank: int, world: int, root: str, local: str, ranks: list) -> None:
@@ -182,7 +216,7 @@ def test_a_state_of_another_layout_is_an_error_not_a_damaged_copy(tmp_path):
     assert_all_raise(errors, 4, "'w@0,0' was saved as (64, 33) torch.float32, the state to load into has (64, 34)")
     shutil.rmtree(tmp_path / "node1")  # ranks 2 and 3 receive from partners: the transport refuses the shape
     errors = pool.run_expect_error(_restore_other_shape, root, local, [2, 3])
-    assert_all_raise(errors, 4, "restoring step 1 failed", "rank 2", "(64, 34)", "refused")
+    assert_all_raise(errors, 4, "restoring step 1 failed", "rank 2", "was saved as (64, 33) torch.float32", "(64, 34)")
 
 
 def _train_while_node0_dir_breaks(rank: int, world: int, root: str, local: str) -> tuple:

@@ -1,7 +1,11 @@
 """Converting a local-tier checkpoint (:mod:`.local_tier`) into a normal one, offline: one
 process, no process group (``dist-ckpt convert-local``).
 
-Every rank's copy of the step is looked for in the given node-local directories, in their
+Only the copies of one job (:mod:`.local_marker`) are ever combined: the node directories
+may hold copies of several jobs, and a step held by more than one is refused unless the
+job is named by its persistent root. Every marker is validated before use (an invalid one
+is a damaged copy); nothing is allocated from a marker's numbers. Every rank's copy of
+the step is looked for in the given node-local directories, in their
 order; the first copy whose checksums hold is used (own copy or replica alike), mapped
 from its file rather than read into memory (:func:`.local_tier.map_copy`). Each copy's
 header describes its rank's sharded state dict (:mod:`.local_format`); their main
@@ -18,8 +22,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import torch
-
 from .. import serialization
 from ..collectives import get_world_size
 from ..core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
@@ -30,6 +32,7 @@ from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
 from .local_format import rebuild
 from .local_files import local_step_dir, map_copy, payload_name, scan
+from .local_marker import describe_job, normalise_root
 from .local_snapshot import flat_checksum, tensor_views
 
 logger = logging.getLogger(__name__)
@@ -50,21 +53,24 @@ class LocalConversion:
     objects: int  # ShardedObjects written (main replicas)
     nbytes: int  # tensor bytes written
     sources: Dict[int, str] = field(default_factory=dict)  # rank -> the file its shards were read from
+    job: Dict[str, str] = field(default_factory=dict)  # the job that saved it: {"root": ..., "run": ...}
 
 
 def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]], output: Location,
                              step: Optional[int] = None,
-                             storage_options: StorageOptions = None) -> LocalConversion:
+                             storage_options: StorageOptions = None, root: Optional[str] = None) -> LocalConversion:
     """Write ``step`` of a local-tier checkpoint (default: the newest step complete in
     ``node_dirs``) as a normal ``torch_dist`` checkpoint into ``output``, which must be
     empty or missing (a directory or a URL; ``storage_options`` configure its client).
 
     ``node_dirs``: the node-local directories (local paths) holding the ranks' copies; each
-    rank's shards are read from its first intact copy in this order. Runs in one process
-    without a process group. Raises :class:`CheckpointingException` naming the directory,
-    file or rank at fault: a step not found, ranks with no copy, copies saved by different
-    world sizes, a rank whose copies are all damaged or unreadable (a header of an earlier
-    version's encoding included), an output that is not empty.
+    rank's shards are read from its first intact copy in this order. ``root``: convert the
+    copies of the job with this persistent root only (needed when copies of the step
+    belong to several jobs). Runs in one process without a process group. Raises
+    :class:`CheckpointingException` naming the directory, file or rank at fault: a step
+    not found, ranks with no copy, copies of several jobs, copies saved by different world
+    sizes, a rank whose copies are all damaged or unreadable (an invalid marker, a header
+    of an earlier version's encoding included), an output that is not empty.
     """
     if get_world_size() > 1:
         raise CheckpointingException("convert_local_checkpoint runs in one process, not collectively: call it "
@@ -80,9 +86,14 @@ def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]]
         raise CheckpointingException(f"Cannot convert a local-tier checkpoint to {out.describe()}: it is not empty")
     with malformed(f"Converting the local-tier checkpoint in {', '.join(dirs)}"):
         found = [(d, m) for d in dirs for m in scan(d)]
+        if root is not None:
+            wanted = normalise_root(root)
+            found = [(d, m) for d, m in found if m["job"]["root"] == wanted]
         step = _pick_step(found, step, dirs)
-        copies = _copies_of(found, step, dirs)
+        job = _job_of([(d, m) for d, m in found if m["step"] == step], step, dirs)
+        copies = _copies_of([(d, m) for d, m in found if m["job"] == job], step, dirs)
         state, result = _combined(step, copies)
+        result.job = job
         serialization.save(state, checkpoint_location(output, storage_options),
                            content_metadata={CONTENT_KEY: {"step": step, "metrics": None}})
     logger.info("Local tier: step %d of %d ranks written to %s", step, result.world, out.describe())
@@ -109,39 +120,66 @@ def _pick_step(found: List[Copy], step: Optional[int], dirs: List[str]) -> int:
             raise CheckpointingException(f"Local tier: step {step} is not in {', '.join(dirs)} (steps found: {steps})")
         return step
     for candidate in reversed(steps):
-        copies = [(d, m) for d, m in found if m["step"] == candidate]
-        if set(range(_world_of(copies, candidate))) <= {m["owner"] for _, m in copies}:
-            return candidate
+        for job in _jobs([(d, m) for d, m in found if m["step"] == candidate]).values():
+            if len({m["owner"] for _, m in job}) == _world_of(job, candidate):  # (every owner < its world)
+                return candidate
     raise CheckpointingException(f"Local tier: no step is complete in {', '.join(dirs)} (steps found: {steps}; "
                                  "pass the step to convert to see what it lacks)")
 
 
+def _jobs(copies: List[Copy]) -> Dict[Tuple[str, str], List[Copy]]:
+    """``copies`` by the job that wrote them."""
+    out: Dict[Tuple[str, str], List[Copy]] = {}
+    for d, m in copies:
+        out.setdefault((m["job"]["root"], m["job"]["run"]), []).append((d, m))
+    return out
+
+
+def _job_of(copies: List[Copy], step: int, dirs: List[str]) -> Dict[str, str]:
+    """The one job whose ``copies`` of ``step`` these are; an error naming them if several."""
+    jobs = _jobs(copies)
+    if len(jobs) > 1:
+        named = "; ".join(f"{describe_job({'root': root, 'run': run})} in "
+                          f"{', '.join(sorted({d for d, _ in held}))}" for (root, run), held in sorted(jobs.items()))
+        raise CheckpointingException(f"Local tier: the copies of step {step} belong to {len(jobs)} jobs ({named}): "
+                                     "they are not one checkpoint; name the job by its persistent root "
+                                     "(root=, dist-ckpt convert-local --root)")
+    root, run = next(iter(jobs))
+    return {"root": root, "run": run}
+
+
 def _copies_of(found: List[Copy], step: int, dirs: List[str]) -> Dict[int, List[Copy]]:
-    """Each rank's copies of ``step``, in the order of the node directories."""
+    """Each rank's copies of ``step`` (of one job), in the order of the node directories."""
     mine = [(d, m) for d, m in found if m["step"] == step]
-    copies: Dict[int, List[Copy]] = {r: [] for r in range(_world_of(mine, step))}
+    world = _world_of(mine, step)
+    copies: Dict[int, List[Copy]] = {}
     for d, m in mine:
-        if m["owner"] in copies:
-            copies[m["owner"]].append((d, m))
-    missing = [r for r, held in copies.items() if not held]
-    if missing:
+        copies.setdefault(m["owner"], []).append((d, m))
+    if len(copies) < world:  # the first missing ranks, found without counting up to the world size
+        missing = [r for r in range(min(world, len(copies) + 5)) if r not in copies][:5]
+        more = "" if world - len(copies) <= len(missing) else f" ... {world - len(copies)} in all"
         raise CheckpointingException(f"Local tier: no copy of rank {missing[0]}'s shards of step {step} "
-                                     f"(ranks missing: {missing}) in {', '.join(dirs)}")
-    return copies
+                                     f"(ranks missing: {missing}{more}) in {', '.join(dirs)}")
+    return dict(sorted(copies.items()))
 
 
-def _open_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[Dict[str, Any], torch.Tensor, str]:
-    """The header and the flat buffer (a private map of its file) of the copy a marker
-    describes, its checksums verified; with the file's path."""
+def _open_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[ShardedStateDict, str]:
+    """The sharded state dict of the copy a marker describes (rebuilt from its header, its
+    tensors views of a private map of its file), its checksums verified; with the file's
+    path."""
     path = os.path.join(node_dir, local_step_dir(marker["step"]), payload_name(marker["owner"]))
     flat, _, header = map_copy(node_dir, marker)
     if f"{flat_checksum(flat, header['layout']):016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {path} fails its checksum")
-    return header, flat, path
+    with malformed(f"Local tier: the header of {path}"):  # a header of the wrong shape: a damaged copy
+        state = rebuild(header, tensor_views(flat, header["layout"]))
+        if not isinstance(state, dict):
+            raise CheckpointingException(f"Local tier: the header of {path} does not describe a state dict")
+    return state, path
 
 
-def _first_intact(owner: int, step: int, copies: List[Copy]) -> Tuple[Dict[str, Any], torch.Tensor, str]:
-    """The first copy of ``owner``'s shards whose checksums hold."""
+def _first_intact(owner: int, step: int, copies: List[Copy]) -> Tuple[ShardedStateDict, str]:
+    """The state of the first copy of ``owner``'s shards whose checksums hold."""
     problems = []
     for node_dir, marker in copies:
         try:
@@ -160,8 +198,7 @@ def _combined(step: int, copies: Dict[int, List[Copy]]) -> Tuple[ShardedStateDic
     state: ShardedStateDict = {}
     others: List[Any] = []
     for owner in range(len(copies)):
-        header, flat, result.sources[owner] = _first_intact(owner, step, copies[owner])
-        rank_state = rebuild(header, tensor_views(flat, header["layout"]))
+        rank_state, result.sources[owner] = _first_intact(owner, step, copies[owner])
         mains = [leaf for leaf in nested_values(rank_state)
                  if isinstance(leaf, (ShardedTensor, ShardedObject)) and is_main_replica(leaf.replica_id)]
         for leaf in mains:

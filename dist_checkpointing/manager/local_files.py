@@ -1,7 +1,8 @@
 """The local tier's files (:mod:`.local_tier`) in a node-local directory: per step
 ``local_{step:07d}/``, per owner rank the raw flat buffer ``rank_{owner:05d}.pt`` and then
 its marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64 of
-both), written atomically without ``fsync``; reading them back (verified), listing, removing."""
+both, the job that wrote it: :mod:`.local_marker`), written atomically without ``fsync``;
+reading them back (verified), listing (every marker validated), removing."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import json
 import logging
 import os
 import re
+import stat
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,8 +22,9 @@ from ..integrity import checksum, new_hasher
 from ..mapping import ShardedStateDict
 from ..storage import PosixStorage, RangeReader, Storage, storage_for
 from ..storage.base import byte_view
-from .local_format import decode_header
-from .local_snapshot import check_ids, leaf_targets, loaded_result, target_tensor
+from .local_format import decode_header, dtype_of
+from .local_marker import MAX_MARKER_BYTES, Job, parse_marker
+from .local_snapshot import check_ids, loaded_result, sharded_targets, target_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +53,13 @@ def _step_storage(node_dir: str, step: int) -> Storage:
 
 
 def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Tensor, header: bytes,
-               flat_sum: int) -> None:
+               flat_sum: int, job: Job) -> None:
     """Write ``owner``'s flat buffer of ``step`` and then its marker (the header, the
-    checksums), atomically."""
+    checksums, ``job``), atomically."""
     storage = _step_storage(node_dir, step)
     marker = {"step": step, "owner": owner, "world": world, "length": flat.numel(), "algorithm": "xxh3_64",
               "checksum": f"{flat_sum:016x}", "header": base64.b64encode(header).decode(),
-              "header_checksum": f"{checksum(header):016x}"}
+              "header_checksum": f"{checksum(header):016x}", "job": job}
     try:
         storage.make_root()
         storage.write_atomic(payload_name(owner), byte_view(flat.numpy()))
@@ -69,11 +72,14 @@ def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Ten
 def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
     """The encoded header a marker holds, and its content (checksum verified, decoded
     safely: :func:`.local_format.decode_header`)."""
-    header = base64.b64decode(marker["header"])
     where = f"rank {marker['owner']}'s copy of step {marker['step']} in {node_dir}"
+    try:
+        header = base64.b64decode(marker["header"], validate=True)
+    except ValueError as e:
+        raise CheckpointingException(f"Local tier: the marker of {where} holds no base64 header: {e}") from e
     if f"{checksum(header):016x}" != marker["header_checksum"]:
         raise CheckpointingException(f"Local tier: the marker of {where} fails its checksum")
-    return header, decode_header(header, where)
+    return header, decode_header(header, where, marker["length"])
 
 
 def _read_all(reader: Any, buf: memoryview, offset: int, where: str) -> None:
@@ -95,6 +101,8 @@ def _payload(node_dir: str, marker: Dict[str, Any]) -> Iterator[Tuple[RangeReade
     where = storage.describe(name)
     header, content = read_header(node_dir, marker)
     try:
+        if not stat.S_ISREG(os.lstat(os.path.join(node_dir, local_step_dir(marker["step"]), name)).st_mode):
+            raise CheckpointingException(f"Local tier: {where} is not a regular file")
         reader = storage.open_reader(name)
     except OSError as e:
         raise CheckpointingException(f"Local tier: cannot read {where}: {e}") from e
@@ -125,48 +133,90 @@ def map_copy(node_dir: str, marker: Dict[str, Any]) -> Tuple[torch.Tensor, bytes
 
 def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: ShardedStateDict,
               rank: int) -> Tuple[Any, bytes]:
-    """Read the copy a marker describes into the tensors of ``sharded_state_dict``,
-    verifying its checksum; returns its loaded form and the pickled header.
-    :class:`CheckpointingException` if it is missing, short or damaged."""
+    """Read the copy a marker describes, verifying its checksum: the requested
+    ShardedTensors into their own tensors, the saved plain tensors (common state) into new
+    ones, the other tensors only hashed. Returns what ``dist_checkpointing.load`` returns
+    for the request (:func:`.local_snapshot.loaded_result`) and the pickled header.
+    :class:`CheckpointingException` if the copy is missing, short or damaged."""
     hasher = new_hasher()
     with _payload(node_dir, marker) as (reader, where, header, content):
-        targets = leaf_targets(sharded_state_dict)
+        targets = sharded_targets(sharded_state_dict)
         check_ids(targets, content, rank)
+        common: Dict[str, torch.Tensor] = {}
+        scratch = torch.empty(0, dtype=torch.uint8)
         for entry in content["layout"]:
-            if entry[0] not in targets:
+            ident, offset, nbytes = entry[0], entry[1], entry[2]
+            if ident not in targets and not ident.startswith("c:"):  # not requested: only hashed
+                scratch = scratch if scratch.numel() else torch.empty(min(nbytes, _SCRATCH), dtype=torch.uint8)
+                for start in range(0, nbytes, _SCRATCH):
+                    view = byte_view(scratch[:min(_SCRATCH, nbytes - start)].numpy())
+                    _read_all(reader, view, offset + start, where)
+                    hasher.update(view)
                 continue
-            tensor = target_tensor(targets[entry[0]], entry, rank)
+            tensor = target_tensor(targets[ident], entry, rank) if ident in targets else torch.empty(
+                tuple(entry[4]), dtype=dtype_of(entry[3]))
             dest = tensor if tensor.is_contiguous() and tensor.device.type == "cpu" else torch.empty_like(
                 tensor, device="cpu", memory_format=torch.contiguous_format)
-            view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if entry[2] else memoryview(b"")
-            _read_all(reader, view, entry[1], where)
+            view = byte_view(dest.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+            _read_all(reader, view, offset, where)
             hasher.update(view)
             if dest is not tensor:
                 tensor.copy_(dest)
-        out = loaded_result(sharded_state_dict, content["values"], rank)
+            if ident not in targets:
+                common[ident] = tensor
     if f"{hasher.intdigest():016x}" != marker["checksum"]:
         raise CheckpointingException(f"Local tier: {where} fails its checksum")
-    return out, header
+    return loaded_result(sharded_state_dict, content, common, rank), header
 
 
-def scan(node_dir: str) -> List[Dict[str, Any]]:
-    """The markers found in a node-local directory (unreadable ones are skipped)."""
+_SCRATCH = 16 << 20  # bytes read at a time of a tensor that is only hashed
+
+
+def _read_marker(path: str) -> bytes:
+    """A marker's bytes: a regular file (never a link, a FIFO or a device) of at most
+    :data:`.local_marker.MAX_MARKER_BYTES`."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointingException(f"Local tier: the marker {path} is not a regular file")
+        if st.st_size > MAX_MARKER_BYTES:
+            raise CheckpointingException(f"Local tier: the marker {path} has {st.st_size} bytes "
+                                         f"(more than {MAX_MARKER_BYTES})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_MARKER_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def scan(node_dir: str, damaged: Optional[List[Tuple[int, int]]] = None) -> List[Dict[str, Any]]:
+    """The valid markers found in a node-local directory. A marker that cannot be read or
+    is not valid (:func:`.local_marker.parse_marker`) is a damaged copy: skipped (logged),
+    its ``(step, owner)`` appended to ``damaged`` when given."""
     found: List[Dict[str, Any]] = []
     root = storage_for(node_dir)
     if root.kind() != "dir":
         return found
     for name in root.list():
-        if not _STEP_DIR_RE.match(name.rstrip("/")):
+        match = _STEP_DIR_RE.match(name.rstrip("/"))
+        if not match:
             continue
+        step = int(match.group(1))
         step_storage = storage_for(os.path.join(node_dir, name.rstrip("/")))
         for file in step_storage.list():
-            if _MARKER_RE.match(file):
-                try:
-                    found.append(json.loads(step_storage.read_bytes(file)))
-                except FileNotFoundError:  # deleted since the listing (an older step's cleanup)
-                    continue
-                except (OSError, ValueError) as e:
-                    logger.warning("Local tier: skipping %s: %s", step_storage.describe(file), e)
+            file_match = _MARKER_RE.match(file)
+            if not file_match:
+                continue
+            owner = int(file_match.group(1))
+            try:
+                found.append(parse_marker(_read_marker(os.path.join(node_dir, name.rstrip("/"), file)), step, owner,
+                                          step_storage.describe(file)))
+            except FileNotFoundError:  # deleted since the listing (an older step's cleanup)
+                continue
+            except (OSError, CheckpointingException) as e:
+                logger.warning("Local tier: skipping %s (a damaged copy): %s", step_storage.describe(file), e)
+                if damaged is not None:
+                    damaged.append((step, owner))
     return found
 
 

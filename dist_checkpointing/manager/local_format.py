@@ -20,15 +20,17 @@ it and read back with the safe loader of ``common.pt``: :func:`decode_header`) h
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from dataclasses import fields
 from operator import attrgetter
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..core import CheckpointingException
-from ..mapping import ShardedObject, ShardedStateDict
+from ..dict_utils import extract_matching_values
+from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..strategies.safe_pickle import safe_torch_load
 
@@ -47,11 +49,14 @@ def walk(x: Any, path: str, visit: Callable[[str, Any], Any]) -> Any:
 
 
 def leaf_id(path: str, leaf: Any) -> str:
-    """The id of the leaf ``leaf`` found at ``path``."""
+    """The id of the leaf ``leaf`` found at ``path`` (``n:``: a LocalNonpersistentObject,
+    never saved)."""
     if isinstance(leaf, ShardedTensor):
         return f"t:{leaf.key}@{','.join(map(str, leaf.global_offset))}"
     if isinstance(leaf, ShardedObject):
         return f"o:{leaf.unique_key}"
+    if isinstance(leaf, LocalNonpersistentObject):
+        return f"n:{path}"
     return f"c:{path}"
 
 
@@ -92,12 +97,13 @@ def encode_header(sharded_state_dict: ShardedStateDict, layout: List[Entry], val
                          "structure": structure, "fields": _FIELDS, "sharded": sharded})
 
 
-def decode_header(data: bytes, where: str) -> Dict[str, Any]:
-    """The header ``data`` (:func:`encode_header`) of the copy described at ``where``: its
+def decode_header(data: bytes, where: str, length: int) -> Dict[str, Any]:
+    """The header ``data`` (:func:`encode_header`) of the copy described at ``where``,
+    whose flat buffer has ``length`` bytes: its
     plain parts with an unpickler that calls nothing, its values with the safe loader of
-    ``common.pt`` (its allow-list). :class:`CheckpointingException` for anything else —
-    a header of an earlier version (values pickled inline), damaged or hostile data —
-    without running any of it."""
+    ``common.pt`` (its allow-list); its layout checked (:func:`_layout_problem`).
+    :class:`CheckpointingException` for anything else — a header of an earlier version
+    (values pickled inline), damaged or hostile data — without running any of it."""
     try:
         header = _PlainUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # noqa: BLE001 - any malformed or refused pickle
@@ -106,17 +112,52 @@ def decode_header(data: bytes, where: str) -> Dict[str, Any]:
     if not isinstance(header, dict) or not isinstance(header.get("layout"), list) or not isinstance(
             header.get("values"), bytes):
         raise CheckpointingException(f"Local tier: the header of {where} is not one this version writes")
+    problem = _layout_problem(header["layout"], length)
+    if problem is not None:
+        raise CheckpointingException(f"Local tier: the header of {where} is malformed: {problem}")
     header["values"] = safe_torch_load(header["values"], f"the values in the header of {where}")
-    if not isinstance(header["values"], dict):
+    if not isinstance(header["values"], dict) or not all(isinstance(k, str) for k in header["values"]):
         raise CheckpointingException(f"Local tier: the header of {where} is malformed")
     return header
 
 
+def dtype_of(name: Any) -> Optional[torch.dtype]:
+    """The torch dtype a layout entry names (``"torch.float32"``), or ``None``."""
+    if not isinstance(name, str) or not name.startswith("torch."):
+        return None
+    found = getattr(torch, name[len("torch."):], None)
+    return found if isinstance(found, torch.dtype) else None
+
+
+def _layout_problem(layout: List[Any], length: int) -> Optional[str]:
+    """What is wrong with a layout for a flat buffer of ``length`` bytes (``None``: each
+    entry an ``(id, offset, nbytes, dtype, shape)`` of the right types, its bytes those
+    of its shape and dtype, inside the buffer, ids unique)."""
+    seen = set()
+    for n, entry in enumerate(layout):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 5:
+            return f"layout entry {n} is not an (id, offset, bytes, dtype, shape) tuple"
+        ident, offset, nbytes, dtype, shape = entry
+        ints = (offset, nbytes, *shape) if isinstance(shape, (tuple, list)) else None
+        if not isinstance(ident, str) or ident[:2] not in ("t:", "c:") or ident in seen:
+            return f"layout entry {n} has a bad or repeated id"
+        if ints is None or not all(type(v) is int and v >= 0 for v in ints):
+            return f"layout entry {n} ({ident[2:]!r}) has a bad offset, size or shape"
+        kind = dtype_of(dtype)
+        if kind is None or math.prod(shape) * kind.itemsize != nbytes or offset + nbytes > length:
+            return f"layout entry {n} ({ident[2:]!r}) does not describe {nbytes} bytes of its buffer of {length}"
+        seen.add(ident)
+    return None
+
+
 def rebuild(header: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ShardedStateDict:
     """The sharded state dict a header describes, nested as it
-    was saved, with ``tensors`` (by id: views of the flat buffer) as its tensors' data."""
+    was saved (but its LocalNonpersistentObjects), with ``tensors`` (by id: views of the
+    flat buffer) as its tensors' data."""
 
     def visit(path: str, ident: str) -> Any:
+        if ident.startswith("n:"):
+            return _NOT_SAVED
         if ident.startswith("t:"):
             return ShardedTensor(data=tensors[ident], **dict(zip(header["fields"]["t"], header["sharded"][ident])))
         if ident.startswith("o:"):
@@ -124,4 +165,7 @@ def rebuild(header: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> Sharded
                                  **dict(zip(header["fields"]["o"], header["sharded"][ident])))
         return tensors[ident] if ident in tensors else header["values"][ident]
 
-    return walk(header["structure"], "", visit)
+    return extract_matching_values(walk(header["structure"], "", visit), lambda leaf: leaf is not _NOT_SAVED)[0]
+
+
+_NOT_SAVED = object()  # a LocalNonpersistentObject's place in a header's structure

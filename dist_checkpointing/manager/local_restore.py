@@ -2,23 +2,30 @@
 collectives of fixed size (a few integers, or one integer per rank — never a rank's list of
 markers):
 
-1. Every rank lists the markers in its node-local directory. One ``all_reduce`` (max) of
-   three integers finds a listing error on any rank, a step newer than the newest
-   persistent checkpoint saved with another world size (an error naming the persistent
-   step to load instead), and the newest step anyone holds (after a step is given up, one
-   more finds the next older candidate).
+1. Every rank lists the valid markers in its node-local directory (a marker of the wrong
+   shape is a damaged copy: skipped). Only this job's copies saved with this world size
+   are candidates. One ``all_reduce`` (max) of four integers finds a listing error on any
+   rank, another job's copies (refused on every rank unless ``takeover``), the newest step
+   of this job saved with another world size (skipped, with a warning) and the newest
+   candidate step anyone holds (after a step is given up, one more finds the next older
+   candidate).
 2. For that step, one ``all_reduce`` (min) over one integer per rank picks, for each
    rank's copy, the holder to read it from: its own copy if it has one (read straight into
    its tensors), else a partner's replica, else any other holder (e.g. the partner's
    node-mates). If some rank's copy is held nowhere, the next older step is tried.
 3. In rounds: holders map the replicas they serve from their files (one ``all_reduce`` of
    one flag per rank says whether some copy cannot be opened: then the choice is made
-   again without it), send them over the local tier's group (unverified) straight into
-   the owners' tensors (the transport's in-place receive); then owners holding their own
-   copy read it into their tensors. Each owner verifies its checksum. One ``all_reduce`` of
-   one flag per rank says whose copy failed: its holder drops it and the choice is made again for those owners only; if some
-   rank's copy is nowhere valid, every rank gets ``None``: the caller falls back to the
-   persistent tier.
+   again without it), send each one's header, then its tensors over the local tier's
+   group (unverified): the tensors the owner requests straight into its own (the
+   transport's in-place receive), the others (common values, sharded items it does not
+   request) into new ones; then owners holding their own copy read it into their tensors.
+   Each owner verifies its checksum. One ``all_reduce`` of one flag per rank says whose
+   copy failed: its holder drops it and the choice is made again for those owners only;
+   if some rank's copy is nowhere valid, every rank gets ``None``: the caller falls back
+   to the persistent tier.
+
+The state returned is what ``dist_checkpointing.load`` returns for the request: its
+sharded items loaded and the saved common state merged in.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ import torch.distributed as dist
 
 from ..collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
 from ..core import CheckpointingException
-from ..mapping import ShardedObject, ShardedStateDict
+from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..transport import PGTransport
 from .local_files import map_copy, read_copy, scan
-from .local_snapshot import LayoutMismatch, fill_received, receiving_state, wire_state
+from .local_format import decode_header
+from .local_snapshot import LayoutMismatch, fill_received, receiving_state, restore_header, wire_state
 from .local_tier import LocalTier, exchange, partners
 
 logger = logging.getLogger(__name__)
@@ -49,22 +57,6 @@ def _reduce(values: List[int], op: "dist.ReduceOp", tier: LocalTier) -> List[int
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=op, group=tier.group)
     return t.tolist()
-
-
-def _world_mismatch(markers: List[Dict[str, Any]], tier: LocalTier, newer_than: int) -> int:
-    """The newest step newer than ``newer_than`` this rank holds saved with another world
-    size, packed with that world size in one integer (-1: none)."""
-    return max((m["step"] << 24 | min(m["world"], (1 << 24) - 1) for m in markers
-                if m["step"] > newer_than and m["world"] != tier.world), default=-1)
-
-
-def _raise_world_mismatch(other: int, tier: LocalTier, persistent_step: Optional[int]) -> None:
-    step, saved = other >> 24, other & ((1 << 24) - 1)
-    instead = (f"load the persistent step {persistent_step} instead (CheckpointManager.load(step={persistent_step}))"
-               if persistent_step is not None else "there is no persistent checkpoint to load instead")
-    raise CheckpointingException(
-        f"Local tier: step {step} was saved by {saved} ranks, this run has {tier.world}: a local-tier checkpoint "
-        f"restores only at its own world size; {instead}")
 
 
 def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[int]]:
@@ -88,14 +80,18 @@ def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[i
 def _prepare_sends(tier: LocalTier, held: Dict[int, Dict[str, Any]], source: List[int],
                    done: List[bool]) -> Tuple[Dict[int, Any], List[int]]:
     """The replicas this rank serves this round, mapped from their files (not hashed: the
-    owner verifies), by owner; and one flag per owner (1: the copy this rank was to serve
-    cannot be opened — missing, short, a bad marker)."""
+    owner verifies), by owner: each its header (:func:`.local_snapshot.restore_header`) and
+    its tensors; and one flag per owner (1: the copy this rank was to serve cannot be
+    opened — missing, short, a bad marker or header)."""
     sends: Dict[int, Any] = {}
     failed = [0] * tier.world
     for owner in held:
         if source[owner] == tier.rank and owner != tier.rank and not done[owner]:
+            marker = held[owner]
             try:
-                sends[owner] = wire_state(*map_copy(tier.node_dir, held[owner]), int(held[owner]["checksum"], 16))
+                flat, header, content = map_copy(tier.node_dir, marker)
+                sends[owner] = (restore_header(header, marker["length"], int(marker["checksum"], 16)),
+                                wire_state(flat, content))
             except CheckpointingException as e:
                 logger.warning("Local tier: %s", e)
                 failed[owner] = 1
@@ -104,23 +100,37 @@ def _prepare_sends(tier: LocalTier, held: Dict[int, Dict[str, Any]], source: Lis
 
 def _serve_and_read(tier: LocalTier, step: int, held: Dict[int, Dict[str, Any]], sends: Dict[int, Any],
                     source: List[int], done: List[bool], sharded_state_dict: ShardedStateDict) -> Tuple[List[int], Any]:
-    """One round: holders send ``sends``, owners without a copy of their own receive theirs
-    straight into their tensors, then owners with one read it. Returns one flag per owner
-    (1: the copy used for it failed its checksum) and this rank's loaded state (``None``
-    if not loaded)."""
+    """One round: holders send ``sends`` — first each copy's header, then its tensors —,
+    owners without a copy of their own receive theirs (the tensors they request straight
+    into their own, the others into new ones), then owners with one read it. Returns one
+    flag per owner (1: the copy used for it failed its checksum, or its header is damaged)
+    and this rank's loaded state (``None`` if not loaded)."""
     failed = [0] * tier.world
     state = None
     src = source[tier.rank]
-    if done[tier.rank] or src == tier.rank:
-        exchange(tier.transport, sends, [])
-    else:
-        into = receiving_state(sharded_state_dict)  # received straight into this rank's tensors
-        transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"), state_dict=lambda: into)
-        received = exchange(transport, sends, [src])[src]
+    receiving = not done[tier.rank] and src != tier.rank
+    what = f"rank {tier.rank}'s copy of step {step} from rank {src}"
+    heads = exchange(tier.transport, {dst: sent[0] for dst, sent in sends.items()}, [src] if receiving else [])
+    into: Optional[Dict[str, Any]] = None
+    mismatch: Optional[LayoutMismatch] = None
+    if receiving:
         try:
-            state = fill_received(sharded_state_dict, received, tier.rank,
-                                  f"rank {tier.rank}'s copy of step {step} from rank {src}")
-        except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank
+            header = decode_header(heads[src]["header"], what, heads[src]["length"])
+            into = receiving_state(sharded_state_dict, header, tier.rank)
+        except LayoutMismatch as e:  # the caller's state, not the copy: an error on every rank (after the transfer)
+            mismatch = e
+        except CheckpointingException as e:  # received into new tensors, then dropped
+            logger.warning("Local tier: %s", e)
+            failed[tier.rank] = 1
+    transport = PGTransport(tier.group, tier.timeout, torch.device("cpu"),
+                            state_dict=None if into is None else (lambda: into))
+    received = exchange(transport, {dst: sent[1] for dst, sent in sends.items()}, [src] if receiving else [])
+    if mismatch is not None:
+        raise CheckpointingException(str(mismatch)) from mismatch
+    if into is not None:
+        try:
+            state = fill_received(sharded_state_dict, received[src], header, heads[src]["checksum"], tier.rank, what)
+        except LayoutMismatch as e:
             raise CheckpointingException(str(e)) from e
         except CheckpointingException as e:
             logger.warning("Local tier: %s", e)
@@ -175,33 +185,42 @@ def _fetch(tier: LocalTier, step: int, mine: Dict[int, Dict[str, Any]],
             return True, state
 
 
-def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: int,
-            persistent_step: Optional[int]) -> Optional[Tuple[int, Any]]:
-    """Load the newest local-tier step newer than ``newer_than`` into
-    ``sharded_state_dict`` (collective): ``(step, state_dict)``, or ``None`` on every rank
-    when no such step can be restored (the caller loads ``persistent_step``)."""
+def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: int) -> Optional[Tuple[int, Any]]:
+    """Load the newest local-tier step newer than ``newer_than`` that this job can restore
+    (its own copies, saved with this world size) into ``sharded_state_dict``
+    (collective): ``(step, what dist_checkpointing.load returns)``, or ``None`` on every
+    rank when no such step can be restored (the caller loads the persistent tier)."""
     error: Optional[str] = None
     try:
         markers = scan(tier.node_dir)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         markers, error = [], error_message(e)
+    foreign = [m for m in markers if m["job"] != tier.job]
+    refused = tier.foreign_message(foreign) if foreign and not tier.takeover else None
+    own = [m for m in markers if m["job"] == tier.job]
+    usable = [m for m in own if m["world"] == tier.world]
+    other_world = max((m["step"] for m in own if m["world"] != tier.world and m["step"] > newer_than), default=-1)
     below = None  # steps at or above this one were tried
 
     def newest() -> int:
-        return max((m["step"] for m in markers if m["step"] > newer_than and (below is None or m["step"] < below)),
+        return max((m["step"] for m in usable if m["step"] > newer_than and (below is None or m["step"] < below)),
                    default=-1)
 
-    # one all_reduce: a listing error anywhere, a step of another world size, the newest step held
-    failed, other, step = _reduce([int(error is not None), _world_mismatch(markers, tier, newer_than), newest()],
-                                  dist.ReduceOp.MAX, tier)
+    # one all_reduce: a listing error anywhere, another job's copies, a step of another world size, the newest step
+    failed, foreign_found, other, step = _reduce(
+        [int(error is not None), int(refused is not None), other_world, newest()], dist.ReduceOp.MAX, tier)
     if failed:
         raise_if_any(all_gather_object(error, tier.group), "Local tier: listing the node-local directory")
-    if other >= 0:
-        _raise_world_mismatch(other, tier, persistent_step)
+    if foreign_found:
+        raise_if_any(all_gather_object(refused, tier.group), "Local tier: restoring")
+    if other > step and tier.rank == 0:
+        logger.warning("Local tier: local steps up to %d were saved with another world size: this run of %d ranks "
+                       "cannot restore them (skipped; removed once this run's first local step counts; "
+                       "dist-ckpt convert-local turns one into a normal checkpoint)", other, tier.world)
     while True:
         if step < 0:
             return None
-        ok, state = _fetch(tier, step, {m["owner"]: m for m in markers if m["step"] == step}, sharded_state_dict)
+        ok, state = _fetch(tier, step, {m["owner"]: m for m in usable if m["step"] == step}, sharded_state_dict)
         if ok:
             return step, state
         below = step
@@ -209,15 +228,17 @@ def restore(tier: LocalTier, sharded_state_dict: ShardedStateDict, newer_than: i
 
 
 def restored_state(sharded_state_dict: ShardedStateDict, restored: Any) -> ShardedStateDict:
-    """``sharded_state_dict`` holding what :func:`restore` returned for it (``restored``):
-    its ShardedTensors as they are (filled in place), its ShardedObjects with the restored
-    objects, the restored values for the rest — the restored step, ready to be saved."""
-    if isinstance(sharded_state_dict, dict):
-        return {k: restored_state(v, restored[k]) for k, v in sharded_state_dict.items()}
-    if isinstance(sharded_state_dict, list):
+    """The restored step as a sharded state dict, ready to be saved: what :func:`restore`
+    returned (``restored``, the saved common state included) with the request's sharded
+    items in their places — ShardedTensors as they are (filled in place), ShardedObjects
+    with the restored objects — and its LocalNonpersistentObjects as they are."""
+    if isinstance(sharded_state_dict, dict) and isinstance(restored, dict):
+        return {k: restored_state(sharded_state_dict[k], v) if k in sharded_state_dict else v
+                for k, v in restored.items()}
+    if isinstance(sharded_state_dict, list) and isinstance(restored, list) and len(sharded_state_dict) == len(restored):
         return [restored_state(v, r) for v, r in zip(sharded_state_dict, restored)]
     if isinstance(sharded_state_dict, ShardedObject):
         return replace(sharded_state_dict, data=restored)
-    if isinstance(sharded_state_dict, ShardedTensor):
+    if isinstance(sharded_state_dict, (ShardedTensor, LocalNonpersistentObject)):
         return sharded_state_dict
     return restored

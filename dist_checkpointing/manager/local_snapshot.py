@@ -13,27 +13,24 @@ import numpy as np
 import torch
 
 from ..bytes_view import as_bytes
-from ..core import CheckpointingException
+from ..core import CheckpointingException, malformed
 from ..integrity import new_hasher
-from ..mapping import ShardedObject, ShardedStateDict
+from ..dict_utils import extract_matching_values, merge
+from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..sharded_tensor import ShardedTensor
 from ..strategies.async_utils import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
-from .local_format import Entry, decode_header, encode_header, leaf_id, walk
+from .local_format import Entry, dtype_of, encode_header, leaf_id, walk
 
 #: test-only fault: a rank whose environment sets this has its forked snapshot die.
 FAIL_SNAPSHOT_ENV = "DIST_CKPT_LOCAL_FAIL_SNAPSHOT"
 
 _ALIGN = 64  # each tensor's offset in the flat buffer (a uint8 slice can be viewed as any dtype)
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.rsplit(".", 1)[-1])
-
-
 def slot(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
     """The tensor ``entry`` describes, a view of ``flat``."""
     _, offset, nbytes, dtype, shape = entry
-    return flat[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
+    return flat[offset:offset + nbytes].view(dtype_of(dtype)).view(shape)
 
 
 class Snapshot:
@@ -55,6 +52,8 @@ class Snapshot:
                 self._add(ident, leaf.data.detach())
             elif isinstance(leaf, torch.Tensor):
                 self._add(ident, leaf.detach())
+            elif isinstance(leaf, LocalNonpersistentObject):
+                return  # not saved: the request's own object is put back on restore
             elif hasattr(leaf, "build") and hasattr(leaf, "merge_fn"):  # a ShardedTensorFactory
                 raise CheckpointingException(f"Local tier: ShardedTensorFactory {getattr(leaf, 'key', path)!r} "
                                              f"at {path} is not supported; apply the factory first")
@@ -137,69 +136,100 @@ def tensor_views(flat: torch.Tensor, layout: List[Entry]) -> Dict[str, torch.Ten
     return {e[0]: slot(flat, e) for e in sorted(layout)}
 
 
-def wire_state(flat: torch.Tensor, header: bytes, content: Dict[str, Any], flat_sum: int) -> Dict[str, Any]:
-    """What a holder sends to restore a rank: its tensors (views of ``flat``, by id), the
-    encoded header (``content`` decoded) and the checksum."""
-    return {"tensors": tensor_views(flat, content["layout"]), "header": header, "checksum": flat_sum}
+def wire_state(flat: torch.Tensor, content: Dict[str, Any]) -> Dict[str, Any]:
+    """What a holder sends to restore a rank (after its header, :func:`restore_header`): its
+    tensors, views of ``flat``, by id (``content``: the decoded header)."""
+    return {"tensors": tensor_views(flat, content["layout"])}
 
 
-def receiving_state(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
-    """The receiver's side of :func:`wire_state`: its own tensors, filled in place."""
-    tensors = {i: (leaf.data if isinstance(leaf, ShardedTensor) else leaf)
-               for i, leaf in sorted(leaf_targets(sharded_state_dict).items())
-               if isinstance(leaf, (ShardedTensor, torch.Tensor))}
-    return {"tensors": tensors, "header": b"", "checksum": 0}
+def restore_header(header: bytes, length: int, flat_sum: int) -> Dict[str, Any]:
+    """The first message to a rank restored from a holder: its copy's encoded header, the
+    length of its flat buffer and its checksum — what the receiver needs to prepare
+    :func:`receiving_state`."""
+    return {"header": header, "length": length, "checksum": flat_sum}
 
 
 class LayoutMismatch(CheckpointingException):
     """The state to load into does not match the saved one (not a damaged copy)."""
 
 
-def leaf_targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+def sharded_targets(sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
+    """The request's ShardedTensors and ShardedObjects, by id (its other leaves are not
+    loaded from the copy: the saved common state is, as ``dist_checkpointing.load`` does)."""
     out: Dict[str, Any] = {}
-    walk(sharded_state_dict, "", lambda path, leaf: out.__setitem__(leaf_id(path, leaf), leaf))
+
+    def visit(path: str, leaf: Any) -> None:
+        if isinstance(leaf, (ShardedTensor, ShardedObject)):
+            out[leaf_id(path, leaf)] = leaf
+
+    walk(sharded_state_dict, "", visit)
     return out
 
 
-def target_tensor(leaf: Any, entry: Entry, rank: int) -> torch.Tensor:
+def target_tensor(leaf: ShardedTensor, entry: Entry, rank: int) -> torch.Tensor:
+    """The request's tensor for the layout ``entry``: an error if its shape or dtype differ."""
     ident, _, _, dtype, shape = entry
-    tensor = leaf.data if isinstance(leaf, ShardedTensor) else leaf
+    tensor = leaf.data
     if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) != dtype or tuple(tensor.shape) != tuple(shape):
         got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise LayoutMismatch(f"Local tier: rank {rank}: {ident[2:]!r} was saved as {tuple(shape)} {dtype}, "
-                                     f"the state to load into has {got}")
+                             f"the state to load into has {got}")
     return tensor
 
 
-def loaded_result(sharded_state_dict: ShardedStateDict, values: Dict[str, Any], rank: int) -> Any:
-    """``sharded_state_dict`` as ``dist_checkpointing.load`` returns it: tensors (filled in
-    place) for ShardedTensors, saved values for the rest."""
-
-    def visit(path: str, leaf: Any) -> Any:
-        ident = leaf_id(path, leaf)
-        if isinstance(leaf, ShardedTensor):
-            return leaf.data
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-        if ident not in values:
-            raise CheckpointingException(f"Local tier: rank {rank} saved no {ident[2:]!r} (at {path})")
-        return values[ident]
-
-    return walk(sharded_state_dict, "", visit)
-
-
 def check_ids(targets: Dict[str, Any], header: Dict[str, Any], rank: int) -> None:
-    saved = {e[0] for e in header["layout"]} | set(header["values"])
-    missing = sorted(i for i, leaf in targets.items() if i not in saved)
+    """Every sharded item requested is in the copy (a ShardedTensor of the same key and offset
+    as a tensor of its layout, a ShardedObject as a value)."""
+    tensors = {e[0] for e in header["layout"]}
+    missing = sorted(i for i in targets if i not in (tensors if i.startswith("t:") else header["values"]))
     if missing:
         raise LayoutMismatch(f"Local tier: rank {rank} saved no {missing[0][2:]!r}")
 
 
-def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], rank: int, what: str) -> Any:
-    """``sharded_state_dict`` loaded from a :func:`wire_state` received in place; its
-    checksum verified."""
-    header = decode_header(received["header"], what)
-    check_ids(leaf_targets(sharded_state_dict), header, rank)
-    if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != received["checksum"]:
+def receiving_state(sharded_state_dict: ShardedStateDict, header: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """The receiver's side of :func:`wire_state`: a tensor for every tensor of the copy
+    (``header``, decoded and checked against the length it came with) — the request's own
+    where it asks for it (filled in place), else a new one."""
+    targets = sharded_targets(sharded_state_dict)
+    check_ids(targets, header, rank)
+    return {"tensors": {e[0]: target_tensor(targets[e[0]], e, rank) if e[0] in targets
+                        else torch.empty(tuple(e[4]), dtype=dtype_of(e[3])) for e in sorted(header["layout"])}}
+
+
+def loaded_result(sharded_state_dict: ShardedStateDict, header: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+                  rank: int) -> Any:
+    """What ``dist_checkpointing.load`` returns for the request ``sharded_state_dict`` from
+    the copy described by ``header`` (decoded) whose tensors are ``tensors`` (by id): the
+    request's sharded items loaded (ShardedTensors' own tensors, filled in place;
+    ShardedObjects' saved objects), its LocalNonpersistentObjects unwrapped, and the saved
+    common state merged in (the request's own common values are not used)."""
+    with malformed(f"Local tier: rank {rank}'s copy"):  # a header of the wrong shape: a damaged copy
+        return _loaded_result(sharded_state_dict, header, tensors, rank)
+
+
+def _loaded_result(sharded_state_dict: ShardedStateDict, header: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+                   rank: int) -> Any:
+    values = header["values"]
+    nonpersistent, rest = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+    sharded, _ = extract_matching_values(rest, lambda v: isinstance(v, (ShardedTensor, ShardedObject)))
+
+    def load_leaf(path: str, leaf: Any) -> Any:
+        return leaf.data if isinstance(leaf, ShardedTensor) else values[leaf_id(path, leaf)]
+
+    saved, _ = extract_matching_values(walk(header["structure"], "", lambda path, ident: ident),
+                                       lambda ident: isinstance(ident, str) and ident.startswith("c:"))
+    common = walk(saved, "", lambda path, ident: tensors[ident] if ident in tensors else values[ident])
+    result = merge(walk(sharded, "", load_leaf), walk(nonpersistent, "", lambda path, leaf: leaf.unwrap()))
+    try:
+        return merge(common, result)
+    except ValueError as e:
+        raise LayoutMismatch(f"Local tier: rank {rank}: the request does not fit the saved state: {e}") from e
+
+
+def fill_received(sharded_state_dict: ShardedStateDict, received: Dict[str, Any], header: Dict[str, Any],
+                  flat_sum: int, rank: int, what: str) -> Any:
+    """``sharded_state_dict`` loaded from a :func:`wire_state` received into
+    :func:`receiving_state`; its checksum verified."""
+    if tensors_checksum([received["tensors"][e[0]] for e in header["layout"]]) != flat_sum:
         raise CheckpointingException(f"Local tier: {what} arrived damaged")
-    return loaded_result(sharded_state_dict, header["values"], rank)
+    return loaded_result(sharded_state_dict, header, received["tensors"], rank)

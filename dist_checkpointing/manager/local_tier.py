@@ -10,7 +10,14 @@ replicating) and replicating happen in a background thread, over a process group
 own.
 A step counts in the local tier once every rank has written its own copy and every
 replica (agreed at :meth:`LocalTier.finalize`); a step that failed anywhere is removed
-everywhere and not counted. Restoring is in :mod:`.local_restore`.
+everywhere and not counted; once a step counts, every other copy of this job in the
+node-local directory is removed (older steps, and those a restart can no longer use:
+newer steps of an abandoned history, steps of another world size). Restoring is in
+:mod:`.local_restore`.
+
+Every copy belongs to a job (:mod:`.local_marker`): a node-local directory holding copies
+of another job is refused when the tier is set up, unless ``takeover`` (then those copies
+are removed); restore and cleanup only ever use this job's copies.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ..strategies.async_utils import ForkedCall
 from ..transport import PGTransport
 from .crash import crash_point
 from .local_files import remove_copies, scan, write_copy
+from .local_marker import Job, describe_job
 from .local_format import decode_header
 from .local_snapshot import Snapshot, can_fork, flat_checksum, shared_buffer
 
@@ -111,11 +119,15 @@ class LocalTier:
         timeout: the longest wait of a transfer.
         snapshot: ``"fork"`` (CPU tensors: :meth:`save` blocks for a fork, a child copies)
             or ``"copy"`` (:meth:`save` copies on the calling thread).
+        job: the identity this job's copies carry (the same on every rank:
+            :mod:`.local_marker`).
+        takeover: remove the copies of other jobs (and damaged ones) found in the node-local
+            directories instead of refusing them.
     """
 
     def __init__(self, local_dir: str, interval: int, replication_factor: int = 1,
                  node_of_rank: Optional[Sequence[int]] = None, timeout: timedelta = timedelta(minutes=5),
-                 snapshot: str = "fork"):
+                 snapshot: str = "fork", *, job: Job, takeover: bool = False):
         self.rank, self.world = get_rank(), get_world_size()
         self.interval = interval
         nodes = list(node_of_rank) if node_of_rank is not None else nodes_from_env(self.world)
@@ -131,7 +143,12 @@ class LocalTier:
             raise CheckpointingException(f"Local tier: local_dir must be a node-local path, not {self.node_dir!r}")
         self.sends_to = partners(nodes, self.rank, replication_factor - 1)
         self.receives_from = [r for r in range(self.world) if self.rank in partners(nodes, r, replication_factor - 1)]
+        self.job, self.takeover = job, takeover
+        # the first rank of those sharing this node-local directory cleans it up
+        self.cleaner = next(r for r in range(self.world) if nodes[r] == nodes[self.rank]
+                            and str(local_dir).format(node=nodes[r], rank=r) == self.node_dir) == self.rank
         run_agreed(self._check_writable, "Local tier")
+        run_agreed(self._claim, "Local tier")
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self.timeout = timeout
         self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
@@ -152,6 +169,30 @@ class LocalTier:
         except OSError as e:
             raise CheckpointingException(f"Local tier: the node-local directory {self.node_dir} "
                                          f"(rank {self.rank}) is not writable: {e}") from e
+
+    def _claim(self) -> None:
+        """Refuse a node-local directory holding copies of another job (every rank raises),
+        or, with ``takeover``, remove them and the damaged ones (the directory's cleaner)."""
+        damaged: List[Tuple[int, int]] = []
+        markers = scan(self.node_dir, damaged)
+        foreign = [m for m in markers if m["job"] != self.job]
+        if foreign and not self.takeover:
+            raise CheckpointingException(self.foreign_message(foreign))
+        if self.takeover and self.cleaner:
+            doomed = {(m["step"], m["owner"]) for m in foreign} | set(damaged)
+            if doomed:
+                logger.warning("Local tier: taking %s over: removing %d copies of other jobs or damaged",
+                               self.node_dir, len(doomed))
+            for step, owner in sorted(doomed):
+                remove_copies(self.node_dir, step, [owner])
+
+    def foreign_message(self, foreign: List[Dict[str, Any]]) -> str:
+        """Why the markers ``foreign`` (of other jobs) in this rank's directory are refused."""
+        steps = sorted({m["step"] for m in foreign})
+        return (f"Local tier: {self.node_dir} (rank {self.rank}) holds local checkpoints of another job "
+                f"({describe_job(foreign[0]['job'])}; steps {steps[:5]}{' ...' if len(steps) > 5 else ''}); this job "
+                f"is {describe_job(self.job)}: they are not restored, overwritten nor deleted. Use another local_dir, "
+                "remove them, or pass local_takeover=True to take the directory over (their copies are deleted)")
 
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0 and step > max(self.complete, default=-1)
@@ -182,16 +223,18 @@ class LocalTier:
                 message = {"data": snap.flat, "header": snap.header, "checksum": flat_sum}
                 with ThreadPoolExecutor(1, thread_name_prefix="local-tier-write") as pool:  # own copy while replicating
                     own = pool.submit(write_copy, self.node_dir, step, self.rank, self.world, snap.flat, snap.header,
-                                      flat_sum)
+                                      flat_sum, self.job)
                     received = exchange(self.transport, {dst: message for dst in self.sends_to}, self.receives_from)
                     own.result()
                 for src, got in received.items():
                     if os.environ.get(FAIL_RECV_ENV) in (str(step), "any"):
                         raise CheckpointingException(f"Local tier: injected failure storing rank {src}'s replica")
-                    layout = decode_header(got["header"], f"rank {src}'s replica of step {step}")["layout"]
+                    layout = decode_header(got["header"], f"rank {src}'s replica of step {step}",
+                                           got["data"].numel())["layout"]
                     if flat_checksum(got["data"], layout) != got["checksum"]:
                         raise CheckpointingException(f"Local tier: rank {src}'s replica of step {step} arrived damaged")
-                    write_copy(self.node_dir, step, src, self.world, got["data"], got["header"], got["checksum"])
+                    write_copy(self.node_dir, step, src, self.world, got["data"], got["header"], got["checksum"],
+                               self.job)
             except BaseException as e:  # noqa: BLE001 - reported at finalize
                 errors.append(e)
 
@@ -203,7 +246,8 @@ class LocalTier:
         """Wait for the local save in flight (``blocking=False``: only if every rank has
         finished it; one 1-byte ``all_reduce``) and agree whether it succeeded on every
         rank (collective). A failed step is removed everywhere (a warning names the error);
-        after a success the older local steps are removed. Returns the completed step."""
+        after a success every other copy of this job is removed (:meth:`_remove_others`).
+        Returns the completed step."""
         if self._pending is None:
             return None
         step, thread, errors = self._pending
@@ -211,7 +255,7 @@ class LocalTier:
             return None
         self._pending = None
         thread.join()
-        mine = [self.rank, *self.receives_from]
+        mine = [self.rank, *self.receives_from]  # the copies of this step this rank wrote
 
         def check() -> None:
             if errors:
@@ -223,10 +267,22 @@ class LocalTier:
             logger.warning("Local tier: step %d is not counted: %s", step, e)
             remove_copies(self.node_dir, step, mine)
             return None
-        for old in {m["step"] for m in scan(self.node_dir) if m["step"] < step}:
-            remove_copies(self.node_dir, old, mine)
+        if self.cleaner:
+            self._remove_others(step)
         self.complete.append(step)
         return step
+
+    def _remove_others(self, step: int) -> None:
+        """Remove this job's copies but those of ``step`` at this world size from this
+        node-local directory: older steps, and those no restart of this job may use any
+        more — newer steps (a history abandoned when an older step was loaded) and copies
+        saved with another world size. Copies of other jobs are never touched."""
+        others: Dict[int, List[int]] = {}
+        for m in scan(self.node_dir):
+            if m["job"] == self.job and (m["step"] != step or m["world"] != self.world):
+                others.setdefault(m["step"], []).append(m["owner"])
+        for old, owners in sorted(others.items()):
+            remove_copies(self.node_dir, old, owners)
 
     def close(self) -> None:
         """Finish the local save in flight (collective) and drop the group."""

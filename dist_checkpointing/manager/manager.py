@@ -30,6 +30,7 @@ from .layout import (
     write_tracker,
 )
 from .local_restore import restore as restore_local, restored_state
+from .local_marker import load_run_id, normalise_root
 from .local_tier import LocalTier
 from .lock import RootLock
 from .retention import RetentionPolicy, check_positive, metric_value
@@ -97,7 +98,9 @@ class CheckpointManager:
             ``LOCAL_WORLD_SIZE``); :meth:`load` restores the newest step of either tier
             (:mod:`.local_tier`). ``local_snapshot``: ``"fork"`` (default; CPU tensors: a
             local save blocks for a fork, a child copies the state) or ``"copy"`` (the
-            copy on the training thread).
+            copy on the training thread). Every local copy belongs to this job (the root and
+            its run id, kept in the root): a ``local_dir`` holding another job's copies is
+            refused, unless ``local_takeover`` (then they are deleted).
 
     Collective (every rank calls them): the constructor, :meth:`save`, :meth:`load`,
     :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
@@ -111,7 +114,7 @@ class CheckpointManager:
                  best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
                  storage_options: Optional[Dict[str, Any]] = None, local_dir: Optional[Location] = None,
                  local_interval: Optional[int] = None, replication_factor: int = 1,
-                 node_of_rank: Optional[List[int]] = None, local_snapshot: str = "fork"):
+                 node_of_rank: Optional[List[int]] = None, local_snapshot: str = "fork", local_takeover: bool = False):
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
         check_positive("save_interval_steps", save_interval_steps)
         self.save_interval_steps = save_interval_steps
@@ -139,8 +142,10 @@ class CheckpointManager:
         if local_dir is not None:
             check_positive("local_interval", local_interval)
             try:
+                job = _decided_on_rank0(lambda: {"root": normalise_root(self._root), "run": load_run_id(self.storage)},
+                                        "Two-tier mode")
                 self.local = LocalTier(os.fspath(local_dir), local_interval, replication_factor, node_of_rank,
-                                       snapshot=local_snapshot)
+                                       snapshot=local_snapshot, job=job, takeover=local_takeover)
             except BaseException:
                 self.close(abort=True)
                 raise
@@ -425,7 +430,7 @@ class CheckpointManager:
         if self.local is not None and step is None:
             self.local.finalize()
             latest = self.latest_step()
-            restored = restore_local(self.local, sharded_state_dict, -1 if latest is None else latest, latest)
+            restored = restore_local(self.local, sharded_state_dict, -1 if latest is None else latest)
             if restored is not None:
                 self.restored_from = ("local", restored[0])
                 if restored[0] not in self.local.complete:  # it is in the local tier: not saved there again
