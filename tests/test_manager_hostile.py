@@ -300,14 +300,19 @@ class _SlowDeletes(PosixStorage):
         super().delete(name)
 
 
-def _race_in_process(root: str, barrier, results) -> None:
-    lock = RootLock(_SlowDeletes(root))
+def _race(storage, barrier) -> str:
+    """Start with the other racers, take the lock: ``"won"`` or ``"refused: <why>"``."""
+    lock = RootLock(storage)
     barrier.wait()
     try:
         lock.acquire()
-        results.put("won")
+        return "won"
     except CheckpointingException as e:
-        results.put(f"refused: {e}")
+        return f"refused: {e}"
+
+
+def _race_in_process(root: str, barrier, results) -> None:
+    results.put(_race(_SlowDeletes(root), barrier))
     barrier.wait()  # stay alive (holding a lock, if won) until every racer has answered
 
 
@@ -356,13 +361,7 @@ def test_stale_lock_takeover_race_threads(tmp_path, request, kind):
         barrier, answers = threading.Barrier(racers), []
 
         def race() -> None:
-            lock = RootLock(_SlowDeletes(root.root) if kind == "posix" else root.storage())
-            barrier.wait()
-            try:
-                lock.acquire()
-                answers.append("won")
-            except CheckpointingException as e:
-                answers.append(f"refused: {e}")
+            answers.append(_race(_SlowDeletes(root.root) if kind == "posix" else root.storage(), barrier))
 
         threads = [threading.Thread(target=race) for _ in range(racers)]
         for t in threads:
