@@ -15,13 +15,12 @@ checked to still name this save, then ``metadata.json`` is written and the marke
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 import uuid
 from typing import Optional
 
 from .core import CheckpointingException, Location, open_storage
+from .liveness import this_process
 from .storage import Storage
 
 CLAIM_FNAME = ".save_claim"
@@ -43,7 +42,7 @@ def claim_save_dir(checkpoint_dir: Location) -> str:
     except OSError as e:
         raise CheckpointingException(f"Cannot create checkpoint directory {where}: {e}") from e
     save_id = uuid.uuid4().hex
-    record = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    record = {"save_id": save_id, **this_process(), "time": time.time()}
     try:
         storage.create_exclusive(CLAIM_FNAME, json.dumps(record).encode())
     except FileExistsError as e:

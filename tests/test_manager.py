@@ -187,7 +187,8 @@ def test_tracker_damaged_missing_or_naming_an_incomplete_checkpoint(pool12, tmp_
     pool12.run(_save_steps, str(root), [10, 20])
     (root / "iter_0000030").mkdir()  # an interrupted save: no metadata.json
     (root / "iter_0000030" / "__0_0.distcp").write_bytes(b"partial")
-    (root / "iter_0000030" / ".save_claim").write_text("{}")
+    (root / "iter_0000030" / ".save_claim").write_text(json.dumps(  # of a save of a run on another host
+        {"save_id": "0" * 32, "host": "another-host", "pid": 1}))
     if tracker is None:
         (root / TRACKER_FNAME).unlink()
     else:

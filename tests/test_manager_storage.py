@@ -1,9 +1,10 @@
 """CheckpointManager and storage: background deletion (in pieces, held while a save runs or
-a load reads), ``Storage.delete_tree``, and the manager on an ``s3://`` root against a real
+a load reads), ``Storage.delete_many``, and the manager on an ``s3://`` root against a real
 SeaweedFS server (``tests/s3_server.py``; skipped without obstore)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -24,28 +25,28 @@ from .test_manager import _check_loaded, _dirs, _state
 # ----------------------------------------------------------------------------- background deletion
 
 
-def test_posix_delete_tree(tmp_path, monkeypatch):
-    """``Storage.delete_tree`` (added for the manager): a directory with everything under it
-    (a large file in pieces, ``pause`` before each), a single file, nothing at all."""
+def test_posix_delete_many(tmp_path, monkeypatch):
+    """``Storage.delete_many`` (added for the manager): the entries named (a large file in
+    pieces, ``pause`` before each; a link itself, never its target; missing ones skipped),
+    then ``remove_dir`` once the directory is empty."""
     from dist_checkpointing.storage import posix
 
     monkeypatch.setattr(posix, "DELETE_PIECE_BYTES", 1000)
-    storage = PosixStorage(str(tmp_path))
-    (tmp_path / "d" / "sub").mkdir(parents=True)
+    storage = PosixStorage(str(tmp_path / "d"))
+    (tmp_path / "d").mkdir()
     (tmp_path / "d" / "big").write_bytes(b"x" * 3500)  # 3 truncations, then the unlink
-    (tmp_path / "d" / "sub" / "b").write_text("b")
+    (tmp_path / "d" / "b").write_text("b")
     (tmp_path / "d" / "link").symlink_to(tmp_path / "keep")
-    (tmp_path / "f").write_text("f")
     (tmp_path / "keep").write_text("k")
     sizes = []
-    storage.delete_tree("d", pause=lambda: sizes.append(
+    storage.delete_many(["big", "b", "link", "missing"], pause=lambda: sizes.append(
         (tmp_path / "d" / "big").stat().st_size if (tmp_path / "d" / "big").exists() else None))
-    # a pause before each piece of the large file (3 truncations, its unlink), one per other file
+    # a pause before each piece of the large file (3 truncations, its unlink), one per other entry found
     assert len(sizes) == 6 and sorted({s for s in sizes if s}, reverse=True) == [3500, 2500, 1500, 500]
-    storage.delete_tree("f")
-    storage.delete_tree("missing")
-    assert storage.list() == ["keep"] and (tmp_path / "keep").read_text() == "k"
-
+    assert storage.list() == [] and (tmp_path / "keep").read_text() == "k"
+    PosixStorage(str(tmp_path)).remove_dir("d")
+    PosixStorage(str(tmp_path)).remove_dir("missing")
+    assert sorted(os.listdir(tmp_path)) == ["keep"]
 
 
 def test_deletion_waits_for_a_load_in_progress(tmp_path):
@@ -75,13 +76,13 @@ def test_deletion_waits_for_a_load_in_progress(tmp_path):
 def test_deletion_runs_in_the_background(tmp_path):
     """A save returns while a slow deletion is still running (it never waits for it)."""
     release = threading.Event()
-    orig = PosixStorage.delete_tree
+    orig = PosixStorage.delete_many
 
-    def slow_delete_tree(self, name, pause=None):
+    def slow_delete_many(self, names, pause=None):
         release.wait(30)
-        orig(self, name, pause)
+        orig(self, names, pause)
 
-    PosixStorage.delete_tree = slow_delete_tree
+    PosixStorage.delete_many = slow_delete_many
     try:
         with CheckpointManager(str(tmp_path), keep_last=1) as mgr:
             for step in (1, 2, 3):
@@ -95,7 +96,7 @@ def test_deletion_runs_in_the_background(tmp_path):
             release.set()
             mgr.wait_until_finished()
     finally:
-        PosixStorage.delete_tree = orig
+        PosixStorage.delete_many = orig
     assert _dirs(tmp_path) == ["iter_0000003"]
 
 
@@ -125,11 +126,15 @@ def test_manager_on_s3(s3_server, monkeypatch, async_save):
         assert listing() == [LOCK_FNAME, INDEX_FNAME, "iter_0000002", "iter_0000003", TRACKER_FNAME]
         assert root.read_bytes(TRACKER_FNAME) == b"3"
         _check_loaded(mgr.load(_state(0, 1, 0, fill=False)), 0, 3)
-    root.write_atomic("iter_0000004/__0_0.distcp", b"partial")  # an interrupted save of step 4
+    # an interrupted save of step 4 (of a run on another host), and a user's objects beside it
+    root.write_atomic("iter_0000004/.save_claim", json.dumps({"save_id": "1" * 32, "host": "another-host"}).encode())
+    root.write_atomic("iter_0000004/__0_0.distcp", b"partial")
+    root.write_atomic("iter_0000001/notes.txt", b"mine")
     with CheckpointManager(url) as mgr:
         assert mgr.latest_step() == 3
         _check_loaded(mgr.load(_state(0, 1, 0, fill=False)), 0, 3)
         mgr.wait_until_finished()
         assert root.kind("iter_0000004") is None  # the leftover is gone
         assert mgr.save(4, _state(0, 1, 4))
-    assert listing() == [INDEX_FNAME, "iter_0000002", "iter_0000003", "iter_0000004", TRACKER_FNAME]
+    assert listing() == [INDEX_FNAME, "iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004", TRACKER_FNAME]
+    assert S3Storage(f"{url}/iter_0000001").list() == ["notes.txt"]  # a user's object is never deleted

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from ..core import CONFIG_FNAME, CheckpointingException, read_small_json
 from ..storage import Storage
+from .ownership import leftover_files
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ _INDEX_FORMAT = "dist_checkpointing.manager"
 _MAX_INDEX_BYTES = 16 << 20
 _MAX_TRACKER_BYTES = 64
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
-# What a save (or an interrupted deletion) of this library leaves in a checkpoint directory;
-# an incomplete directory holding anything else is not ours to delete.
-_OUR_FILES = re.compile(r"^(\.save_claim|common\.pt|\.metadata|metadata\.json|integrity\.json|.*\.distcp|"
-                        r".*\.checksum|\..*\.tmp)$")
 
 Metrics = Optional[Dict[str, Any]]
 
@@ -66,7 +63,8 @@ def config_name(step: int) -> str:
 @dataclass
 class RootScan:
     """What a checkpoint root holds: complete steps with their metrics, leftovers of
-    interrupted saves or deletions, and incomplete step directories that are not ours."""
+    interrupted saves or deletions (:mod:`.ownership`), and incomplete step directories
+    that are not ours (or a save still running in them, or links)."""
 
     complete: Dict[int, Metrics] = field(default_factory=dict)
     leftovers: List[str] = field(default_factory=list)
@@ -99,11 +97,6 @@ def write_tracker(storage: Storage, step: int) -> None:
         raise CheckpointingException(f"Cannot write the tracker {storage.describe(TRACKER_FNAME)}: {e}") from e
 
 
-def is_ours(directory: Storage) -> bool:
-    """Whether an incomplete step directory holds only what this library writes."""
-    return all(_OUR_FILES.match(entry) for entry in directory.list())
-
-
 def scan_root(storage: Storage, child: Any) -> RootScan:
     """Classify the entries of the root (one listing and a stat per step directory).
     ``child(name)`` opens the storage of a directory under the root."""
@@ -116,7 +109,7 @@ def scan_root(storage: Storage, child: Any) -> RootScan:
             scan.complete[step] = None
         elif storage.kind(name) is None:  # an object store listing a prefix whose objects are gone
             continue
-        elif is_ours(child(name)):
+        elif storage.entry_kind(name) == "dir" and leftover_files(child(name)).ours:
             scan.leftovers.append(name)
         else:
             scan.foreign.append(name)

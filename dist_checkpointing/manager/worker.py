@@ -22,7 +22,8 @@ from typing import Callable, Deque, Iterator, Optional, Set
 from ..core import CONFIG_FNAME, CheckpointingException
 from ..storage import Storage
 from .crash import crash_point
-from .layout import is_ours, parse_step_dir
+from .layout import parse_step_dir
+from .ownership import checkpoint_files, leftover_files
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ class RootWorker:
     """Runs rank 0's root tasks in a thread, one after another: :meth:`submit` (a write)
     and :meth:`delete` (a directory under ``storage``).
 
-    ``child(name)`` opens the storage of a directory under the root (to check that a
-    leftover holds only this library's files before deleting it).
+    ``child(name)`` opens the storage of a directory under the root (to find what in it
+    this library wrote).
     """
 
     def __init__(self, storage: Storage, child: Callable[[str], Storage]):
@@ -80,8 +81,8 @@ class RootWorker:
 
     def delete(self, name: str, committed: bool) -> None:
         """Queue ``name`` for deletion: a complete checkpoint (``committed``: its
-        ``metadata.json`` goes first) or a leftover (deleted only if it is still incomplete
-        and holds only this library's files)."""
+        ``metadata.json`` goes first) or a leftover (only if it is still incomplete); only
+        what this library wrote is deleted (:mod:`.ownership`)."""
         with self._cond:
             if not self._queued(name):
                 self._queue.append(_Task(name, committed))
@@ -178,11 +179,34 @@ class RootWorker:
                     self._cond.notify_all()
 
     def _delete(self, name: str, committed: bool) -> None:
+        """Delete what this library wrote of the step directory ``name`` (:mod:`.ownership`);
+        the directory itself once nothing else is left in it. A link in its place is removed
+        itself when it was a complete checkpoint, never followed."""
+        if self.storage.entry_kind(name) == "link":
+            if committed:
+                self.storage.delete(name)
+                logger.info("Deleted the link %s (not what it points to)", self.storage.describe(name))
+            else:
+                logger.warning("Not deleting %s: it is a link, not a leftover of this library's saves",
+                               self.storage.describe(name))
+            return
+        directory = self.child(name)
         if committed:
             self.storage.delete(f"{name}/{CONFIG_FNAME}")  # first: from now on it is never loaded
             crash_point("delete", parse_step_dir(name) or 0)
-        elif self.storage.info(f"{name}/{CONFIG_FNAME}") is not None or not is_ours(self.child(name)):
-            logger.warning("Not deleting %s: it is not a leftover of this library's saves", self.storage.describe(name))
+            files = checkpoint_files(directory)
+        elif self.storage.info(f"{name}/{CONFIG_FNAME}") is not None:
+            logger.warning("Not deleting %s: it is a complete checkpoint", self.storage.describe(name))
             return
-        self.storage.delete_tree(name, pause=self._wait_for_saves)  # in pieces, held while a save runs
+        else:
+            files = leftover_files(directory)
+            if not files.ours:
+                logger.warning("Not deleting %s: %s", self.storage.describe(name), files.why)
+                return
+        directory.delete_many(files.ours, pause=self._wait_for_saves)  # in pieces, held while a save runs
+        if files.kept:
+            logger.warning("Kept %s: it holds what this library did not write: %s", self.storage.describe(name),
+                           ", ".join(files.kept))
+            return
+        self.storage.remove_dir(name)
         logger.info("Deleted %s", self.storage.describe(name))

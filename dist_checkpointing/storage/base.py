@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 def byte_view(data) -> memoryview:
@@ -153,12 +153,19 @@ class Storage(ABC):
     def delete(self, name: str) -> None:
         """Remove the file ``name`` (nothing if it is missing)."""
 
-    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
-        """Remove ``name`` and everything under it (nothing if it is missing); not atomic: a
-        caller that must never leave something that looks whole deletes its marker file
-        first. ``pause``, if given, is called between pieces of the work and may block (to
-        let other I/O go first). Storages that cannot do it raise ``NotImplementedError``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot delete a tree ({self.describe(name)})")
+    def delete_many(self, names: Sequence[str], pause: Optional[Callable[[], None]] = None) -> None:
+        """Remove the files ``names`` (each entry itself: a link is removed, never what it
+        points to; missing ones are skipped), in the order given. ``pause``, if given, is
+        called between pieces of the work and may block (to let other I/O go first)."""
+        for name in names:
+            if pause is not None:
+                pause()
+            self.delete(name)
+
+    def remove_dir(self, name: str) -> None:
+        """Remove the directory ``name`` once it is empty (nothing if it is missing; an
+        ``OSError`` if it is not empty). Object stores have nothing to do: a prefix exists
+        only through its objects."""
 
     @abstractmethod
     def make_root(self) -> None:
@@ -185,3 +192,13 @@ class Storage(ABC):
     @abstractmethod
     def list(self) -> List[str]:
         """The names of the entries directly under the root, sorted (``[]`` if it is missing)."""
+
+    def entries(self) -> Dict[str, Optional[str]]:
+        """Each entry directly under the root with its :meth:`entry_kind`."""
+        return {name: self.entry_kind(name) for name in self.list()}
+
+    def entry_kind(self, name: str) -> Optional[str]:
+        """What the entry ``name`` itself is, links not followed: ``"file"`` (a regular
+        file), ``"dir"``, ``"link"`` (a symbolic link), ``"other"`` (a FIFO, socket or
+        device) or ``None`` (missing). Object stores have files and prefixes only."""
+        return self.kind(name)

@@ -181,6 +181,16 @@ class FsspecStorage(Storage):
     def delete(self, name: str) -> None:
         self._remove(self._path(name))
 
+    def remove_dir(self, name: str) -> None:
+        if self.kind(name) != "dir":
+            return
+        if self.fs.ls(self._path(name), detail=False):
+            raise OSError(errno.ENOTEMPTY, f"{self.describe(name)} is not empty")
+        try:
+            self.fs.rmdir(self._path(name))
+        except (FileNotFoundError, NotImplementedError):
+            pass
+
     def make_root(self) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
 
@@ -212,6 +222,14 @@ class FsspecStorage(Storage):
         if found is None:
             return None
         return "file" if found.get("type") == "file" else "dir"
+
+    def entry_kind(self, name: str) -> Optional[str]:
+        found = self._info(name)
+        if found is None:
+            return None
+        if found.get("islink"):
+            return "link"
+        return {"file": "file", "directory": "dir"}.get(found.get("type"), "other")
 
     def list(self) -> List[str]:
         try:

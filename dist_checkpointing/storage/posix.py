@@ -23,7 +23,7 @@ import stat
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE, POOL
@@ -215,11 +215,44 @@ class PlainFileWriter(WriteStream):
             super().close()
 
 
+def open_regular(path: str, follow_links: bool = True) -> int:
+    """A read-only descriptor of the regular file ``path``. Opened without blocking (a FIFO
+    would block ``open`` until a writer comes) and checked with ``fstat``: anything but a
+    regular file (a FIFO, device, socket, directory; a link with ``follow_links=False``)
+    is an ``OSError`` naming the path, raised before a byte is read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_links:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link, not a regular file") from e
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                          f"{path} is not a regular file ({_kind_of_mode(mode)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind_of_mode(mode: int) -> str:
+    """``"file"``, ``"dir"``, ``"link"`` or ``"other"`` for a ``st_mode``."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "link" if stat.S_ISLNK(mode) else "other"
+
+
 class PosixReader(RangeReader):
     """``pread``/``preadv`` on one open file descriptor."""
 
     def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path)
         self.size = os.fstat(self._fd).st_size
 
     def read(self, offset: int, n: int) -> bytes:
@@ -278,28 +311,27 @@ def atomic_write_file(path: Union[str, Path], data, durable: bool = True) -> Non
 
 #: a large file is deleted in pieces of this size, truncated from its end: freeing a file's
 #: blocks and cached pages is work the file system does at once, which a concurrent save
-#: would otherwise wait behind (``delete_tree``'s ``pause`` runs between pieces)
+#: would otherwise wait behind (``delete_many``'s ``pause`` runs between pieces)
 DELETE_PIECE_BYTES = 64 << 20
 
 
-def _ignore_missing(fn: Callable[[str], None], path: str) -> None:
-    try:
-        fn(path)
-    except FileNotFoundError:
-        pass
-
-
 def _delete_in_pieces(path: str, pause: Optional[Callable[[], None]]) -> None:
-    """Unlink ``path``; a large regular file is first truncated piece by piece, ``pause``
-    called before each piece."""
+    """Unlink the entry ``path`` (a link itself, never its target); a large regular file is
+    first truncated piece by piece through a descriptor opened without following links,
+    ``pause`` called before each piece."""
     try:
         st = os.lstat(path)
-        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
-        while size > DELETE_PIECE_BYTES:
-            if pause is not None:
-                pause()
-            size -= DELETE_PIECE_BYTES
-            os.truncate(path, size)
+        if stat.S_ISREG(st.st_mode) and st.st_size > DELETE_PIECE_BYTES:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size if stat.S_ISREG(os.fstat(fd).st_mode) else 0
+                while size > DELETE_PIECE_BYTES:
+                    if pause is not None:
+                        pause()
+                    size -= DELETE_PIECE_BYTES
+                    os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
         if pause is not None:
             pause()
         os.unlink(path)
@@ -355,25 +387,27 @@ class PosixStorage(Storage):
             return
         fsync_dir(self.root)
 
-    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
+    def delete_many(self, names, pause: Optional[Callable[[], None]] = None) -> None:
+        """Unlink each entry (a link itself, never its target); a large file is truncated
+        from its end piece by piece first, ``pause`` called before each piece."""
+        for name in names:
+            _delete_in_pieces(self._path(name), pause)
+        if names:
+            fsync_dir(self.root)
+
+    def remove_dir(self, name: str) -> None:
         path = self._path(name)
-        if not os.path.isdir(path) or os.path.islink(path):
-            self.delete(name)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
             return
-        for directory, subdirs, files in os.walk(path, topdown=False):
-            for entry in files:
-                _delete_in_pieces(os.path.join(directory, entry), pause)
-            for entry in subdirs:  # emptied already (bottom-up), or a link to a directory
-                sub = os.path.join(directory, entry)
-                _ignore_missing(os.unlink if os.path.islink(sub) else os.rmdir, sub)
-        _ignore_missing(os.rmdir, path)
         fsync_dir(os.path.dirname(path) or ".")
 
     def make_root(self) -> None:
         os.makedirs(self.root, exist_ok=True)
 
     def read_bytes(self, name: str, max_bytes: Optional[int] = None) -> bytes:
-        with open(self._path(name), "rb") as f:
+        with open(open_regular(self._path(name)), "rb") as f:
             return f.read() if max_bytes is None else f.read(max_bytes + 1)
 
     def open_reader(self, name: str) -> RangeReader:
@@ -400,3 +434,23 @@ class PosixStorage(Storage):
             return sorted(os.listdir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def entry_kind(self, name: str) -> Optional[str]:
+        try:
+            return _kind_of_mode(os.lstat(self._path(name)).st_mode)
+        except OSError:
+            return None
+
+    def entries(self) -> Dict[str, Optional[str]]:
+        try:
+            with os.scandir(self.root) as scan:
+                found = sorted(scan, key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        kinds: Dict[str, Optional[str]] = {}
+        for entry in found:
+            try:
+                kinds[entry.name] = _kind_of_mode(entry.stat(follow_symlinks=False).st_mode)
+            except FileNotFoundError:  # removed meanwhile
+                pass
+        return kinds

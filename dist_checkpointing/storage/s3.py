@@ -56,7 +56,7 @@ from .s3_reader import S3Reader
 
 __all__ = ["PART_BYTES", "PARTS_IN_FLIGHT", "S3Reader", "S3Storage", "S3WriteStream"]
 
-_DELETE_BATCH = 100  # keys per delete request of delete_tree (its pause runs between them)
+_DELETE_BATCH = 100  # keys per delete request of delete_many (its pause runs between them)
 _ABORT = object()  # queued by abort(): makes the upload fail, so that obstore aborts it
 
 
@@ -308,13 +308,15 @@ class S3Storage(Storage):
         except FileNotFoundError:
             pass
 
-    def delete_tree(self, name: str, pause: Optional[Callable[[], None]] = None) -> None:
-        with _os_errors(f"delete of {self.describe(name)}"):
-            keys = [o["path"] for chunk in _obstore().list(self._store, name or None) for o in chunk]
-            for start in range(0, len(keys), _DELETE_BATCH):
+    def delete_many(self, names, pause: Optional[Callable[[], None]] = None) -> None:
+        """Delete the objects ``names`` (exactly these keys), 100 per request, ``pause``
+        called before each request."""
+        names = list(names)
+        with _os_errors(f"delete of objects under {self.describe()}"):
+            for start in range(0, len(names), _DELETE_BATCH):
                 if pause is not None:
                     pause()
-                _obstore().delete(self._store, keys[start:start + _DELETE_BATCH])
+                _obstore().delete(self._store, names[start:start + _DELETE_BATCH])
 
     def make_root(self) -> None:
         """A prefix needs no creating; one listing checks the bucket and the credentials."""
@@ -360,9 +362,20 @@ class S3Storage(Storage):
             return "file"
         return "dir" if self._has_children(name) else None
 
-    def list(self) -> List[str]:
+    def _listing(self) -> Dict[str, str]:
+        """The entries under the prefix from one listing: objects ``"file"``, prefixes ``"dir"``."""
         with _os_errors(f"list of {self.describe()}"):
             result = _obstore().list_with_delimiter(self._store, None)
-        names = [o["path"] for o in result["objects"]] + list(result["common_prefixes"])
-        # (SeaweedFS lists a prefix whose objects were all deleted as an empty-named object)
-        return sorted(name for name in (n.rstrip("/").rsplit("/", 1)[-1] for n in names) if name)
+        found = {}
+        for kind, names in (("file", [o["path"] for o in result["objects"]]), ("dir", result["common_prefixes"])):
+            for name in names:
+                name = name.rstrip("/").rsplit("/", 1)[-1]
+                if name:  # (SeaweedFS lists a prefix whose objects were all deleted as an empty-named object)
+                    found[name] = kind
+        return found
+
+    def list(self) -> List[str]:
+        return sorted(self._listing())
+
+    def entries(self) -> Dict[str, Optional[str]]:
+        return dict(sorted(self._listing().items()))
