@@ -77,22 +77,25 @@ class Where:
         return [n for n in storage.list() if storage.kind(n) is not None]  # SeaweedFS keeps emptied prefixes listed
 
 
-@pytest.fixture(params=["posix", "memory", "s3"])
-def where(request, tmp_path) -> Where:
-    if request.param == "posix":
+# memory:// is per process: world 1 only there
+@pytest.fixture(params=[("posix", 1), ("posix", 2), ("memory", 1), ("s3", 1), ("s3", 2)],
+                ids=lambda p: f"{p[0]}-world{p[1]}")
+def where_world(request, tmp_path):
+    """A root of each kind and the world size to run at there."""
+    kind, world = request.param
+    return _where(request, tmp_path, kind), world
+
+
+def _where(request, tmp_path, kind: str) -> Where:
+    if kind == "posix":
         return Where("posix", str(tmp_path / "run"))
-    if request.param == "memory":
+    if kind == "memory":
         pytest.importorskip("fsspec")
         return Where("memory", f"memory://hostile/{uuid.uuid4().hex[:12]}")
     pytest.importorskip("obstore")
     server = request.getfixturevalue("s3_server")
     _export_env(server.env())
     return Where("s3", f"s3://{server.bucket}/hostile-{uuid.uuid4().hex[:12]}")
-
-
-def _world(where: Where, world: int) -> None:
-    if where.kind == "memory" and world > 1:
-        pytest.skip("memory:// is per process")
 
 
 def _resume_and_save(rank, world, root, step, kw=None):
@@ -130,12 +133,11 @@ def _write(where: Where, name: str, data: bytes) -> None:
 # ----------------------------------------------------------------------------- 3. deleting what is not ours
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_only_what_a_save_wrote_is_deleted(where, world):
+def test_only_what_a_save_wrote_is_deleted(where_world):
     """Leftovers and retired checkpoints lose exactly the files a save of this library wrote:
     a user's files and directories named like ours stay, a leftover without a record of a
     save or with records of two saves stays whole, a plain leftover goes entirely."""
-    _world(where, world)
+    where, world = where_world
     where.run(world, _save_steps, where.root, [1, 2])
     mine = {"notes.txt": b"notes", "x.distcp": b"mine", "mine.distcp/inner": b"inner"}
     # step 1 (complete, to be retired) and step 3 (an interrupted save) also hold a user's files
@@ -175,12 +177,11 @@ def _sleeper() -> subprocess.Popen:
     return subprocess.Popen(["sleep", "300"])
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_leftover_of_a_running_save_is_kept(where, world):
+def test_leftover_of_a_running_save_is_kept(where_world):
     """A leftover whose claim names a save of another process of this host that still runs is
     neither deleted nor saved into (on every rank); once that process is gone it is a
     leftover like any other."""
-    _world(where, world)
+    where, world = where_world
     where.run(world, _save_steps, where.root, [1])
     sleeper = _sleeper()
     try:
