@@ -56,6 +56,29 @@ MEGATRON_LM_IMPORTS: Dict[str, Set[str]] = {
 }
 
 
+# User names deliberately not provided or differing, with the reason (docs/coming_from_megatron.md lists
+# them too): reported as "not provided", not counted as problems.
+NOT_PROVIDED: Dict[str, str] = {
+    f"{PKG}.strategies.filesystem_async.FileSystemWriterAsync":
+        "Megatron-LM uses it only for --ckpt-format torch_dcp with --async-save (plain PyTorch DCP "
+        "files, not this package's format)",
+    f"{PKG}.strategies.state_dict_saver.save_state_dict_async_plan": "the same torch_dcp async path",
+    f"{PKG}.strategies.state_dict_saver.save_state_dict_async_finalize": "the same torch_dcp async path",
+    f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.apply_loading_parallelization":
+        "an internal step of Megatron-Core's wrapper; ours splits a load into own reads and an exchange its own way",
+    f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.fill_in_deferred_sharded_tensors":
+        "the same internal step",
+    f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.fill_in_deferred_sharded_objects":
+        "the same internal step",
+    f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.check_backend_compatibility":
+        "the parameter is named loaded_backend (Megatron-Core names it loaded_version and passes the backend "
+        "positionally)",
+    f"{PKG}.strategies.torch.TorchDistLoadShardedStrategy.check_backend_compatibility": "the same parameter name",
+    f"{PKG}.strategies.torch.TorchDistLoadShardedStrategy.load_tensors_metadata":
+        "no metadata argument: the strategy reads .metadata itself (checked field by field, cached)",
+}
+
+
 @dataclass
 class ModuleReport:
     """The comparison of one of Megatron-Core's modules with ours."""
@@ -68,9 +91,10 @@ class ModuleReport:
     user: Set[str] = field(default_factory=set)
 
     def user_problems(self) -> List[str]:
-        """The user names of this module that are missing or differ."""
+        """The user names of this module that are missing or differ (not those in NOT_PROVIDED)."""
         bad = [n for n in self.missing if n.split(".")[0] in self.user]
-        return bad + [n for n, _ in self.signatures if n.split(".")[0] in self.user]
+        bad += [n for n, _ in self.signatures if n.split(".")[0] in self.user]
+        return [n for n in bad if f"{self.theirs}.{n}" not in NOT_PROVIDED]
 
 
 def put_mcore_on_path(site: Path) -> None:
@@ -172,6 +196,14 @@ def _default_repr(value) -> str:
     return repr(value)
 
 
+def _same_default(theirs, ours) -> bool:
+    if ours is inspect.Parameter.empty:
+        return False
+    if repr(ours) == "<factory>":  # a dataclass default_factory: an empty container there
+        return theirs in ({}, [], ())
+    return _default_repr(theirs) == _default_repr(ours)
+
+
 def signature_difference(theirs, ours) -> Optional[str]:
     """Why ``ours`` cannot be called the way ``theirs`` is, or None when it can."""
     try:
@@ -197,7 +229,7 @@ def signature_difference(theirs, ours) -> Optional[str]:
             problems.append(f"{p.name!r} not at position {i}")
         elif p.kind is p.POSITIONAL_OR_KEYWORD and q.kind is q.POSITIONAL_ONLY:
             problems.append(f"{p.name!r} is positional-only")
-        if _default_repr(p.default) != _default_repr(q.default):
+        if p.default is not p.empty and not _same_default(p.default, q.default):
             problems.append(f"{p.name!r} default {_default_repr(q.default)} (theirs {_default_repr(p.default)})")
     names_t = {p.name for p in p_t}
     for q in p_o:
@@ -289,9 +321,13 @@ def format_report(reports: List[ModuleReport], user_only: bool = False) -> str:
             continue
         lines.append(head)
         for n in missing:
-            lines.append(f"  missing    {n}{'  [user]' if n.split('.')[0] in rep.user else ''}")
+            reason = NOT_PROVIDED.get(f"{rep.theirs}.{n}")
+            tag = "  [user]" if n.split(".")[0] in rep.user else ""
+            lines.append(f"  not provided {n}{tag}: {reason}" if reason else f"  missing    {n}{tag}")
         for n, why in sigs:
-            lines.append(f"  signature  {n}{'  [user]' if n.split('.')[0] in rep.user else ''}: {why}")
+            reason = NOT_PROVIDED.get(f"{rep.theirs}.{n}")
+            tag = "  [user]" if n.split(".")[0] in rep.user else ""
+            lines.append(f"  differs by design {n}{tag}: {reason}" if reason else f"  signature  {n}{tag}: {why}")
     problems = sum(len(r.user_problems()) for r in reports)
     lines.append(f"user-imported names missing or differing: {problems}")
     return "\n".join(lines)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
@@ -45,7 +46,7 @@ def load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateD
     factories, _ = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory),
                                            return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
-    dict_list_map_inplace(ShardedTensorFactory.without_data, factories)
+    dict_list_map_inplace(lambda f: replace(f, data=None), factories)  # merge_fn needs no data
     nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
     return sharded_state_dict, nonpersistent, factories

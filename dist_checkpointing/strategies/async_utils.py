@@ -56,10 +56,10 @@ class AsyncRequest:
     async_fn_args: Tuple[Any, ...] = ()
     finalize_fns: List[Callable[[], Any]] = field(default_factory=list)
     async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
-    resources: List[Any] = field(default_factory=list)
-    is_frozen: bool = False
     preload_fn: Optional[Callable[[], Any]] = None
+    is_frozen: bool = False
     call_idx: int = 0
+    resources: List[Any] = field(default_factory=list)
 
     def _check_not_frozen(self) -> None:
         if self.is_frozen:
