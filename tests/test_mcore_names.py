@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, LocalNonpersistentObject, ShardedObject, ShardedTensor
 from dist_checkpointing.mapping import ShardedTensorFactory
 from dist_checkpointing.state_dict_utils import filter_out_empty_flatten_tensor, load_preprocess, save_preprocess
@@ -33,7 +32,6 @@ from dist_checkpointing.validation import (
     validate_sharded_objects_handling,
 )
 
-from .conftest import get_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 MCORE_SITE = os.environ.get("MCORE_SITE", str(ROOT / ".ci" / "mcore_site"))

@@ -18,44 +18,22 @@ picklable request.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import queue as queue_mod
 from abc import ABC, abstractmethod
 from collections import deque
-from contextlib import contextmanager
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 from ..collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
-from ..core import CheckpointingException
-from .async_utils import AsyncRequest, ForkedCall
+from ..core import CheckpointingException, gc_paused
+from .async_utils import AsyncRequest, ForkedCall, _preloaded
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a blocking check looks at the worker
 
 
-@contextmanager
-def _disable_gc() -> Iterator[None]:
-    """Garbage collection off for the block (or the decorated function), then as it was."""
-    enabled = gc.isenabled()
-    if enabled:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _call_args(request: AsyncRequest) -> List[Any]:
-    args = list(request.async_fn_args)
-    if request.preload_fn is not None:
-        if len(args) < 2:
-            raise CheckpointingException(
-                f"Async call {request.call_idx}: preload_fn replaces async_fn_args[1], but there are {len(args)} args")
-        args[1] = request.preload_fn()
-    return args
+_disable_gc = gc_paused  # Megatron-Core's name: garbage collection off for a block or a decorated function
 
 
 class AsyncCaller(ABC):
@@ -110,7 +88,7 @@ class TemporalAsyncCaller(AsyncCaller):
         """Fork a process running ``async_fn`` (``preload_fn`` first, here)."""
         if async_req.async_fn is None:
             return
-        fn = functools.partial(async_req.async_fn, *_call_args(async_req), **async_req.async_fn_kwargs)
+        fn = functools.partial(async_req.async_fn, *_preloaded(async_req).async_fn_args, **async_req.async_fn_kwargs)
         self.process = ForkedCall(fn, f"Async call {async_req.call_idx}")
 
     def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
@@ -179,7 +157,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 target=_persistent_loop, args=(get_rank(), self.queue, self.comp_q, logger.getEffectiveLevel()),
                 name="dist_checkpointing-persistent-async", daemon=True)
             self.process.start()
-        job = (async_req.call_idx, async_req.async_fn, tuple(_call_args(async_req)), dict(async_req.async_fn_kwargs))
+        job = (async_req.call_idx, async_req.async_fn, tuple(_preloaded(async_req).async_fn_args), dict(async_req.async_fn_kwargs))
         self.queue.put(job)
         self._pending.append(async_req.call_idx)
 
