@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -22,9 +22,13 @@ from .core import CheckpointingException
 from .dict_utils import dict_list_map_inplace
 from .sharded_tensor import ReplicaId, ShardedBase, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 
+CommonStateDict = Dict[str, Any]
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryMergeFn = Callable[[StateDict], torch.Tensor]
+
 __all__ = [
-    "LocalNonpersistentObject", "ReplicaId", "ShardedBase", "ShardedObject", "ShardedStateDict", "ShardedTensor",
-    "ShardedTensorFactory", "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica",
+    "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId", "ShardedBase",
+    "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica",
 ]
 
 

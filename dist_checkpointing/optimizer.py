@@ -46,7 +46,16 @@ logger = logging.getLogger(__name__)
 
 ShardedParam = Union[ShardedTensor, ShardedTensorFactory]
 
+KEEP_VARS_HINT = (
+    " Make sure state dict contains original torch.nn.Parameters (not pure torch.Tensors)"
+    " by passing `keep_vars=True` to `.state_dict()`. If any transformation of the original"
+    " parameter is needed, use a ShardedTensorFactory."
+)
+"""Appended to messages about a model state dict whose data are not the parameters
+(Megatron-Core's layers append it to their own errors)."""
+
 __all__ = [
+    "KEEP_VARS_HINT",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",
@@ -86,9 +95,7 @@ def get_param_id_to_sharded_param_map(
             id_to_sharded_param[param_id] = sh
     if not id_to_sharded_param:
         logger.warning(
-            "No model sharded parameter matches an optimizer parameter: the data of the model "
-            "sharded state dict must be the parameters themselves (e.g. state_dict(keep_vars=True))"
-        )
+            "No model sharded parameter matches an optimizer parameter." + KEEP_VARS_HINT)
     return id_to_sharded_param
 
 

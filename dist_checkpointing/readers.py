@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 from .core import CheckpointingConfig, CheckpointingException, checkpoint_location, load_config
 from .integrity import SIDECAR_SUFFIX
 from .manifest import refresh_manifest
-from .mapping import ShardedStateDict, StateDict
+from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .storage import Storage, StorageOptions
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, get_default_strategy
 from .strategies.torch_dist.format import METADATA_FNAME
@@ -24,6 +24,7 @@ __all__ = [
 
 CONTENT_METADATA_KEY = "content_metadata"
 CkptDir = Union[str, os.PathLike, Storage]
+CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 
 
 def sharded_load_strategy(config: CheckpointingConfig,
@@ -74,8 +75,12 @@ def load_tensors_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[Lo
 
 
 def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[LoadShardedStrategy] = None,
-                          storage_options: StorageOptions = None) -> ShardedStateDict:
-    """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint."""
+                          common_strategy: Optional[LoadCommonStrategy] = None,
+                          storage_options: StorageOptions = None) -> CkptShardedMetadata:
+    """Data-less ShardedTensors and ShardedObjects (keyed by unique key) of the checkpoint.
+
+    ``common_strategy`` is accepted as in Megatron-Core, where it lists the ShardedObjects a
+    sharded strategy cannot; every sharded strategy here lists them, so it is not used."""
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     config = load_config(checkpoint_dir)
     return sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(checkpoint_dir)

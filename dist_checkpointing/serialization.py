@@ -32,6 +32,7 @@ from .core import (
 from .readers import (
     CONTENT_METADATA_KEY,
     CkptDir,
+    CkptShardedMetadata,
     get_default_load_sharded_strategy,
     load_common,
     load_common_state_dict,

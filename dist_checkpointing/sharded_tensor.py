@@ -269,6 +269,25 @@ class ShardedTensor(ShardedBase):
         sh = cls.from_rank_offsets(key, meta, *rank_offsets, **init_kwargs)
         return replace(sh, data=flat_data, flattened_range=flattened_range)
 
+    @property
+    def has_regular_grid(self) -> bool:
+        """Whether the chunks form a regular grid (``axis_fragmentations`` is set)."""
+        return self.axis_fragmentations is not None
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        """The chunk size along each global axis of a regular grid (global size divided by
+        the axis fragmentation); an axis that does not divide evenly is refused unless
+        ``allow_shape_mismatch``."""
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"ShardedTensor {self.key!r} has no regular grid (axis_fragmentations=None)")
+        chunks = []
+        for size, fragments in zip(self.global_shape, self.axis_fragmentations):
+            if not self.allow_shape_mismatch and size % fragments:
+                raise CheckpointingException(f"ShardedTensor {self.key!r}: axis shape ({size}) not divisible "
+                                             f"by axis fragmentation ({fragments})")
+            chunks.append(size // fragments)
+        return tuple(chunks)
+
     def global_slice(self) -> Tuple[Union[int, slice], ...]:
         """Index of the local chunk in the global tensor (ints on prepended axes)."""
         pre = self.prepend_axis_num

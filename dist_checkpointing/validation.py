@@ -20,8 +20,8 @@ from .collectives import (
     get_world_size, run_agreed, run_agreed_with_flags,
 )
 from .core import CheckpointingException
-from .dict_utils import diff
-from .mapping import ShardedObject, ShardedTensor, is_main_replica
+from .dict_utils import diff, extract_matching_values, nested_values
+from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
 
@@ -432,3 +432,49 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
         report = f"{prefix} (rank 0's common state {reason}, so the differing keys are unknown)"
     logger.warning(report)
     return report
+
+
+# ----------------------------------------------------------------------------- Megatron-Core's helpers
+
+
+def determine_global_metadata(sharded_state_dict: Any, group: Optional[Any] = None) -> Tuple[List[Any], List[List[Any]]]:
+    """``(local, global)``: this rank's sharded items without data, and every rank's (one
+    ``all_gather_object``: per-rank bytes grow with the world size, unlike
+    :func:`validate_sharding_integrity`, which ``save`` uses; kept for Megatron-Core's callers)."""
+    local = [item.without_data() for item in nested_values(sharded_state_dict)]
+    return local, all_gather_object(local, group)
+
+
+def adjust_non_strict_load(sharded_state_dict: Any, sharded_keys_to_remove: Set[str]) -> Any:
+    """The sharded state dict without the sharded items whose key is in ``sharded_keys_to_remove``."""
+
+    def unexpected(x: Any) -> bool:
+        if not isinstance(x, ShardedBase):
+            raise CheckpointingException(f"adjust_non_strict_load: expected only sharded items, got {type(x).__name__}")
+        return x.key in sharded_keys_to_remove
+
+    return extract_matching_values(sharded_state_dict, unexpected)[1]
+
+
+def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
+                                             raise_error: bool = True) -> None:
+    """Raise a :class:`CheckpointingException` (or log a warning if not ``raise_error``)
+    naming the missing and unexpected keys, when there are any."""
+    if not missing_keys and not unexpected_keys:
+        return
+    parts = []
+    if missing_keys:
+        parts.append(f"Missing keys (in the checkpoint, requested by no rank): {sorted(missing_keys)}.")
+    if unexpected_keys:
+        parts.append(f"Unexpected keys (requested on this rank, not in the checkpoint): {sorted(unexpected_keys)}.")
+    if raise_error:
+        raise CheckpointingException(" ".join(parts))
+    logger.warning(" ".join(parts))
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """Refuse a pair of strategies neither of which can save or load ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not common_strategy.can_handle_sharded_objects:
+        raise CheckpointingException(
+            f"Either the sharded strategy or the common strategy must handle ShardedObjects: neither "
+            f"{sharded_strategy} nor {common_strategy} does (can_handle_sharded_objects=False)")

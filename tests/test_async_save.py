@@ -454,7 +454,7 @@ def _reuse_worker(rank, world, root):
     def live():
         return _async_threads(ignore=unrelated)
 
-    queue = AsyncCallsQueue()
+    queue = AsyncCallsQueue(persistent=True)
     pids, idents = [], set()
     dirs = [os.path.join(root, f"p{i}") for i in range(4)]
 
@@ -1178,7 +1178,7 @@ def _copy_snapshot(rank, world, root):
     written by the queue's one thread (no process), buffers reused across saves and never
     shared by two writes in flight, and errors on every rank."""
     strategy = _copy_strategy()
-    queue = AsyncCallsQueue()
+    queue = AsyncCallsQueue(persistent=True)
     idents = set()
     orig_write = strategy._write_files
 

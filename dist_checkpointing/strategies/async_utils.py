@@ -47,14 +47,19 @@ class AsyncRequest:
         async_fn_kwargs: keyword arguments of ``async_fn``.
         resources: objects with a ``release()`` method kept alive across calls (e.g. reused
             staging buffers); :meth:`AsyncCallsQueue.close` releases them.
+        preload_fn: called when the request is scheduled (in the caller's thread); its result
+            replaces ``async_fn_args[1]`` (Megatron-Core's device-to-host staging hook).
+        call_idx: the index the queue gave the request (set when it is scheduled).
     """
 
     async_fn: Optional[Callable[..., Any]]
     async_fn_args: Tuple[Any, ...] = ()
     finalize_fns: List[Callable[[], Any]] = field(default_factory=list)
     async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
-    resources: List[Any] = field(default_factory=list)
+    preload_fn: Optional[Callable[[], Any]] = None
     is_frozen: bool = False
+    call_idx: int = 0
+    resources: List[Any] = field(default_factory=list)
 
     def _check_not_frozen(self) -> None:
         if self.is_frozen:
@@ -81,13 +86,25 @@ class AsyncRequest:
         """Run everything now, in this thread: ``async_fn``, then (if it succeeded on every
         rank) the finalize steps. Collective like finalization: errors are raised on every
         rank."""
-        call = _Call(-1, self)
+        call = _Call(-1, _preloaded(self))
         call.run()
         _finalize(call, is_distributed(), "Async request")
 
     def freeze(self) -> "AsyncRequest":
         """A frozen copy (what a queue keeps once the request is scheduled)."""
         return replace(self, finalize_fns=list(self.finalize_fns), resources=list(self.resources), is_frozen=True)
+
+
+def _preloaded(request: AsyncRequest) -> AsyncRequest:
+    """``request`` with ``preload_fn`` run now and its result as ``async_fn_args[1]``."""
+    if request.preload_fn is None:
+        return request
+    args = list(request.async_fn_args)
+    if len(args) < 2:
+        raise CheckpointingException(
+            f"preload_fn replaces async_fn_args[1], but the request has {len(args)} args")
+    args[1] = request.preload_fn()
+    return replace(request, async_fn_args=tuple(args), preload_fn=None)
 
 
 class _Chained:
@@ -174,14 +191,16 @@ class AsyncCallsQueue:
 
     Args:
         persistent: run the requests' ``async_fn`` in one background thread started on
-            the first request and reused until :meth:`close` (the default); ``False``
-            starts a thread per request.
+            the first request and reused until :meth:`close`; ``False`` (the default, as in
+            Megatron-Core) starts a thread per request. (Megatron-Core runs them in a forked
+            process per request, or in one spawned worker: :mod:`.async_callers` has those
+            callers; our async saves fork their own writer, so a thread is enough here.)
 
     Scheduling and finalizing are collective: every rank schedules the same requests in
     the same order and calls :meth:`maybe_finalize_async_calls` at the same points.
     """
 
-    def __init__(self, persistent: bool = True):
+    def __init__(self, persistent: bool = False):
         self.persistent = persistent
         self._calls: List[_Call] = []
         self._next_idx = 0
@@ -196,7 +215,8 @@ class AsyncCallsQueue:
         if not isinstance(async_request, AsyncRequest):
             raise CheckpointingException(f"Not an AsyncRequest: {async_request!r}")
         async_request.is_frozen = True  # later changes to it would be ignored: refuse them
-        request = async_request
+        async_request.call_idx = self._next_idx
+        request = _preloaded(async_request)
         for resource in request.resources:
             self._resources[id(resource)] = resource
         call = _Call(self._next_idx, request)
@@ -462,6 +482,12 @@ class ForkedCall:
             return False, f"{self.what}: process {self.pid} was killed by signal {sig} ({signal.Signals(sig).name})"
         return False, f"{self.what}: process {self.pid} exited with status {os.waitstatus_to_exitcode(status)} without a result"
 
+    def done(self) -> bool:
+        """Whether the child has reported (or died): :meth:`result` will not wait long."""
+        if self._outcome is not None:
+            return True
+        return bool(select.select([self._read_fd], [], [], 0)[0])
+
     def kill(self) -> None:
         """Kill the child if it is still running (whoever waits for it sees the error)."""
         with self._reap_lock:
@@ -477,3 +503,6 @@ def _kill_live_children() -> None:
     for child in list(_live_children):
         child.kill()
     reap_exited_children(block=True)
+
+
+from .async_callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc  # noqa: E402,F401

@@ -21,6 +21,10 @@ from ..storage.zip_crc import zip_crc_disabled
 
 Payload = Union[torch.Tensor, bytes]
 
+# Megatron-Core's writer reports through this process-wide queue, which Megatron-LM's
+# trainer shuts down and resets; ours reports through the AsyncRequest, so it stays None.
+_results_queue = None
+
 
 class HostStaging:
     """Host (CPU) copies of tensors for async saves, kept for the next save of the same

@@ -1,0 +1,199 @@
+"""Megatron-Core's async callers: one :class:`AsyncRequest` at a time run in another process.
+
+* :class:`TemporalAsyncCaller` forks a process per call (our :class:`ForkedCall`: a
+  copy-on-write snapshot of this process, killed if this process dies).
+* :class:`PersistentAsyncCaller` starts one worker process (``spawn``) on its first call and
+  sends it every request through a queue; the request (``async_fn`` and its arguments)
+  must be picklable, and ``async_fn`` must be importable by the worker.
+
+Both run ``preload_fn`` (if any) in the caller before the call starts; its result becomes
+``async_fn_args[1]``, as in Megatron-Core. Whether the current call is done is agreed over
+all ranks (one 2-byte ``all_reduce`` per check unless ``no_dist``), and an error of any
+rank's call is raised on every rank (a :class:`CheckpointingException` naming the ranks).
+:class:`~.async_utils.AsyncCallsQueue` does not use these classes: it runs requests in a
+background thread of this process (our async saves fork their own writer), which needs no
+picklable request.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue as queue_mod
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, Deque, Dict, Optional, Tuple
+
+from ..collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
+from ..core import CheckpointingException, gc_paused
+from .async_utils import AsyncRequest, ForkedCall, _preloaded
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a blocking check looks at the worker
+
+
+_disable_gc = gc_paused  # Megatron-Core's name: garbage collection off for a block or a decorated function
+
+
+class AsyncCaller(ABC):
+    """Runs one async call at a time in another process; every method is called on every rank."""
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req.async_fn`` (nothing if it is None)."""
+
+    @abstractmethod
+    def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
+        """(whether the current call still runs here, its error if it ended with one)."""
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Whether the current call is done on every rank (on this one with ``no_dist``);
+        ``blocking`` waits for it. An error on any rank is raised on every rank."""
+        alive, error = self._poll(blocking)
+        flags = [int(alive), int(error is not None)]
+        if not no_dist:
+            flags = all_reduce_max_uint8(flags)
+        if flags[0]:
+            return False
+        if flags[1]:
+            self._call_done()
+            if no_dist:
+                raise CheckpointingException(f"Async call failed: {error}")
+            raise_if_any(all_gather_object(error), "Async call")
+        self._call_done()
+        return True
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """True when no rank passes a true ``is_alive`` (one 1-byte ``all_reduce``)."""
+        return not all_reduce_max_uint8([int(bool(is_alive))])[0]
+
+    def _call_done(self) -> None:
+        """Forget the current call once it is agreed done."""
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Wait for the calls (or kill them with ``abort``) and stop."""
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """A forked process per call (a copy-on-write snapshot of this process)."""
+
+    def __init__(self) -> None:
+        self.process: Optional[ForkedCall] = None
+        self._error: Optional[str] = None
+
+    @_disable_gc()
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Fork a process running ``async_fn`` (``preload_fn`` first, here)."""
+        if async_req.async_fn is None:
+            return
+        fn = functools.partial(async_req.async_fn, *_preloaded(async_req).async_fn_args, **async_req.async_fn_kwargs)
+        self.process = ForkedCall(fn, f"Async call {async_req.call_idx}")
+
+    def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
+        if self.process is None:
+            return False, self._error
+        if not blocking and not self.process.done():
+            return True, None
+        try:
+            self.process.result()
+        except CheckpointingException as e:
+            self._error = str(e)
+        self.process = None
+        return False, self._error
+
+    def _call_done(self) -> None:
+        self._error = None
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the forked process, or kill it with ``abort``."""
+        if self.process is not None:
+            if abort:
+                self.process.kill()
+            try:
+                self.process.result()
+            except CheckpointingException as e:
+                if not abort:
+                    logger.warning("%s", e)
+            self.process = None
+
+
+def _persistent_loop(rank: int, jobs: Any, done: Any, log_level: int) -> None:
+    """The persistent worker: run each request received, report ``(call_idx, error)``."""
+    logging.getLogger(__name__).setLevel(log_level)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        call_idx, fn, args, kwargs = job
+        try:
+            with _disable_gc():
+                fn(*args, **kwargs)
+            done.put((call_idx, None))
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer
+            done.put((call_idx, f"rank {rank}: {error_message(e)}"))
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One worker process (``spawn``), started on the first call, runs every call in order."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as mp  # its queues pass tensors through shared memory
+
+        self._ctx = mp.get_context("spawn")
+        self.process = None
+        self.queue = self._ctx.Queue()
+        self.comp_q = self._ctx.Queue()
+        self._pending: Deque[int] = deque()
+        self._finished: Dict[int, Optional[str]] = {}
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Send the request to the worker (started now if needed)."""
+        if async_req.async_fn is None:
+            return
+        if self.process is None:
+            self.process = self._ctx.Process(
+                target=_persistent_loop, args=(get_rank(), self.queue, self.comp_q, logger.getEffectiveLevel()),
+                name="dist_checkpointing-persistent-async", daemon=True)
+            self.process.start()
+        job = (async_req.call_idx, async_req.async_fn, tuple(_preloaded(async_req).async_fn_args), dict(async_req.async_fn_kwargs))
+        self.queue.put(job)
+        self._pending.append(async_req.call_idx)
+
+    def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
+        if not self._pending:
+            return False, None
+        current = self._pending[0]
+        while current not in self._finished:
+            try:
+                idx, error = self.comp_q.get(timeout=POLL_S) if blocking else self.comp_q.get_nowait()
+                self._finished[idx] = error
+            except queue_mod.Empty:
+                if not self.process.is_alive():
+                    self._finished[current] = f"rank {get_rank()}: the persistent async worker died " \
+                                              f"(exit code {self.process.exitcode})"
+                elif not blocking:
+                    return True, None
+        return False, self._finished[current]
+
+    def _call_done(self) -> None:
+        if self._pending:
+            self._finished.pop(self._pending.popleft(), None)
+
+    def close(self, abort: bool = False) -> None:
+        """Let the worker finish its calls and stop (kill it with ``abort``)."""
+        if self.process is None:
+            return
+        if abort:
+            self.process.kill()
+        else:
+            self.queue.put(None)
+        self.process.join()
+        self.process = None
+        self._pending.clear()
+        self._finished.clear()
+
+    def __del__(self) -> None:
+        if getattr(self, "process", None) is not None and self.process.is_alive():
+            self.process.kill()

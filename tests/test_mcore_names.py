@@ -1,0 +1,400 @@
+"""Megatron-Core 0.15's public names here: the name comparison, the switch, and the
+behaviour of the helpers added for them (compared with Megatron-Core's own functions on
+the same inputs, in a subprocess with ``MCORE_SITE`` on the path, where it is installed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_checkpointing import CheckpointingException, LocalNonpersistentObject, ShardedObject, ShardedTensor
+from dist_checkpointing.mapping import ShardedTensorFactory
+from dist_checkpointing.state_dict_utils import filter_out_empty_flatten_tensor, load_preprocess, save_preprocess
+from dist_checkpointing.strategies.async_utils import (
+    AsyncCallsQueue, AsyncRequest, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc,
+)
+from dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from dist_checkpointing.utils import (
+    _clean_metadata_for_serialization, add_prefix_for_sharding, apply_prefix_mapping, debug_time,
+    extract_nonpersistent, extract_sharded_base, extract_sharded_tensors, extract_sharded_tensors_and_factories,
+    extract_sharded_tensors_or_nonpersistent, logger_stack, replace_prefix_for_sharding, zip_strict,
+)
+from dist_checkpointing.validation import (
+    adjust_non_strict_load, determine_global_metadata, maybe_report_missing_and_unexpected_keys,
+    validate_sharded_objects_handling,
+)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MCORE_SITE = os.environ.get("MCORE_SITE", str(ROOT / ".ci" / "mcore_site"))
+needs_mcore = pytest.mark.skipif(not (Path(MCORE_SITE) / "megatron" / "core").is_dir(),
+                                 reason=f"megatron-core 0.15 not installed in {MCORE_SITE} (.ci/run installs it)")
+
+
+def _run_with_mcore(code: str, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+@needs_mcore
+def test_api_diff_script_finds_nothing_user_code_imports_missing():
+    out = _run_with_mcore(f"""
+        import sys; sys.argv = ['x', '--user-only', '--check', '--mcore-site', {MCORE_SITE!r}]
+        sys.path.insert(0, 'benchmarks')
+        import mcore_api_diff
+        raise SystemExit(mcore_api_diff.main())
+    """)
+    assert out.strip().endswith("user-imported names missing or differing: 0"), out
+
+
+@needs_mcore
+def test_api_diff_script_reports_a_missing_name_and_a_signature_change():
+    # the check must be able to fail: hide a name and change a signature, then compare
+    out = _run_with_mcore(f"""
+        import sys; sys.path.insert(0, 'benchmarks')
+        import mcore_api_diff, dist_checkpointing.utils as u
+        del u.replace_prefix_for_sharding
+        u.apply_prefix_mapping = lambda sharded_state_dict, mapping: None
+        reports = mcore_api_diff.compare(__import__('pathlib').Path({MCORE_SITE!r}))
+        print(sorted(p for r in reports for p in r.user_problems()))
+    """)
+    assert "'apply_prefix_mapping'" in out and "'replace_prefix_for_sharding'" in out, out
+
+
+# ----------------------------------------------------------------------------- the switch
+
+_SWITCH = """
+    import sys, importlib
+    import dist_checkpointing, dist_checkpointing.megatron as dm
+    {before}
+    dm.install(); dm.install()
+    assert sum(isinstance(f, dm.MegatronAliasFinder) for f in sys.meta_path) == 1
+    import megatron.core.dist_checkpointing as m
+    assert m is dist_checkpointing, m
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    assert ShardedTensor is dist_checkpointing.ShardedTensor
+    for sub in ['mapping', 'utils', 'optimizer', 'dict_utils', 'serialization', 'validation', 'core',
+                'tensor_aware_state_dict', 'state_dict_utils', 'exchange_utils', 'strategies',
+                'strategies.async_utils', 'strategies.filesystem_async', 'strategies.fully_parallel',
+                'strategies.torch', 'strategies.base', 'strategies.common', 'strategies.resharding']:
+        mod = importlib.import_module('megatron.core.dist_checkpointing.' + sub)
+        assert mod is importlib.import_module('dist_checkpointing.' + sub), sub
+    assert dist_checkpointing.__spec__.name == 'dist_checkpointing'
+    import megatron.core
+    assert megatron.core.dist_checkpointing is dist_checkpointing
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
+    dm.uninstall(); dm.uninstall()
+    assert not dm.is_installed()
+    import megatron.core.dist_checkpointing as theirs
+    assert theirs is not dist_checkpointing and 'mcore_site' in theirs.__file__
+    print('SWITCH OK')
+"""
+
+
+@needs_mcore
+@pytest.mark.parametrize("before", ["", "import megatron.core", "import megatron.core.dist_checkpointing.mapping"],
+                         ids=["before_megatron", "after_megatron_core", "after_their_package"])
+def test_switch_resolves_megatron_package_to_ours(before):
+    assert "SWITCH OK" in _run_with_mcore(_SWITCH.format(before=before))
+
+
+@needs_mcore
+def test_switch_runner_runs_a_script_with_the_switch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys, megatron.core.dist_checkpointing as m, dist_checkpointing\n"
+                      "assert m is dist_checkpointing\nprint('ARGS', sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "dist_checkpointing.megatron", str(script), "--ckpt-format",
+                           "torch_dist"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ARGS ['--ckpt-format', 'torch_dist']" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_switch_without_megatron_installed():
+    code = ("import sys, dist_checkpointing.megatron as dm, dist_checkpointing\n"
+            "dm.install()\nimport megatron.core.dist_checkpointing.utils as u\n"
+            "assert u is sys.modules['dist_checkpointing.utils']\n"
+            "try:\n    import megatron.core.dist_checkpointing.no_such_module\nexcept ImportError: print('NOMOD OK')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # without Megatron the parents megatron / megatron.core do not exist: the import fails cleanly
+    assert proc.returncode == 0 or "No module named 'megatron'" in proc.stderr, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- utils vs Megatron-Core
+
+_UTILS_COMPARE = """
+    import torch, logging
+    import dist_checkpointing as ours_pkg, dist_checkpointing.utils as ours_u
+    import megatron.core.dist_checkpointing as theirs_pkg, megatron.core.dist_checkpointing.utils as theirs_u
+    import dist_checkpointing.state_dict_utils as ours_s, megatron.core.dist_checkpointing.state_dict_utils as theirs_s
+    import dist_checkpointing.mapping as om, megatron.core.dist_checkpointing.mapping as tm
+
+    def build(m):
+        t = torch.arange(8.).reshape(2, 4)
+        return {'model': {'a': m.ShardedTensor.from_rank_offsets('decoder.a', t.clone()),
+                          'f': m.ShardedTensorFactory('decoder.f', t.clone(),
+                                                      lambda k, d, r, f: {'x': m.ShardedTensor.from_rank_offsets(k, d)},
+                                                      lambda x: x['x']),
+                          'b': [m.ShardedTensor.from_rank_offsets('embedding.b', t.clone(), replica_id=1), 7,
+                                m.LocalNonpersistentObject('np')],
+                          'o': m.ShardedObject('decoder.o', {'x': 1}, (1,), (0,))},
+                'flat': m.ShardedTensor.from_rank_offsets_flat('opt.e', torch.zeros(0), (2, 4), flattened_range=slice(3, 3)),
+                'it': 5, 'np2': m.LocalNonpersistentObject(3)}
+
+    def norm(x):
+        if isinstance(x, dict): return {k: norm(v) for k, v in x.items()}
+        if isinstance(x, list): return [norm(v) for v in x]
+        if isinstance(x, tuple): return tuple(norm(v) for v in x)
+        if hasattr(x, 'key'): return (type(x).__name__, x.key)
+        if isinstance(x, (tm.LocalNonpersistentObject, om.LocalNonpersistentObject)): return ('NP', x.obj)
+        return x
+
+    for name in ['extract_sharded_tensors', 'extract_sharded_tensors_and_factories',
+                 'extract_sharded_tensors_or_nonpersistent', 'extract_sharded_base', 'extract_nonpersistent']:
+        assert norm(getattr(ours_u, name)(build(om))) == norm(getattr(theirs_u, name)(build(tm))), name
+    for name, args in [('add_prefix_for_sharding', ('pre.',)), ('replace_prefix_for_sharding', ('', 'x.')),
+                       ('apply_prefix_mapping', ({'decoder.': 'dec.', 'dec': 'never.', 'embedding.b': 'emb'},))]:
+        a, b = build(om), build(tm)
+        getattr(ours_u, name)(a, *args); getattr(theirs_u, name)(b, *args)
+        assert norm(a) == norm(b), (name, norm(a), norm(b))
+    for mod in (ours_u, theirs_u):
+        try:
+            mod.replace_prefix_for_sharding(build(om if mod is ours_u else tm), 'decoder.', 'x.')
+            raise AssertionError('no error')
+        except ValueError as e:
+            assert 'embedding.b' in str(e) and 'decoder.' in str(e)
+    assert list(ours_u.zip_strict([1, 2], 'ab')) == list(theirs_u.zip_strict([1, 2], 'ab'))
+    assert norm(ours_s.filter_out_empty_flatten_tensor(build(om))) == norm(theirs_s.filter_out_empty_flatten_tensor(build(tm)))
+    a, b = ours_s.load_preprocess(build(om)), theirs_s.load_preprocess(build(tm))
+    assert norm(a[0]) == norm(b[0]) and a[1] == b[1] and norm(a[2]) == norm(b[2]), (norm(a), norm(b))
+    assert om.ShardedTensor.from_rank_offsets('k', torch.zeros(2, 3), (0, 1, 4)).max_allowed_chunks() == \\
+        tm.ShardedTensor.from_rank_offsets('k', torch.zeros(2, 3), (0, 1, 4)).max_allowed_chunks()
+    from megatron.core.dist_checkpointing.optimizer import KEEP_VARS_HINT
+    import dist_checkpointing.optimizer as oo
+    assert oo.KEEP_VARS_HINT == KEEP_VARS_HINT
+    print('UTILS SAME')
+"""
+
+
+@needs_mcore
+def test_utils_behave_as_megatron_cores():
+    assert "UTILS SAME" in _run_with_mcore(_UTILS_COMPARE)
+
+
+def _sd():
+    t = torch.arange(8.).reshape(2, 4)
+    return {"m": {"a": ShardedTensor.from_rank_offsets("a", t.clone()), "o": ShardedObject("o", 1, (1,), (0,)),
+                  "n": LocalNonpersistentObject("keep"), "c": 3}}
+
+
+def test_extract_and_prefix_helpers_locally():
+    sh, rest = extract_sharded_tensors(_sd())
+    assert list(sh["m"]) == ["a"] and rest == {"m": {"o": rest["m"]["o"], "n": rest["m"]["n"], "c": 3}}
+    assert list(extract_sharded_base(_sd())[0]["m"]) == ["a", "o"]
+    assert list(extract_nonpersistent(_sd())[0]["m"]) == ["n"]
+    assert list(extract_sharded_tensors_or_nonpersistent(_sd())[0]["m"]) == ["a", "n"]
+    assert list(extract_sharded_tensors_and_factories(_sd())[0]["m"]) == ["a"]
+    sd = _sd()
+    add_prefix_for_sharding(sd, "p.")
+    assert (sd["m"]["a"].key, sd["m"]["o"].key) == ("p.a", "p.o")
+    apply_prefix_mapping(sd, {"q.": "never.", "p.a": "A"})
+    assert (sd["m"]["a"].key, sd["m"]["o"].key) == ("A", "p.o")
+    with pytest.raises(ValueError, match="'?A'? to begin with prefix p."):
+        replace_prefix_for_sharding(sd, "p.", "x.")
+    with pytest.raises(ValueError, match=r"unequal lengths: \[2, 1\]"):
+        zip_strict([1, 2], [3])
+
+
+def test_debug_helpers_log_at_debug_and_warning(caplog):
+    import logging
+
+    log = logging.getLogger("test_mcore_names")
+    with caplog.at_level(logging.DEBUG, logger="test_mcore_names"):
+        with logger_stack("outer", log):
+            with debug_time("inner"):
+                pass
+        with debug_time("slow", log, threshold=0.0):
+            time.sleep(0.01)
+        with debug_time("fast", log, threshold=100.0):
+            pass
+    records = [(r.levelno, r.getMessage().split(" took")[0]) for r in caplog.records]
+    assert records == [(logging.DEBUG, "outer.inner"), (logging.WARNING, "slow")], records
+
+
+def test_clean_metadata_for_serialization_drops_process_groups():
+    assert _clean_metadata_for_serialization(None) is None
+    md = {"distrib_optim_sharding_type": "dp_reshardable", "dp_cp_group": object(), "x": 1}
+    assert _clean_metadata_for_serialization(md) == {"distrib_optim_sharding_type": "dp_reshardable", "x": 1}
+    assert "dp_cp_group" in md  # a copy
+
+
+def test_filter_and_load_preprocess_leave_the_request_unchanged():
+    sd = _sd()
+    sd["flat"] = ShardedTensor.from_rank_offsets_flat("e", torch.zeros(0), (2, 4), flattened_range=slice(3, 3))
+    sd["fac"] = ShardedTensorFactory("f", torch.ones(2), lambda k, d, r, f: {"x": ShardedTensor.from_rank_offsets(k, d)},
+                                     lambda x: x["x"])
+    assert "flat" not in filter_out_empty_flatten_tensor(sd)
+    req, nonpersistent, factories = load_preprocess(sd)
+    assert nonpersistent == {"m": {"n": "keep"}} and isinstance(sd["fac"], ShardedTensorFactory)
+    assert isinstance(req["fac"]["x"], ShardedTensor) and factories["fac"].data is None
+
+
+def test_validation_helpers():
+    sd = _sd()
+    kept = adjust_non_strict_load(extract_sharded_base(sd)[0], {"o"})
+    assert list(kept["m"]) == ["a"]
+    with pytest.raises(CheckpointingException, match="adjust_non_strict_load"):
+        adjust_non_strict_load({"x": 1}, set())
+    maybe_report_missing_and_unexpected_keys(set(), set())
+    for missing, unexpected, word in [({"m1"}, set(), "Missing"), (set(), {"u1"}, "Unexpected"), ({"a"}, {"b"}, "b")]:
+        with pytest.raises(CheckpointingException, match=word):
+            maybe_report_missing_and_unexpected_keys(missing, unexpected)
+
+    class S:
+        def __init__(self, can):
+            self.can_handle_sharded_objects = can
+
+    validate_sharded_objects_handling(S(True), S(False))
+    with pytest.raises(CheckpointingException, match="ShardedObjects"):
+        validate_sharded_objects_handling(S(False), S(False))
+
+
+def test_save_preprocess_validates_collectively(pool2):
+    results = pool2.run(_save_preprocess_rank)
+    assert results == [("sharded", ["a"], {"c": 3})] * 2
+    errors = pool2.run_expect_error(_save_preprocess_rank, True)
+    assert all("Sharding validation failed" in str(e) for e in errors), errors
+
+
+def _save_preprocess_rank(rank, world, overlap=False):
+    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2), (0, 0 if overlap else rank, world)),
+          "c": 3, "n": LocalNonpersistentObject(1)}
+    sharded, common = save_preprocess(sd)
+    _, glob = determine_global_metadata(sharded)
+    assert len(glob) == world and all(item.data is None for items in glob for item in items)
+    return "sharded", sorted(sharded), common
+
+
+# ----------------------------------------------------------------------------- MCoreTensorAwareStateDict
+
+
+def _tasd_request(rank, world, fill):
+    full = torch.arange(4 * world, dtype=torch.float32)
+    return {"w": ShardedTensor.from_rank_offsets("w", (full[rank * 4:(rank + 1) * 4] if fill else torch.zeros(4)).clone(),
+                                                 (0, rank, world)),
+            # replicated on every rank: with fully_parallel only one rank keeps it
+            "r": ShardedTensor.from_rank_offsets("r", (full * 2 if fill else torch.zeros(4 * world)).clone(),
+                                                 replica_id=rank),
+            "o": ShardedObject("o", {"rank": rank} if fill else None, (world,), (rank,)),
+            "n": LocalNonpersistentObject(f"np{rank}"), "step": 7}
+
+
+def _tasd_rank(rank, world, algo):
+    sd, cache = MCoreTensorAwareStateDict.from_state_dict(_tasd_request(rank, world, True), algo=algo)
+    kept = len(list(sd.tensors))
+    tensors = sd.pop_tensors()
+    assert sd.is_hollow and len(tensors) == kept
+    with pytest.raises(CheckpointingException, match="hollow"):
+        list(sd.tensors)
+    sd.insert_tensors([t.clone() for t in tensors])
+    assert not sd.is_hollow
+    sd.copy_tensors_to_cpu()
+    sd.restore_tensor_device()
+    out = sd.to_state_dict(_tasd_request(rank, world, False), algo=algo)
+    full = torch.arange(4 * world, dtype=torch.float32)
+    assert torch.equal(out["w"], full[rank * 4:(rank + 1) * 4]) and torch.equal(out["r"], full * 2)
+    assert out["o"] == {"rank": rank} and out["n"] == f"np{rank}" and out["step"] == 7
+    again, _ = MCoreTensorAwareStateDict.from_state_dict(_tasd_request(rank, world, True), algo=algo,
+                                                         cached_metadata=cache)
+    return kept, len(list(again.tensors))
+
+
+@pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
+def test_tensor_aware_state_dict_round_trip(pool2, algo):
+    kept = pool2.run(_tasd_rank, algo)
+    if algo == "atomic":
+        assert kept == [(2, 2), (2, 2)]
+    else:  # the replicated tensor is kept by one rank only, the same with the cached distribution
+        assert sorted(k for k, _ in kept) == [1, 2] and all(a == b for a, b in kept)
+
+
+def test_tensor_aware_state_dict_errors():
+    with pytest.raises(NotImplementedError, match="fully_parallel"):
+        MCoreTensorAwareStateDict.from_state_dict({}, algo="other")
+    sd = MCoreTensorAwareStateDict(common={"a": 1}, sharded_state_dict={})
+    with pytest.raises(CheckpointingException, match="not hollow"):
+        sd.insert_tensors([])
+    assert sd.to_state_dict({}) == {"a": 1}
+
+
+# ----------------------------------------------------------------------------- async callers
+
+
+def _write_marker(path, value):
+    Path(path).write_text(str(value))
+
+
+def _fail(path, value):
+    raise RuntimeError(f"writer failed for {value}")
+
+
+@pytest.mark.parametrize("caller_cls", [TemporalAsyncCaller, PersistentAsyncCaller])
+def test_async_callers_run_preload_and_report_errors(tmp_path, caller_cls):
+    caller = caller_cls()
+    try:
+        for i in range(2):
+            req = AsyncRequest(_write_marker, (str(tmp_path / f"m{i}"), None), [],
+                               preload_fn=lambda i=i: f"preloaded{i}", call_idx=i)
+            caller.schedule_async_call(req)
+            assert caller.is_current_async_call_done(blocking=True, no_dist=True)
+            assert (tmp_path / f"m{i}").read_text() == f"preloaded{i}"
+        caller.schedule_async_call(AsyncRequest(_fail, (str(tmp_path), 3), [], call_idx=2))
+        with pytest.raises(CheckpointingException, match="writer failed for 3"):
+            caller.is_current_async_call_done(blocking=True, no_dist=True)
+        assert caller.is_current_async_call_done(blocking=False, no_dist=True)  # nothing pending
+    finally:
+        caller.close()
+
+
+def test_queue_preload_call_idx_and_default():
+    queue = AsyncCallsQueue()
+    assert queue.persistent is False
+    seen = []
+    req = AsyncRequest(lambda a, b: seen.append((a, b)), (1, None), [], preload_fn=lambda: "staged")
+    idx = queue.schedule_async_request(req)
+    assert req.call_idx == idx
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert seen == [(1, "staged")]
+    queue.close()
+
+
+def test_disable_gc_restores_state():
+    import gc
+
+    assert gc.isenabled()
+    with _disable_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+    @_disable_gc()
+    def f():
+        return gc.isenabled()
+
+    assert f() is False and gc.isenabled()
