@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 def byte_view(data) -> memoryview:
@@ -185,3 +185,18 @@ class Storage(ABC):
     @abstractmethod
     def list(self) -> List[str]:
         """The names of the entries directly under the root, sorted (``[]`` if it is missing)."""
+
+    def listed_sizes(self) -> Optional[Dict[str, int]]:
+        """The size of every file directly under the root, from one listing, or ``None``
+        where a listing does not give sizes (a file system: a stat per file)."""
+        return None
+
+    # -- names ----------------------------------------------------------------------------
+    def local_root(self) -> Optional[str]:
+        """The local directory this storage is, or ``None`` (not on the local file system)."""
+        return None
+
+    def name_problem(self, name: str = "") -> Optional[str]:
+        """Why the file ``name`` (``""``: the root) would not be stored under the name it
+        is written with (an object store rewriting or refusing its key), or ``None``."""
+        return None
