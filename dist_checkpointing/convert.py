@@ -25,23 +25,25 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from .bytes_view import nbytes
-from .core import (CheckpointingConfig, CheckpointingException, Location, checkpoint_location, load_config, malformed,
-                   open_storage, save_config)
-from .integrity import read_file_verified
+from .core import (CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, checkpoint_location,
+                   load_config, malformed, open_storage, save_config)
+from .integrity import read_file_verified, sidecar_name
 from .path_overlap import refuse_overlap
-from .save_claim import check_claim, claim_save_dir, current_save_id, release_claim
+from .stored_names import refuse_unkept_names, verify_stored
+from .save_claim import CLAIM_FNAME, check_claim, claim_save_dir, current_save_id, release_claim
 from .strategies.base import StoredItems
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.filesystem_async import write_file
 from .storage import PosixStorage, Storage, StorageOptions, url_scheme
-from .strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, data_file_name, original_global_shape
-from .strategies.torch_dist.metadata import build_metadata, read_metadata, stored_items, write_metadata
+from .strategies.torch_dist.format import (COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name,
+                                           original_global_shape)
+from .strategies.torch_dist.metadata import build_metadata, data_file_sizes, read_metadata, stored_items, write_metadata
 from .tools.output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
 from .whole_tensors import TensorReader
 
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUTS = ("mcore-0.19",)
 DATA_FNAME = data_file_name(0, 0)
+_WRITTEN = (DATA_FNAME, METADATA_FNAME, sidecar_name(METADATA_FNAME), CONFIG_FNAME, CLAIM_FNAME)
 
 
 @dataclass
@@ -82,8 +85,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     src = checkpoint_location(src, None if local_source_to_url else storage_options)
     if layout not in LAYOUTS:
         raise CheckpointingException(f"Unknown checkpoint layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    if isinstance(src, Path) and not to_url:  # (a URL cannot overlap a local path)
-        refuse_overlap(src, Path(dst), "convert")
+    refuse_overlap(src, dst, "convert")
     with malformed(f"Cannot convert {src} to {dst}"):
         config = load_config(src)
         if config.sharded_backend != "torch_dist":
@@ -94,7 +96,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         dst = Path(dst)
         refuse_existing(dst, force)
         with staging_dir(dst) as (tmp, location):
-            result = _convert(src, PosixStorage(tmp), str(dst), config, progress)
+            result, _ = _convert(src, PosixStorage(tmp), str(dst), config, progress)
             save_config(new_config, tmp)
             move_into_place(tmp, location)
         return result
@@ -103,10 +105,11 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
 def _convert_to_url(src: Location, dst: str, config: CheckpointingConfig, new_config: CheckpointingConfig,
                     progress: Optional[Progress], force: bool, storage_options: StorageOptions) -> ConvertResult:
     """Convert into the prefix ``dst`` with a save's commit rules (claim, ``metadata.json`` last)."""
+    refuse_unkept_names(open_storage(dst, storage_options), _WRITTEN, f"Cannot convert {src} to {dst}")
     out, old = url_output(dst, storage_options, force)
     clear_url_output(out, old)
     save_id = claim_save_dir(out)
-    result = _convert(src, out, dst, config, progress)
+    result, written = _convert(src, out, dst, config, progress)
     check_claim(out, save_id)
     save_config(new_config, out)
     release_claim(out, save_id)
@@ -114,9 +117,10 @@ def _convert_to_url(src: Location, dst: str, config: CheckpointingConfig, new_co
 
 
 def _convert(src: Location, out: Storage, dst: str, config: CheckpointingConfig,
-             progress: Optional[Progress]) -> ConvertResult:
+             progress: Optional[Progress]) -> Tuple[ConvertResult, Dict[str, Optional[int]]]:
     """Write the converted data file and ``.metadata`` into ``out`` (``metadata.json``, the
-    commit, is the caller's)."""
+    commit, is the caller's); returns what was written and the files with their sizes
+    (``None``: not counted here)."""
     start = time.perf_counter()
     metadata = read_metadata(src)
     keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
@@ -149,7 +153,7 @@ def _convert(src: Location, out: Storage, dst: str, config: CheckpointingConfig,
     logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",
                 src, dst, LAYOUTS[0], time.perf_counter() - start, result.tensors, result.flattened,
                 result.nbytes / 2**20, result.objects)
-    return result
+    return result, {**data_file_sizes(new_metadata), METADATA_FNAME: None, sidecar_name(METADATA_FNAME): None}
 
 
 def _whole_tensor_meta(reader: TensorReader, key: str) -> tuple:

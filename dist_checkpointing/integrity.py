@@ -103,7 +103,7 @@ class RecordVerifier:
             start += len(data)
 
 
-def _sidecar(name: str) -> str:
+def sidecar_name(name: str) -> str:
     return name + SIDECAR_SUFFIX
 
 
@@ -124,24 +124,25 @@ def write_file_with_checksum(checkpoint_dir: Location, name: str, data) -> None:
         sidecar["save_id"] = save_id
     written = name
     try:
-        storage.delete(_sidecar(name))
+        storage.delete(sidecar_name(name))
         storage.write_atomic(name, data)
-        written = _sidecar(name)
+        written = sidecar_name(name)
         storage.write_atomic(written, json.dumps(sidecar).encode())
     except OSError as e:
         raise CheckpointingException(f"Cannot write checkpoint file {storage.describe(written)}: {e}") from e
 
 
-def recorded_save_id(checkpoint_dir: Location, name: str) -> Optional[str]:
-    """The save id recorded in the checksum sidecar of the file ``name`` (``None`` without one)."""
+def sidecar_record(checkpoint_dir: Location, name: str) -> Optional[Dict[str, Any]]:
+    """The checksum sidecar of the file ``name`` as written (``None`` without one; ``{}``
+    for one that is not a JSON object)."""
     storage = open_storage(checkpoint_dir)
     try:
-        raw = json.loads(storage.read_bytes(_sidecar(name)))
+        raw = json.loads(storage.read_bytes(sidecar_name(name)))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointingException(f"Checksum file {storage.describe(_sidecar(name))} is damaged: {e}") from e
-    return raw.get("save_id") if isinstance(raw, dict) else None
+        raise CheckpointingException(f"Checksum file {storage.describe(sidecar_name(name))} is damaged: {e}") from e
+    return raw if isinstance(raw, dict) else {}
 
 
 def read_file_verified(checkpoint_dir: Location, name: str, verify: bool = True) -> bytes:
@@ -162,7 +163,7 @@ def read_file_verified(checkpoint_dir: Location, name: str, verify: bool = True)
 
 
 def _read_sidecar(storage, name: str) -> Optional[tuple]:
-    sidecar = _sidecar(name)
+    sidecar = sidecar_name(name)
     if storage.info(sidecar) is None:
         return None
     where = storage.describe(sidecar)

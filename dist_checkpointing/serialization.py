@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from .collectives import broadcast_object, error_message, get_rank, run_agreed
 from .core import (
+    CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
@@ -44,9 +45,10 @@ from .readers import (
     sharded_load_strategy,
 )
 from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
-from .integrity import recorded_save_id
-from .manifest import hash_written_files, verify_manifest, write_manifest
-from .save_claim import check_claim, claim_save_dir, release_claim
+from .integrity import sidecar_name, sidecar_record
+from .manifest import MANIFEST_FNAME, hash_written_files, verify_manifest, write_manifest
+from .save_claim import CLAIM_FNAME, check_claim, claim_save_dir, release_claim
+from .stored_names import refuse_unkept_names, verify_stored
 from .storage import StorageOptions
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,
@@ -196,18 +198,30 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
 
 # ----------------------------------------------------------------------------- save
 
+# the names a save writes besides the sharded strategy's data files (checked up front)
+SAVED_FILE_NAMES = (CLAIM_FNAME, COMMON_STATE_FNAME, sidecar_name(COMMON_STATE_FNAME), METADATA_FNAME,
+                sidecar_name(METADATA_FNAME), MANIFEST_FNAME, CONFIG_FNAME)
 
-def _check_written_by(save_id: str, checkpoint_dir: CkptDir) -> None:
+
+def _check_written_by(save_id: str, checkpoint_dir: CkptDir) -> Dict[str, Optional[int]]:
     """Before committing: the directory is still this save's, and the files that record a
-    save id (the checksum sidecars of ``common.pt`` and ``.metadata``) name this one."""
+    save id (the checksum sidecars of ``common.pt`` and ``.metadata``) name this one;
+    returns those files and sidecars with the sizes recorded (``None``: any size)."""
     check_claim(checkpoint_dir, save_id)
+    written: Dict[str, Optional[int]] = {}
     for name in (COMMON_STATE_FNAME, METADATA_FNAME):
-        recorded = recorded_save_id(checkpoint_dir, name)
+        record = sidecar_record(checkpoint_dir, name)
+        if record is None:
+            continue
+        recorded = record.get("save_id")
         if recorded is not None and recorded != save_id:
             raise CheckpointingException(
                 f"{open_storage(checkpoint_dir).describe(name)} was written by save {recorded}, not by this save ({save_id}): "
                 "another save wrote into the directory; not committing it"
             )
+        length = record.get("length")
+        written.update({name: length if isinstance(length, int) else None, sidecar_name(name): None})
+    return written
 
 
 def _claim_directory(checkpoint_dir: CkptDir) -> str:
@@ -225,13 +239,22 @@ def _claim_directory(checkpoint_dir: CkptDir) -> str:
     return save_id  # type: ignore[return-value]
 
 
-def _commit(checkpoint_dir: CkptDir, save_id: str, config: CheckpointingConfig, verify_integrity: bool) -> None:
+def _commit(checkpoint_dir: CkptDir, save_id: str, config: CheckpointingConfig, verify_integrity: bool,
+            data_files: Optional[Dict[str, int]]) -> None:
     """The last step of a save: with ``verify_integrity`` every rank hashes the files it
-    wrote (collective); rank 0 checks the directory is still this save's, writes
+    wrote (collective); rank 0 checks the directory is still this save's and that the
+    store kept every file written (``data_files``: the sharded strategy's, with their
+    sizes; one listing — if not, the claim is dropped and the save fails), writes
     ``integrity.json`` (if any), then ``metadata.json`` — the commit — and drops the claim."""
     digests = hash_written_files(checkpoint_dir) if verify_integrity else None
     if get_rank() == 0:
-        _check_written_by(save_id, checkpoint_dir)
+        written = _check_written_by(save_id, checkpoint_dir)
+        try:
+            verify_stored(open_storage(checkpoint_dir), {**written, **(data_files or {})},
+                          f"Not committing {open_storage(checkpoint_dir).describe()}")
+        except CheckpointingException:
+            release_claim(checkpoint_dir, save_id)
+            raise
         if digests is not None:  # before metadata.json: a committed checkpoint has all of it
             write_manifest(checkpoint_dir, digests, config)
         save_config(config, checkpoint_dir)
@@ -305,6 +328,8 @@ def save(
             if isinstance(sh, ShardedTensor) and sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
         phases.nbytes = _local_bytes(sharded, main_only=True)
+        refuse_unkept_names(open_storage(checkpoint_dir), [*SAVED_FILE_NAMES, *sharded_strategy_.data_file_names(rank)],
+                            "Saving the checkpoint")
         return sharded_strategy_, common_strategy_, sharded, common
 
     sharded_strategy_, common_strategy_, sharded, common = run_agreed(prepare, "Preparing the save")
@@ -334,7 +359,7 @@ def save(
                                  common_strategy_.backend, common_strategy_.version)
 
     def commit() -> None:
-        _commit(checkpoint_dir, save_id, config, verify_integrity)
+        _commit(checkpoint_dir, save_id, config, verify_integrity, sharded_strategy_.last_written_files)
 
     if async_sharded_save:
         request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),

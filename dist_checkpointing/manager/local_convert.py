@@ -27,6 +27,7 @@ from ..collectives import get_world_size
 from ..core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict, is_main_replica
+from ..path_overlap import refuse_overlap
 from ..sharded_tensor import ShardedTensor
 from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
@@ -81,6 +82,7 @@ def convert_local_checkpoint(node_dirs: Sequence[Union[str, "os.PathLike[str]"]]
     for d in dirs:
         if url_scheme(d) or not os.path.isdir(d):
             raise CheckpointingException(f"Local tier: {d} is not a local directory (a node directory must be one)")
+        refuse_overlap(d, output, "convert a local-tier checkpoint from")
     out = open_storage(output, storage_options)
     if out.kind() == "file" or (out.kind() == "dir" and out.list()):
         raise CheckpointingException(f"Cannot convert a local-tier checkpoint to {out.describe()}: it is not empty")

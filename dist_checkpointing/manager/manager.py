@@ -21,13 +21,15 @@ from .. import serialization
 from ..collectives import broadcast_object, error_message, get_rank, run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException, open_storage
 from ..mapping import ShardedStateDict, StateDict
+from ..path_overlap import refuse_overlap
 from ..storage import Storage, url_scheme
+from ..stored_names import refuse_unkept_names
 from ..strategies.async_utils import AsyncCallsQueue
 from ..validation import StrictHandling
 from .crash import crash_point
 from .layout import (
-    CONTENT_KEY, RELEASE, Metrics, config_name, recorded_metrics, read_index, scan_root, step_dir, write_index,
-    write_tracker,
+    CONTENT_KEY, INDEX_FNAME, RELEASE, TRACKER_FNAME, Metrics, config_name, recorded_metrics, read_index, scan_root,
+    step_dir, write_index, write_tracker,
 )
 from .local_restore import restore as restore_local, restored_state
 from .local_marker import load_run_id, normalise_root
@@ -171,6 +173,7 @@ class CheckpointManager:
     def _open_root(self) -> Tuple[Dict[int, Metrics], List[str]]:
         """Rank 0: create the root, take its lock, find its checkpoints (metrics from the
         index, else from the checkpoints themselves) and repair the tracker."""
+        refuse_unkept_names(self.storage, [TRACKER_FNAME, INDEX_FNAME], "CheckpointManager")
         kind = self.storage.kind()
         if kind == "file":
             raise CheckpointingException(f"Checkpoint root {self.storage.describe()} is a file, not a directory")
@@ -436,6 +439,7 @@ class CheckpointManager:
                 if restored[0] not in self.local.complete:  # it is in the local tier: not saved there again
                     self.local.complete.append(restored[0])
                 if persist_local:
+                    self._refuse_persisting_onto_local(restored[0])
                     self.save(restored[0], restored_state(sharded_state_dict, restored[1]), force=True)
                 return restored[1]
         with ExitStack() as held:
@@ -450,6 +454,14 @@ class CheckpointManager:
             run_agreed(lambda: None, "Loading")  # every rank is done reading
         self.restored_from = ("persistent", chosen)
         return result
+
+    def _refuse_persisting_onto_local(self, step: int) -> None:
+        """``persist_local``: refuse (on every rank) a persistent step directory that is, holds
+        or lies inside a rank's node-local directory (saving it would delete or mix copies)."""
+        assert self.local is not None
+        node_dir, target = self.local.node_dir, self._location(step_dir(step))
+        run_agreed(lambda: refuse_overlap(node_dir, target, "persist the local-tier step"),
+                   f"Persisting step {step} from the local tier")
 
     def load_common(self, step: Optional[int] = None) -> StateDict:
         """The common (non-sharded) state of ``step`` (default: the newest complete one);

@@ -11,10 +11,11 @@ import re
 from typing import Any, Callable, Dict, Optional, Union
 
 from .base import FileInfo, RangeReader, Storage, WriteStream
+from .locations import normalized_location, object_key_problem
 from .posix import PosixStorage
 
 __all__ = ["FileInfo", "PosixStorage", "RangeReader", "Storage", "StorageOptions", "WriteStream",
-           "register_storage", "storage_for", "url_scheme"]
+           "normalized_location", "object_key_problem", "register_storage", "storage_for", "url_scheme"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _factories: Dict[str, Callable[..., Storage]] = {}

@@ -202,3 +202,18 @@ class Storage(ABC):
         file), ``"dir"``, ``"link"`` (a symbolic link), ``"other"`` (a FIFO, socket or
         device) or ``None`` (missing). Object stores have files and prefixes only."""
         return self.kind(name)
+
+    def listed_sizes(self) -> Optional[Dict[str, int]]:
+        """The size of every file directly under the root, from one listing, or ``None``
+        where a listing does not give sizes (a file system: a stat per file)."""
+        return None
+
+    # -- names ----------------------------------------------------------------------------
+    def local_root(self) -> Optional[str]:
+        """The local directory this storage is, or ``None`` (not on the local file system)."""
+        return None
+
+    def name_problem(self, name: str = "") -> Optional[str]:
+        """Why the file ``name`` (``""``: the root) would not be stored under the name it
+        is written with (an object store rewriting or refusing its key), or ``None``."""
+        return None

@@ -22,6 +22,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
+from .locations import object_key_problem
 
 _VERSION_FIELDS = ("size", "mtime", "created", "ETag", "etag", "generation", "ino", "LastModified", "last_modified")
 
@@ -143,12 +144,29 @@ class FsspecStorage(Storage):
     def describe(self, name: str = "") -> str:
         return f"{self._url}/{name}" if name else self._url
 
+    def local_root(self) -> Optional[str]:
+        return self.root if self._local else None
+
+    def name_problem(self, name: str = "") -> Optional[str]:
+        """An object store's rules (:func:`.locations.object_key_problem`) for every URL
+        not on the local file system."""
+        if self._local:
+            return None
+        return object_key_problem("/".join(p for p in (self.root.lstrip("/"), name) if p))
+
+    def _refuse_unkept(self, name: str) -> None:
+        problem = self.name_problem(name)
+        if problem is not None:
+            raise OSError(errno.EINVAL, f"{self.describe(name)}: not an object key the store keeps: {problem}")
+
     def create_stream(self, name: str) -> WriteStream:
+        self._refuse_unkept(name)
         if self.info(name) is not None:
             raise FileExistsError(errno.EEXIST, f"{self.describe(name)} exists")
         return FsspecWriteStream(self.fs, self._path(name))
 
     def write_atomic(self, name: str, data) -> None:
+        self._refuse_unkept(name)
         if not self._local:
             self.fs.pipe_file(self._path(name), bytes(byte_view(data)))
             return
@@ -161,6 +179,7 @@ class FsspecStorage(Storage):
             raise
 
     def create_exclusive(self, name: str, data) -> None:
+        self._refuse_unkept(name)
         path = self._path(name)
         try:
             with self.fs.open(path, "xb") as f:
@@ -231,9 +250,16 @@ class FsspecStorage(Storage):
             return "link"
         return {"file": "file", "directory": "dir"}.get(found.get("type"), "other")
 
-    def list(self) -> List[str]:
+    def _ls(self) -> List[Any]:
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            return self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
-        return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def list(self) -> List[str]:
+        return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._ls()})
+
+    def listed_sizes(self) -> Optional[Dict[str, int]]:
+        if self._local:
+            return None
+        return {str(e["name"]).rsplit("/", 1)[-1]: int(e["size"]) for e in self._ls() if e.get("type") == "file"}

@@ -361,6 +361,9 @@ class PosixStorage(Storage):
     def describe(self, name: str = "") -> str:
         return self._path(name)
 
+    def local_root(self) -> Optional[str]:
+        return self.root
+
     def create_stream(self, name: str) -> WriteStream:
         return (StagedFileWriter if self._staged else PlainFileWriter)(self._path(name))
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE
+from .locations import object_key_problem
 from .s3_client import DEFAULT_MAX_RETRIES, PART_BYTES, PARTS_IN_FLIGHT, _obstore, _os_errors, _store_options
 from .s3_reader import S3Reader
 
@@ -265,7 +266,17 @@ class S3Storage(Storage):
         path = "/".join(p for p in (self.prefix, name) if p)
         return f"s3://{self.bucket}/{path}"
 
+    def name_problem(self, name: str = "") -> Optional[str]:
+        return object_key_problem("/".join(p for p in (self.prefix, name) if p))
+
+    def _refuse_unkept(self, name: str) -> None:
+        """An ``OSError`` for a key the store would not keep as written (a write is refused)."""
+        problem = self.name_problem(name)
+        if problem is not None:
+            raise OSError(errno.EINVAL, f"{self.describe(name)}: not an object key the store keeps: {problem}")
+
     def create_stream(self, name: str) -> WriteStream:
+        self._refuse_unkept(name)
         if self.info(name) is not None:
             raise FileExistsError(errno.EEXIST, f"{self.describe(name)} exists")
         return S3WriteStream(self._store, name, self.describe(name))
@@ -273,6 +284,7 @@ class S3Storage(Storage):
     def _put(self, name: str, data, mode: str) -> None:
         """One PUT; retried here, within the retry budget, when it failed in transit and obstore
         did not retry it (a timed-out conditional PUT: obstore retries only idempotent requests)."""
+        self._refuse_unkept(name)
         for attempt in range(self._max_retries + 1):
             try:
                 with _os_errors(f"write of {self.describe(name)}"):
@@ -362,10 +374,13 @@ class S3Storage(Storage):
             return "file"
         return "dir" if self._has_children(name) else None
 
+    def _list(self) -> Dict[str, Any]:
+        with _os_errors(f"list of {self.describe()}"):
+            return _obstore().list_with_delimiter(self._store, None)
+
     def _listing(self) -> Dict[str, str]:
         """The entries under the prefix from one listing: objects ``"file"``, prefixes ``"dir"``."""
-        with _os_errors(f"list of {self.describe()}"):
-            result = _obstore().list_with_delimiter(self._store, None)
+        result = self._list()
         found = {}
         for kind, names in (("file", [o["path"] for o in result["objects"]]), ("dir", result["common_prefixes"])):
             for name in names:
@@ -379,3 +394,6 @@ class S3Storage(Storage):
 
     def entries(self) -> Dict[str, Optional[str]]:
         return dict(sorted(self._listing().items()))
+
+    def listed_sizes(self) -> Optional[Dict[str, int]]:
+        return {name: o["size"] for o in self._list()["objects"] if (name := o["path"].rsplit("/", 1)[-1])}

@@ -218,6 +218,14 @@ class SaveShardedStrategy(SaveStrategyBase):
     last_written_bytes: Optional[int] = None
     #: seconds of the phases of the last :meth:`save` on this rank (``{"plan": ..., "write": ...}``), if measured
     last_timings: Optional[Dict[str, float]] = None
+    #: on rank 0, once the last save's metadata is written: the files it names (``.metadata``
+    #: included) and their sizes, which the commit checks the store kept; ``None`` if not known
+    last_written_files: Optional[Dict[str, int]] = None
+
+    def data_file_names(self, rank: int) -> List[str]:
+        """Names of the files rank ``rank`` may write (the longest of each pattern), checked
+        up front against what the store keeps as written; ``[]`` if not known."""
+        return []
 
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:

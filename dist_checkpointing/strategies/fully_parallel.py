@@ -203,6 +203,13 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
 
+    @property
+    def last_written_files(self) -> Optional[Dict[str, int]]:  # type: ignore[override]
+        return self.base_strategy.last_written_files
+
+    def data_file_names(self, rank: int) -> List[str]:
+        return self.base_strategy.data_file_names(rank)
+
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
         """The state dict with main replicas re-assigned for balanced writing (collective)."""
         if not is_distributed():

@@ -18,6 +18,7 @@ from ..path_overlap import refuse_overlap
 from ..safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
 from ..readers import load_tensors_metadata
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
+from ..stored_names import refuse_unkept_names
 from ..whole_tensors import TensorReader
 from .output import (OutputExistsError, PathLike, Progress, clear_url_output, delete_quietly, move_into_place,
                      refuse_existing, staging_dir, url_output)
@@ -77,8 +78,7 @@ def export_checkpoint(
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointingException(f"max_shard_bytes must be a positive number of bytes, not {max_shard_bytes!r}")
-    if isinstance(checkpoint_dir, Path) and not to_url:  # (a URL cannot overlap a local path)
-        refuse_overlap(checkpoint_dir, Path(out), "export")
+    refuse_overlap(checkpoint_dir, out, "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
         keys = _select_keys(checkpoint_dir, key_prefix)
@@ -117,6 +117,7 @@ def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, key
     if format == "torch":
         parent, name = _split_object_url(out)
         storage = open_storage(parent, storage_options)
+        refuse_unkept_names(storage, [name], f"Cannot export to {out}")
         try:
             kind = storage.kind(name)
         except OSError as e:
@@ -129,6 +130,8 @@ def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, key
             storage.delete(name)
         _export(checkpoint_dir, storage, name, format, keys, max_shard_bytes, progress)
         return [out]
+    refuse_unkept_names(open_storage(out, storage_options), [*shard_names(1), *shard_names(2)[:1], INDEX_FNAME],
+                        f"Cannot export to {out}")
     storage, old = url_output(out, storage_options, force)
     clear_url_output(storage, old)
     return [storage.describe(name)

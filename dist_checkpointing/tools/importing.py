@@ -11,13 +11,15 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from ..core import CheckpointingException, malformed
+from ..core import CheckpointingException, malformed, open_storage
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
 from ..path_overlap import refuse_overlap
 from ..safetensors_stream import INDEX_FNAME
-from ..serialization import save
+from ..serialization import SAVED_FILE_NAMES, save
 from ..storage import StorageOptions, url_scheme
+from ..strategies.torch_dist.format import data_file_name
+from ..stored_names import refuse_unkept_names
 from .output import PathLike, clear_url_output, refuse_existing, remove_path, url_output
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)
@@ -75,17 +77,19 @@ def import_checkpoint(source: PathLike, out: PathLike, force: bool = False,
     checkpoint that :func:`~dist_checkpointing.load` reads under any layout: every tensor
     becomes one whole global tensor keyed by its dotted path (``"layers.0.weight"``);
     other values become common state. Returns the number of tensors. ``out`` is a local
-    directory or a URL (``storage_options`` configure its client). A local ``out`` that
+    directory or a URL (``storage_options`` configure its client). An ``out`` that
     is the source (for an index file: its directory), holds it or lies inside it is
-    refused before anything is read. Raises only CheckpointingException."""
+    refused before anything is read (a URL too: compared after normalising it, a
+    ``file://`` URL as its path), and so is an ``out`` whose key the store would not keep
+    as written. Raises only CheckpointingException."""
     source = Path(source)
     if not source.exists():
         raise CheckpointingException(f"{source} does not exist")
+    refuse_overlap(source.parent if source.name == INDEX_FNAME else source, out, "import")
     if url_scheme(out) or storage_options:
         with malformed(f"Cannot import {source} to {out}"):
             return _import_to_url(source, str(out), force, storage_options)
     out = Path(out)
-    refuse_overlap(source.parent if source.name == INDEX_FNAME else source, out, "import")
     with malformed(f"Cannot import {source} to {out}"):
         return _import(source, out, force)
 
@@ -116,6 +120,8 @@ def _import_to_url(source: Path, out: str, force: bool, storage_options: Storage
     """:func:`import_checkpoint` into a URL: with ``force`` the files under it are deleted
     first (``metadata.json`` first; one level: a checkpoint is flat, a sub-directory there
     is refused)."""
+    refuse_unkept_names(open_storage(out, storage_options), [*SAVED_FILE_NAMES, data_file_name(0, 0)],
+                        f"Cannot import {source} to {out}")
     storage, names = url_output(out, storage_options, force)
     state = _read_source(source)
     if isinstance(state, dict):

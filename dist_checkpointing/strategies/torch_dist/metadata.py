@@ -127,6 +127,17 @@ def as_plain_metadata(metadata: Metadata) -> Metadata:
     return plain
 
 
+def data_file_sizes(metadata: Metadata) -> Dict[str, int]:
+    """The size of each data file ``metadata`` names: where its last item ends (a data file
+    is its items written back to back)."""
+    sizes: Dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        if end > sizes.get(info.relative_path, 0):
+            sizes[info.relative_path] = end
+    return sizes
+
+
 def write_metadata(metadata: Metadata, storage: Storage) -> None:
     """Write ``.metadata`` and its checksum sidecar."""
     write_file_with_checksum(storage, METADATA_FNAME, pickle.dumps(metadata))

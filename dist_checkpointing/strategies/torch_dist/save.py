@@ -42,8 +42,9 @@ from ...storage.buffers import (
 )
 from ..filesystem_async import HostStaging, write_file
 from ..memory_maps import not_isolated_by_fork
-from .metadata import Location, build_metadata, checksum_table, storage_meta, write_metadata
-from .save_plan import SaveItem, assign_files, collect_save_items
+from .format import data_file_name
+from .metadata import Location, build_metadata, checksum_table, data_file_sizes, storage_meta, write_metadata
+from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -171,6 +172,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             staged[fname][i] = replace(staged[fname][i], payload=copy)
         return staged
 
+    def data_file_names(self, rank: int) -> List[str]:
+        prefixes = {"", hint_prefix(self.separation_hint) if self.separation_hint else ""}
+        return [data_file_name(rank, self.thread_count - 1, prefix) for prefix in sorted(prefixes)]
+
     def _plan_files(self, sharded_state_dict: ShardedStateDict) -> Dict[str, List[SaveItem]]:
         items = collect_save_items(sharded_state_dict)
         #: tensor bytes this rank writes in the current save (logged by ``save``)
@@ -206,12 +211,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         per_rank = gather_object(sent)
         if rank == 0:
             try:
-                if reuse:
+                if reuse:  # the same files as last time (last_written_files too)
                     metadata = self._cache[1]
                     metadata.storage_meta = storage_meta(storage)
                     metadata.checksums = checksum_table(per_rank)
                 else:
+                    self.last_written_files = None
                     metadata = build_metadata(per_rank, storage)
+                    self.last_written_files = data_file_sizes(metadata)
                 write_metadata(metadata, storage)
                 if self.cached_metadata:
                     self._cache = (digest, metadata)

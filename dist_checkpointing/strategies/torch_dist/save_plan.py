@@ -67,6 +67,11 @@ def collect_save_items(sharded_state_dict: ShardedStateDict) -> List[SaveItem]:
     return items
 
 
+def hint_prefix(separation_hint: str) -> str:
+    """The file name prefix of the keys a ``separation_hint`` separates."""
+    return separation_hint.replace("/", "_")
+
+
 def assign_files(items: List[SaveItem], rank: int, thread_count: int,
                   separation_hint: Optional[str]) -> Dict[str, List[SaveItem]]:
     """Split items into at most ``thread_count`` files per group, balancing bytes."""
@@ -74,7 +79,7 @@ def assign_files(items: List[SaveItem], rank: int, thread_count: int,
     for item in items:
         prefix = ""
         if separation_hint and item.key.startswith(separation_hint):
-            prefix = separation_hint.replace("/", "_")
+            prefix = hint_prefix(separation_hint)
         groups.setdefault(prefix, []).append(item)
     files: Dict[str, List[SaveItem]] = {}
     for prefix, group in groups.items():
