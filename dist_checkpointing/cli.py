@@ -93,33 +93,38 @@ def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
     return options
 
 
+_CKPT = "the checkpoint: a directory or a URL (s3://bucket/prefix, …)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Inspect, validate, export, import and "
                                      "convert distributed checkpoints (of any registered backend).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("inspect", help="describe a checkpoint: backend, common state, tensors, objects, size")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help=_CKPT)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p = sub.add_parser("validate", help="check a checkpoint completely (exit 0 if intact, 1 if not)")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help=_CKPT)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("export", help="write consolidated full tensors as safetensors or one torch.save file")
-    p.add_argument("dir")
-    p.add_argument("out", help="a directory (safetensors) or a file (torch)")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("dir", metavar="DIR", help=_CKPT)
+    p.add_argument("out", metavar="OUT", help="a directory (safetensors) or a file (torch); a URL too")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                   help="safetensors files with an index (default), or one torch.save file")
     p.add_argument("--keys", metavar="PREFIX", help="only the tensors whose key starts with PREFIX")
     p.add_argument("--max-shard-size", type=_positive_gib, default=5.0, metavar="GIB",
                    help="safetensors: split into files of at most this many GiB (default 5)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p = sub.add_parser("import", help="turn a torch.save or safetensors state dict into a checkpoint")
-    p.add_argument("source", help="a torch.save file, a .safetensors file or a directory of them")
-    p.add_argument("out", help="the checkpoint directory to create")
+    p.add_argument("source", metavar="SOURCE", help="a torch.save file, a .safetensors file or a directory of them")
+    p.add_argument("out", metavar="OUT", help="the checkpoint to create: a directory or a URL")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p = sub.add_parser("convert", help="rewrite a checkpoint in Megatron-Core 0.19's layout (flattened keys "
                        "whole, common.pt as the common_state object)")
-    p.add_argument("dir")
-    p.add_argument("out", help="the checkpoint directory to create")
-    p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19")
+    p.add_argument("dir", metavar="DIR", help=_CKPT + " to convert")
+    p.add_argument("out", metavar="OUT", help="the checkpoint to create: a directory or a URL")
+    p.add_argument("--layout", choices=("mcore-0.19",), default="mcore-0.19", help="the layout to write (default and only: mcore-0.19)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p = sub.add_parser("convert-local", help="write a local-tier (two-tier mode) checkpoint as a normal one that "
                        "loads under any layout", description="Write a step of a local-tier checkpoint (the node-local "
@@ -141,6 +146,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed package's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dist_checkpointing")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -154,7 +169,11 @@ def _silence_stdout() -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line; returns the exit status (0 success, 1 failure, 2 usage)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `dist-ckpt` alone: what it can do
+        parser.print_help()
+        return 0
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
@@ -165,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.command == "validate":
             if not args.json and open_storage(args.dir, options).kind() is None:  # (--json reports it as a problem)
-                raise CheckpointingException(f"{args.dir} not found")
+                raise CheckpointingException(f"Checkpoint directory {args.dir} does not exist")
             report = validate_checkpoint(args.dir, progress=_progress("validate"), storage_options=options)
             if args.json:
                 print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))

@@ -1,5 +1,5 @@
 """The command line as a newcomer meets it: quiet on a closed pipe, the umask's modes,
-"not found" for a missing path, one-line errors naming the CLI's flags (the API's
+one wording for a missing path, help without arguments, one-line errors naming the CLI's flags (the API's
 arguments in the API), one way of printing sizes, positive shard sizes."""
 
 from __future__ import annotations
@@ -53,10 +53,30 @@ def test_export_directory_gets_the_umask_mode(ckpt, tmp_path, umask):
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
-def test_validate_of_a_missing_path_says_not_found(tmp_path, capsys):
-    assert main(["validate", str(tmp_path / "nope")]) == 1
+@pytest.mark.parametrize("command", ["inspect", "validate", "export", "convert"])
+def test_a_missing_path_is_worded_alike_by_every_subcommand(tmp_path, capsys, command):
+    outputs = [str(tmp_path / "out")] if command in ("export", "convert") else []
+    assert main([command, str(tmp_path / "nope"), *outputs]) == 1
     out, err = capsys.readouterr()
-    assert "not found" in err and "DAMAGED" not in out
+    assert err.strip() == f"error: Checkpoint directory {tmp_path / 'nope'} does not exist" and "DAMAGED" not in out
+
+
+def test_no_arguments_prints_help_and_version_is_known(capsys):
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: dist-ckpt") and "inspect" in out and err == ""
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("dist-ckpt ")
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "export", "import", "convert", "convert-local"])
+def test_every_positional_argument_has_help(capsys, command):
+    from dist_checkpointing.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices[command]
+    positionals = [a for a in sub._actions if not a.option_strings]
+    assert positionals and all(a.help for a in positionals), [a.dest for a in positionals if not a.help]
 
 
 @pytest.mark.parametrize("content", [b"hello, world\n", os.urandom(300), b"PK\x03\x04" + os.urandom(100)])
@@ -96,3 +116,12 @@ def test_inspect_and_validate_print_sizes_alike(ckpt, capsys):
     assert f"({size})" in out
     assert main(["inspect", str(ckpt)]) == 0
     assert size in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_export_logs_its_final_output_not_the_staging_folder(ckpt, tmp_path, caplog, fmt):
+    out = tmp_path / ("hf" if fmt == "safetensors" else "all.pt")
+    with caplog.at_level("INFO", logger="dist_checkpointing"):
+        export_checkpoint(ckpt, out, format=fmt, key_prefix="layer1")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Exported")]
+    assert len(lines) == 1 and lines[0].split(" to ")[-1].startswith(f"{out} in "), lines

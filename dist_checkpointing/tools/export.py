@@ -94,7 +94,7 @@ def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, 
     with staging_dir(out) as (tmp, location):
         # (plain writes: the tensors come from the reader's one reused buffer, staging would add memory)
         names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
-                        max_shard_bytes, progress)
+                        max_shard_bytes, progress, str(out))
         if format == "torch":
             move_into_place(tmp / _TORCH_FNAME, location)
             return [out]
@@ -128,20 +128,21 @@ def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, key
             if not force:
                 raise OutputExistsError(out)
             storage.delete(name)
-        _export(checkpoint_dir, storage, name, format, keys, max_shard_bytes, progress)
+        _export(checkpoint_dir, storage, name, format, keys, max_shard_bytes, progress, out)
         return [out]
     refuse_unkept_names(open_storage(out, storage_options), [*shard_names(1), *shard_names(2)[:1], INDEX_FNAME],
                         f"Cannot export to {out}")
     storage, old = url_output(out, storage_options, force)
     clear_url_output(storage, old)
     return [storage.describe(name)
-            for name in _export(checkpoint_dir, storage, "", format, keys, max_shard_bytes, progress)]
+            for name in _export(checkpoint_dir, storage, "", format, keys, max_shard_bytes, progress, out)]
 
 
 def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str, format: str, keys: List[str],
-            max_shard_bytes: int, progress: Optional[Progress]) -> List[str]:
+            max_shard_bytes: int, progress: Optional[Progress], destination: str) -> List[str]:
     """Write the export into ``out`` (the torch format as the file ``torch_name``); returns
-    the names written. On failure, what was written is deleted."""
+    the names written. On failure, what was written is deleted. ``destination`` is where the
+    export ends up (``out`` may be a staging directory), for the log."""
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())
@@ -203,5 +204,5 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
             raise
     seconds = time.perf_counter() - start
     logger.info("Exported %d tensors (%.1f MiB) of %s to %s in %.2f s (%.2f GB/s)", len(keys), total / 2**20,
-                checkpoint_dir, out, seconds, total / max(seconds, 1e-9) / 1e9)
+                checkpoint_dir, destination, seconds, total / max(seconds, 1e-9) / 1e9)
     return sorted(written)
