@@ -231,6 +231,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (`dist-ckpt inspect ... | head`)
         _silence_stdout()
         return 141  # as if killed by SIGPIPE, the shell convention
+    except OSError as e:  # storage errors name the location and what failed
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - the tools raise CheckpointingException; never a traceback anyway
         logger.debug("unexpected error", exc_info=True)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 from .buffers import STAGING_BUFFER_BYTES
 
@@ -40,21 +41,66 @@ def _obstore():
     try:
         import obstore
     except ImportError as e:
-        raise ImportError("s3:// checkpoint locations need obstore: pip install dist_checkpointing[s3]") from e
+        raise ImportError("s3:// checkpoint locations need obstore: pip install 'dist_checkpointing[s3]' "
+                          "(from a clone of the repository: pip install -e '.[s3]')") from e
     return obstore
+
+
+# What to check when the server refuses a request, by its S3 error code (or HTTP status).
+_CREDENTIALS = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) "
+                "and that they may access this bucket")
+_REFUSED_HINTS = {
+    "SignatureDoesNotMatch": _CREDENTIALS, "InvalidAccessKeyId": _CREDENTIALS, "AccessDenied": _CREDENTIALS,
+    "403": _CREDENTIALS,
+    "NoSuchBucket": "the bucket does not exist: check the bucket in the URL and the endpoint (AWS_ENDPOINT_URL)",
+    "AuthorizationHeaderMalformed": "check the region (AWS_REGION) and the endpoint (AWS_ENDPOINT_URL)",
+    "PermanentRedirect": "check the region (AWS_REGION) and the endpoint (AWS_ENDPOINT_URL)",
+    "301": "check the region (AWS_REGION) and the endpoint (AWS_ENDPOINT_URL)",
+}
+_STATUS = re.compile(r"status code: (\d{3})([^:<]*)")
+_CODE = re.compile(r"<Code>([^<]+)</Code>")
+
+
+def _error(code: int, message: str) -> OSError:
+    """An ``OSError`` with ``errno`` ``code`` whose text is ``message`` alone."""
+    error = OSError(message)
+    error.errno = code
+    return error
+
+
+def refused(what: str, error: BaseException) -> Optional[OSError]:
+    """An ``OSError`` saying what the server refused and what to check, for an answer a retry
+    cannot change (wrong credentials, no such bucket, wrong region); ``None`` otherwise."""
+    text = str(error)
+    status = _STATUS.search(text)
+    if status is None or not status.group(1).startswith(("3", "4")):
+        return None
+    code = _CODE.search(text)
+    reason = code.group(1) if code else status.group(2).strip()
+    hint = _REFUSED_HINTS.get(code.group(1) if code else "", _REFUSED_HINTS.get(status.group(1)))
+    if hint is None:
+        return None  # a missing key, a failed condition...: the caller's own handling
+    return _error(errno.EACCES if status.group(1) == "403" else errno.EIO,
+                  f"{what}: the server refused it (HTTP {status.group(1)} {reason}): {hint}")
 
 
 @contextmanager
 def _os_errors(what: str) -> Iterator[None]:
-    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``."""
+    """obstore's errors as ``OSError`` (``FileExistsError`` for a failed create) naming ``what``;
+    a request the server refuses says what was refused and what to check."""
     from obstore.exceptions import AlreadyExistsError, BaseError
 
     try:
         yield
     except AlreadyExistsError as e:
         raise FileExistsError(errno.EEXIST, f"{what} exists") from e
-    except BaseError as e:
-        raise OSError(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    except (BaseError, FileNotFoundError, PermissionError) as e:
+        denied = refused(what, e)
+        if denied is not None:
+            raise denied from e
+        if not isinstance(e, BaseError):
+            raise
+        raise _error(errno.EIO, f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
 
 def _store_options(options: Dict[str, Any]) -> Dict[str, Any]:
