@@ -20,6 +20,7 @@ from dist_checkpointing import CheckpointingException, CheckpointManager, LocalN
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.integrity import checksum
 from dist_checkpointing.manager.local_marker import RUN_FNAME
+from dist_checkpointing.manager.layout import CONTENT_KEY
 
 from .conftest import get_pool
 from .helpers import assert_all_raise
@@ -204,9 +205,10 @@ def _damage(marker: Path, how: str) -> None:
 
 
 def _train_and_reference(rank: int, world: int, root: str, local: str, ref: str) -> None:
-    """Local steps 0..2, and step 2's state as a plain checkpoint ``ref`` (to compare with)."""
+    """Local steps 0..2, and step 2's state as a plain checkpoint ``ref`` (to compare with), with
+    the content metadata the manager records."""
     _train(rank, world, root, local, [0, 1, 2])
-    dc.save(_state(rank, world, 2), ref)
+    dc.save(_state(rank, world, 2), ref, content_metadata={CONTENT_KEY: {"step": 2, "metrics": None}})
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +303,30 @@ def test_a_local_restore_returns_what_load_returns(saved, tmp_path, world, varia
     shutil.rmtree(tmp_path / "node1")  # node 1 replaced: its ranks receive their copies from node 0's replicas
     args = (args[0], str(tmp_path / "node{node}"), *args[2:])
     assert pool.run(_restore_like_load, *args, timeout=TIMEOUT) == [("local", 2)] * world
+
+
+def _local_and_persistent_alike(rank: int, world: int, root: str, local: str, ref_root: str) -> tuple:
+    for where, kw in ((ref_root, {}), (root, dict(local_dir=local, local_interval=1, replication_factor=2,
+                                                 node_of_rank=NODES[world]))):
+        with CheckpointManager(where, save_interval_steps=1 if where == ref_root else 100, **kw) as m:
+            for step in (1, 2):
+                m.save(step, _state(rank, world, step), content_metadata={"run": "r7"})
+            m.wait_until_finished()
+    with _manager(rank, world, root, local) as m:
+        got = m.load(_request(rank, world, "sharded only"))
+        restored_from = m.restored_from
+    _assert_same(got, dc.load(_request(rank, world, "sharded only"), str(Path(ref_root) / "iter_0000002")))
+    assert got["content_metadata"]["run"] == "r7"
+    return restored_from
+
+
+@WORLDS
+def test_a_local_restore_returns_what_the_persistent_step_returns(tmp_path, world):
+    """Content metadata included: the manager's record (its step) and the user's; the
+    reference is the same steps saved by a manager to the persistent tier."""
+    root, local = _dirs(tmp_path, "root")
+    assert get_pool(world).run(_local_and_persistent_alike, root, local, str(tmp_path / "ref"),
+                               timeout=TIMEOUT) == [("local", 2)] * world
 
 
 def _persist_sharded_only(rank: int, world: int, root: str, local: str) -> tuple:

@@ -294,12 +294,13 @@ class CheckpointManager:
         if not _same_on_every_rank(agreed):
             raise CheckpointingException(
                 f"CheckpointManager: the ranks pass different steps to save (rank {self._rank}: step {step})")
-        saved_locally = self._save_local(step, sharded_state_dict)
-        if not do_save:
-            return saved_locally
-        metrics = broadcast_object(metrics)  # rank 0's
+        metrics = broadcast_object(metrics) if do_save else None  # rank 0's (a local-only step records none)
         content = dict(content_metadata or {})
         content[CONTENT_KEY] = {"step": step, "metrics": metrics}
+        # a local copy holds what a persistent save stores: a restore from it answers alike
+        saved_locally = self._save_local(step, {**sharded_state_dict, "content_metadata": content})
+        if not do_save:
+            return saved_locally
         commit = self._after_commit_fn(step, metrics)
         self._pending = step
         if self._worker is not None:
