@@ -34,7 +34,15 @@ class OutputExistsError(CheckpointingException):
 
 
 def _umask() -> int:
-    """The process's file mode creation mask."""
+    """The process's file mode creation mask, read from ``/proc/self/status`` where it is
+    listed; elsewhere set and restored at once (briefly visible to other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
