@@ -260,7 +260,7 @@ def _assign_reads(sharded_state_dict: ShardedStateDict, plan: ShardPlan,
     for sh in nested_values(work):
         if isinstance(sh, ShardedTensor):
             ident: Any = shard_id(sh)
-            mine = plan.reader[ident] == me
+            mine = sh.is_empty_chunk() or plan.reader[ident] == me  # (an empty chunk: nothing to read)
         elif isinstance(sh, ShardedObject):
             ident, mine = sh.unique_key, True
         else:

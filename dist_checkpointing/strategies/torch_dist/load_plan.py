@@ -165,9 +165,9 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str, scra
         reads, copies = plan_tensor(values, metadata, checkpoint_dir, scratch, strict_dtypes)
         return reads, copies + [lambda: fill_float8_(fp8, values.data)]
     data = sh.data.detach()  # fill in place, also parameters that require grad
-    rng = sh.flattened_range
-    if rng is not None and rng.stop == rng.start:
+    if sh.is_empty_chunk():
         return [], []
+    rng = sh.flattened_range
     if rng is not None and orig is not None and sh.reformulated_region()[0] == tuple(md.size):
         # Same grid as saved: the slice is a range of one row of the stored tensor.
         _, offsets, sizes = sh.reformulated_region()
