@@ -21,6 +21,7 @@ from dist_checkpointing.strategies.fully_parallel import (
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 from .conftest import get_pool
+from .helpers import assert_all_raise
 
 # ----------------------------------------------------------------------------- zero-length shards
 
@@ -104,3 +105,199 @@ def test_zero_length_shards_save_and_load(tmp_path, world, pattern, fully_parall
     plain = dc.load_plain_tensors(ckpt)
     assert torch.equal(plain["a"], _global(sum(sizes)))
     assert plain["z"].shape == (0, 2)
+
+
+# ----------------------------------------------------------------------------- loading into another dtype
+
+_CAST_CASES = [  # (stored dtype, requested dtype)
+    (torch.float32, torch.bfloat16), (torch.int64, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float16), (torch.float16, torch.float64), (torch.float32, torch.float8_e4m3fn),
+]
+
+
+def _cast_values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(n) % 7 - 3).to(torch.float32).mul(0.5).to(dtype) if dtype.is_floating_point \
+        else torch.arange(n, dtype=dtype) * 3 - 5
+
+
+def _save_for_cast(rank: int, world: int, ckpt: str) -> None:
+    sd = {}
+    for i, (stored, _) in enumerate(_CAST_CASES):
+        glob = _cast_values(8 * world, stored).reshape(2 * world, 4)
+        sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", glob[2 * rank:2 * rank + 2].clone(), (0, rank, world))
+        # flattened: each rank's chunk split into two DP-style slices held by this rank
+        chunk = glob[2 * rank:2 * rank + 2].flatten()
+        sd[f"f{i}"] = [ShardedTensor.from_rank_offsets_flat(f"f{i}", chunk[a:b].clone(), (2, 4), (0, rank, world),
+                                                             flattened_range=slice(a, b)) for a, b in ((0, 3), (3, 8))]
+    dc.save(sd, ckpt)
+
+
+def _load_cast(rank: int, world: int, ckpt: str, fully_parallel: bool) -> bool:
+    """Each key requested in another dtype: whole (every rank; resharded), as this rank's
+    half (a regular grid of another fragmentation) and flattened on another grid."""
+    strategy = TorchDistLoadShardedStrategy()
+    if fully_parallel:
+        strategy = FullyParallelLoadStrategyWrapper(strategy)
+    request, expected = {}, {}
+    for i, (stored, wanted) in enumerate(_CAST_CASES):
+        glob = _cast_values(8 * world, stored).reshape(2 * world, 4).to(wanted)
+        whole = torch.zeros(2 * world, 4, dtype=wanted)
+        request[f"w{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", whole, replica_id=rank)
+        expected[f"w{i}"] = (whole, glob)
+        cols = torch.zeros(2 * world, 2, dtype=wanted)
+        request[f"c{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", cols, (1, rank % 2, 2), replica_id=rank // 2)
+        expected[f"c{i}"] = (cols, glob[:, 2 * (rank % 2): 2 * (rank % 2) + 2])
+        flat = torch.zeros(5, dtype=wanted)  # a slice of this rank's (2 * world, 4) chunk flattened
+        request[f"f{i}"] = ShardedTensor.from_rank_offsets_flat(f"f{i}", flat, (2 * world, 4), replica_id=rank,
+                                                                 flattened_range=slice(3 + rank, 8 + rank))
+        expected[f"f{i}"] = (flat, glob.flatten()[3 + rank:8 + rank])
+    out = {}
+    for kind in "wcf":  # one load per layout (fully parallel takes one shard per key and offset)
+        out.update(dc.load({k: v for k, v in request.items() if k[0] == kind}, ckpt, sharded_strategy=strategy))
+    for name, (target, want) in expected.items():
+        assert out[name] is target, name  # filled in place
+        assert out[name].dtype == want.dtype and torch.equal(out[name], want), (name, out[name], want)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("fully_parallel", [False, True], ids=["plain", "fully-parallel"])
+def test_load_casts_into_the_requested_dtype(tmp_path, world, fully_parallel):
+    pool = get_pool(world)
+    ckpt = str(tmp_path / "c")
+    pool.run(_save_for_cast, ckpt)
+    assert pool.run(_load_cast, ckpt, fully_parallel) == [True] * world
+    plain = dc.load_plain_tensors(ckpt)  # unaffected: stored dtypes
+    for i, (stored, _) in enumerate(_CAST_CASES):
+        assert plain[f"t{i}"].dtype == stored and plain[f"f{i}"].dtype == stored
+
+
+def _load_strict_dtype(rank: int, world: int, ckpt: str, i: int) -> None:
+    stored, wanted = _CAST_CASES[i]
+    t = torch.zeros(2, 4, dtype=wanted)
+    dc.load({"t": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world))}, ckpt,
+            sharded_strategy=TorchDistLoadShardedStrategy(strict_dtypes=True))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_strict_dtypes_refuses_another_dtype_on_every_rank(tmp_path, world):
+    pool = get_pool(world)
+    ckpt = str(tmp_path / "c")
+    pool.run(_save_for_cast, ckpt)
+    for i, (stored, wanted) in enumerate(_CAST_CASES[:3]):
+        excs = pool.run_expect_error(_load_strict_dtype, ckpt, i)
+        assert_all_raise(excs, world, "Dtype mismatch", f"'t{i}'", str(stored), str(wanted))
+
+
+# ----------------------------------------------------------------------------- process-wide state
+
+
+class UserRegistered:
+    """A class a user allowed with ``torch.serialization.add_safe_globals``."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+
+class NotAllowed:
+    """A class nobody allowed: unpickling it fails (the failure path)."""
+
+
+def _process_state() -> Dict[str, Any]:
+    """What a library call must leave as the user set it."""
+    import gc
+    import logging
+    import multiprocessing
+    import os
+    import random
+    import signal
+    import sys
+    import warnings
+
+    import numpy as np
+    import torch.distributed as dist
+
+    loggers = {name: (lg.level, list(lg.handlers), lg.propagate, lg.disabled)
+               for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    with open("/proc/self/status") as f:
+        umask = [line for line in f if line.startswith("Umask:")]
+    return {
+        "safe_globals": sorted(map(repr, torch.serialization.get_safe_globals())),
+        "gc": gc.isenabled(), "gc_threshold": gc.get_threshold(),
+        "torch_rng": torch.get_rng_state().tolist(), "py_rng": random.getstate(),
+        "np_rng": repr(np.random.get_state()),
+        "default_dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+        "grad": torch.is_grad_enabled(), "env": dict(os.environ), "sys_path": list(sys.path),
+        "cwd": os.getcwd(), "umask": umask, "recursion": sys.getrecursionlimit(),
+        "signals": {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR2,
+                                                      signal.SIGPIPE, signal.SIGHUP)},
+        "root_logger": (logging.root.level, list(logging.root.handlers)), "loggers": loggers,
+        "warnings": list(warnings.filters), "start_method": multiprocessing.get_start_method(allow_none=True),
+        "default_pg": (dist.get_rank(), dist.get_world_size(), dist.group.WORLD),
+    }
+
+
+def _state_ops(rank: int, world: int, ckpt: str, gc_enabled: bool) -> List[str]:
+    """Set some user state, run each library entry point (successes and failures); return
+    the names of the calls after which any of :func:`_process_state` changed."""
+    import argparse
+    import gc
+    import io
+    import logging
+
+    torch.serialization.add_safe_globals([argparse.Namespace, UserRegistered])
+    (gc.enable if gc_enabled else gc.disable)()
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("user.module").setLevel(logging.ERROR)
+    torch.manual_seed(1234 + rank)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0) + rank, (0, rank, world)),
+          "o": dc.ShardedObject("o", argparse.Namespace(lr=rank), (world,), (rank,)),
+          "args": argparse.Namespace(lr=0.1), "user": UserRegistered(3)}
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, world)),
+               "o": dc.ShardedObject("o", None, (world,), (rank,))}
+    bad = {"o": dc.ShardedObject("bad", NotAllowed(), (world,), (rank,))}
+    ops = {
+        "save": lambda: dc.save(sd, ckpt),
+        "save_fully_parallel": lambda: dc.save(sd, ckpt + "_fp", FullyParallelSaveStrategyWrapper(
+            TorchDistSaveShardedStrategy())),
+        "async_save": lambda: dc.save(sd, ckpt + "_async", async_sharded_save=True).execute_sync(),
+        "save_bad_object": lambda: dc.save(bad, ckpt + "_bad"),
+        "load": lambda: dc.load(request, ckpt),
+        "load_fully_parallel": lambda: dc.load(request, ckpt, FullyParallelLoadStrategyWrapper(
+            TorchDistLoadShardedStrategy())),
+        "load_common_state_dict": lambda: dc.load_common_state_dict(ckpt),
+        "load_plain_tensors": lambda: dc.load_plain_tensors(ckpt),
+        "load_tensors_metadata": lambda: dc.load_tensors_metadata(ckpt),
+        "load_missing_key (fails)": lambda: dc.load({"x": ShardedTensor.from_rank_offsets("x", torch.zeros(1))}, ckpt),
+        "load_unsafe_object (fails)": lambda: dc.load({"o": dc.ShardedObject("bad", None, (world,), (rank,))},
+                                                      ckpt + "_bad"),
+        "load_no_checkpoint (fails)": lambda: dc.load(request, ckpt + "_nothing"),
+    }
+    changed = []
+    for name, op in ops.items():
+        before = _process_state()
+        try:
+            op()
+        except dc.CheckpointingException:
+            assert "fails" in name, name
+        else:
+            assert "fails" not in name, name
+        after = _process_state()
+        changed += [f"{name}: {k}" for k in before if k != "loggers" and before[k] != after[k]]
+        changed += [f"{name}: logger {n}" for n, v in before["loggers"].items() if after["loggers"].get(n) != v]
+    # the issue's symptom: the user's registration still lets a plain safe torch.load read it
+    buf = io.BytesIO()
+    torch.save({"args": argparse.Namespace(lr=1), "u": UserRegistered(5)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded["args"].lr == 1 and loaded["u"].value == 5
+    gc.enable()
+    return changed
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("gc_enabled", [True, False], ids=["gc-on", "gc-off"])
+def test_library_calls_leave_process_state_as_the_user_set_it(tmp_path, world, gc_enabled):
+    pool = get_pool(world)
+    changed = pool.run(_state_ops, str(tmp_path / "c"), gc_enabled)
+    assert changed == [[]] * world, changed
