@@ -14,6 +14,7 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
+from dist_checkpointing.strategies.base import CopyableStrategy
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -301,3 +302,271 @@ def test_library_calls_leave_process_state_as_the_user_set_it(tmp_path, world, g
     pool = get_pool(world)
     changed = pool.run(_state_ops, str(tmp_path / "c"), gc_enabled)
     assert changed == [[]] * world, changed
+
+
+# ----------------------------------------------------------------------------- copyable strategies
+
+# Megatron-Core 0.15.3's attributes of each strategy (those user code sets or reads)
+_MCORE_ATTRS = {
+    TorchDistSaveShardedStrategy: {"backend", "version", "keep_only_main_replica", "thread_count",
+                                   "use_cached_ckpt_structure", "cached_global_metadata", "separation_hint"},
+    TorchDistLoadShardedStrategy: {"cached_global_metadata"},
+    FullyParallelSaveStrategyWrapper: {"backend", "version", "base_strategy", "parallelization_group",
+                                       "do_cache_distribution", "cached_distribution"},
+    FullyParallelLoadStrategyWrapper: {"base_strategy", "parallelization_group", "do_cache_distribution",
+                                       "exchange_algo", "cached_distribution", "cached_global_metadata"},
+}
+
+
+def _all_strategies() -> List[Any]:
+    from dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_common_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from dist_checkpointing.strategies.common import TorchCommonLoadStrategy, TorchCommonSaveStrategy
+    from dist_checkpointing.strategies.common_object import CommonStateObjectSaveStrategy
+
+    return [get_default_save_sharded_strategy(), get_default_save_common_strategy(),
+            TorchDistSaveShardedStrategy(thread_count=3, cached_metadata=True, separation_hint="opt"),
+            TorchDistSaveShardedStrategy(async_snapshot="copy"), TorchDistLoadShardedStrategy(strict_dtypes=True),
+            FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), None, True),
+            FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), None, True, "gather_rounds"),
+            TorchCommonSaveStrategy(), TorchCommonLoadStrategy(allow_pickle=True), CommonStateObjectSaveStrategy()]
+
+
+def _settings(strategy: Any) -> Dict[str, Any]:
+    out = {}
+    for name, value in vars(strategy).items():
+        if name.startswith("_"):
+            continue
+        out[name] = _settings(value) if isinstance(value, CopyableStrategy) else value
+    return out
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_every_strategy_copies_with_its_settings(how):
+    import copy
+    import pickle
+
+    for strategy in _all_strategies():
+        clone = copy.deepcopy(strategy) if how == "deepcopy" else pickle.loads(pickle.dumps(strategy))
+        assert type(clone) is type(strategy) and clone is not strategy
+        assert _settings(clone) == _settings(strategy), type(strategy).__name__
+        for cls, attrs in _MCORE_ATTRS.items():
+            if isinstance(strategy, cls):
+                missing = {a for a in attrs if not hasattr(clone, a)}
+                assert not missing, (cls.__name__, missing)
+
+
+def test_default_strategy_deepcopy_configured_as_megatron_lm_does(tmp_path):
+    """Megatron-Core's own test: ``deepcopy(get_default_save_sharded_strategy())`` then
+    ``use_cached_ckpt_structure = True``; the copy saves (three times, reusing its cache)
+    and the registered default stays as it was."""
+    import copy
+
+    from dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    default = get_default_save_sharded_strategy()
+    strategy = copy.deepcopy(default)
+    strategy.use_cached_ckpt_structure = True
+    assert strategy.cached_metadata and not default.use_cached_ckpt_structure
+    for i in range(3):
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0) + i)}
+        dc.save(sd, tmp_path / f"s{i}", sharded_strategy=strategy)
+        assert torch.equal(dc.load_plain_tensors(tmp_path / f"s{i}")["w"], torch.arange(6.0) + i)
+    assert strategy.cached_global_metadata is not None and default.cached_global_metadata is None
+    again = copy.deepcopy(strategy)  # a used strategy copies too (its cache with it)
+    assert again.cached_global_metadata is not None
+    load = TorchDistLoadShardedStrategy()
+    dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, tmp_path / "s2", sharded_strategy=load)
+    assert load.cached_global_metadata is not None  # what Megatron-LM hands to its save strategy
+    plugged = copy.deepcopy(default)
+    plugged.cached_global_metadata = load.cached_global_metadata
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(6))}, tmp_path / "s3", sharded_strategy=plugged)
+    assert torch.equal(dc.load_plain_tensors(tmp_path / "s3")["w"], torch.ones(6))
+
+
+def _copy_wrappers_with_group(rank: int, world: int, ckpt: str) -> bool:
+    import copy
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    save = copy.deepcopy(FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), group, True))
+    load = copy.deepcopy(FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), group, True))
+    assert save.parallelization_group is group and load.parallelization_group is group  # shared, not copied
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0), replica_id=rank)}
+    dc.save(sd, ckpt, sharded_strategy=save)
+    out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8), replica_id=rank)}, ckpt,
+                  sharded_strategy=copy.deepcopy(load))
+    assert torch.equal(out["w"], torch.arange(8.0))
+    return save.cached_distribution is not None or world == 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fully_parallel_wrappers_deepcopy_sharing_their_group(tmp_path, world):
+    assert get_pool(world).run(_copy_wrappers_with_group, str(tmp_path / "c")) == [True] * world
+
+
+# ----------------------------------------------------------------------------- exceptions and logs
+
+
+def _catch_as_pytorch(rank: int, world: int, ckpt: str, case: str) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    request = {"missing-key": {"x": ShardedTensor.from_rank_offsets("nope", torch.zeros(2), (0, rank, world))},
+               "wrong-shape": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3), (0, rank, world))},
+               "not-a-checkpoint": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}}
+    where = ckpt + "_none" if case == "not-a-checkpoint" else ckpt
+    try:
+        dc.load(request[case], where)
+    except CheckpointException as e:  # Megatron-Core lets PyTorch's exception propagate here
+        assert isinstance(e, dc.CheckpointingException) and isinstance(e, Exception)
+        assert e.failures == {} and str(e) == e.args[0]
+        return str(e)
+    raise AssertionError("no exception")
+
+
+def _save_w(rank: int, world: int, ckpt: str) -> None:
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world))}, ckpt)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_errors_are_also_pytorch_checkpoint_exceptions(tmp_path, world):
+    pool = get_pool(world)
+    ckpt = str(tmp_path / "c")
+    pool.run(_save_w, ckpt)
+    for case, fragment in (("missing-key", "nope"), ("wrong-shape", "Global shape mismatch"),
+                           ("not-a-checkpoint", "_none")):
+        messages = pool.run(_catch_as_pytorch, ckpt, case)
+        assert all(fragment in m for m in messages), messages
+
+
+def test_exception_constructor_pickle_and_subclasses():
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dist_checkpointing.tools.output import OutputExistsError
+
+    for e in (dc.CheckpointingException("boom"), dc.CheckpointingException("boom", {1: (ValueError("x"), None)}),
+              dc.CheckpointingException(), OutputExistsError("/x")):
+        clone = pickle.loads(pickle.dumps(e))
+        assert type(clone) is type(e) and str(clone) == str(e) and isinstance(clone, CheckpointException)
+        assert set(clone.failures) == set(e.failures)
+
+
+def _logs_at_info(rank: int, world: int, ckpt: str) -> List[str]:
+    import logging
+
+    records: List[str] = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: records.append(f"{record.name}: {record.getMessage()}")
+    root = logging.getLogger()
+    old = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)  # as Megatron-LM sets it
+    try:
+        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world)), "it": 1}
+        dc.save(sd, ckpt)
+        dc.save(sd, ckpt + "_fp", FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()))
+        dc.save(sd, ckpt + "_async", async_sharded_save=True).execute_sync()
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}
+        dc.load(request, ckpt)
+        dc.load(request, ckpt, FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))
+        dc.load_common_state_dict(ckpt)
+        dc.load_plain_tensors(ckpt)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old)
+    return records
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_save_and_load_are_silent_at_info(tmp_path, world):
+    assert get_pool(world).run(_logs_at_info, str(tmp_path / "c")) == [[]] * world
+
+
+def _common_state_warning(rank: int, world: int, ckpt: str) -> List[str]:
+    import logging
+
+    records: List[str] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("dist_checkpointing").addHandler(handler)
+    try:
+        dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, rank, world)), "rank": rank}, ckpt)
+    finally:
+        logging.getLogger("dist_checkpointing").removeHandler(handler)
+    return records
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_common_state_warning_worded_as_megatron_core(tmp_path, world):
+    """Megatron-Core's test matches the whole message."""
+    logs = get_pool(world).run(_common_state_warning, str(tmp_path / "c"))
+    assert logs[0] == []
+    for rank in range(1, world):
+        assert logs[rank] == [f"Rank {rank} common state dict differs from rank 0 common state dict. "
+                              f"Keys only on rank 0: [], Keys only on {rank}: [], "
+                              "Mismatched keys: [(('rank',), <class 'int'>, <class 'int'>)]"], logs[rank]
+
+
+def _strict_messages(rank: int, world: int, ckpt: str, strict: str) -> str:
+    import logging
+
+    from dist_checkpointing.validation import StrictHandling
+
+    records: List[str] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("dist_checkpointing").addHandler(handler)
+    request = {"x": ShardedTensor.from_rank_offsets("extra", torch.zeros(1), replica_id=rank)}
+    try:
+        dc.load(request, ckpt, strict=StrictHandling(strict))
+    except dc.CheckpointingException as e:
+        return str(e)
+    finally:
+        logging.getLogger("dist_checkpointing").removeHandler(handler)
+    return "\n".join(records)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_strict_messages_worded_as_megatron_core(tmp_path, world):
+    pool = get_pool(world)
+    ckpt = str(tmp_path / "c")
+    pool.run(_save_w, ckpt)
+    for strict in ("log_all", "raise_all"):
+        for text in pool.run(_strict_messages, ckpt, strict):
+            assert "Missing keys (for all ranks): ['w']" in text, text
+            assert "Unexpected keys" in text and "'extra'" in text, text
+    for text in pool.run(_strict_messages, ckpt, "log_unexpected"):
+        assert "Unexpected keys (for this rank): ['extra']" in text and "Missing keys" not in text, text
+
+
+# ----------------------------------------------------------------------------- load_plain_tensors of flattened keys
+
+
+def _save_flat(rank: int, world: int, ckpt: str) -> None:
+    glob = torch.arange(24.0).reshape(4, 6)
+    chunk = glob.flatten()
+    bounds = [24 * r // world for r in range(world + 1)]
+    dc.save({"f": ShardedTensor.from_rank_offsets_flat("f", chunk[bounds[rank]:bounds[rank + 1]].clone(), (4, 6),
+                                                       flattened_range=slice(bounds[rank], bounds[rank + 1])),
+             "n": ShardedTensor.from_rank_offsets("n", glob[rank * 4 // world:(rank + 1) * 4 // world].clone(),
+                                                  (0, rank, world)) if 4 % world == 0 else
+             ShardedTensor.from_rank_offsets("n", glob.clone(), replica_id=rank)}, ckpt)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_load_plain_tensors_returns_flattened_keys_1d(tmp_path, world):
+    ckpt = str(tmp_path / "c")
+    get_pool(world).run(_save_flat, ckpt)
+    glob = torch.arange(24.0).reshape(4, 6)
+    flat = dc.load_plain_tensors(ckpt)
+    assert flat["f"].shape == (24,) and torch.equal(flat["f"], glob.flatten())
+    assert torch.equal(flat["n"], glob)  # a key not stored flattened keeps its shape
+    nd = dc.load_plain_tensors(ckpt, original_shape=True)
+    assert torch.equal(nd["f"], glob) and torch.equal(nd["n"], glob)
+    assert dc.load_tensors_metadata(ckpt)["f"].global_shape == (4, 6)

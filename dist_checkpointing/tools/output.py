@@ -32,6 +32,9 @@ class OutputExistsError(CheckpointingException):
         super().__init__(f"{out} already exists (pass force=True to replace it)")
         self.out = out
 
+    def __reduce__(self) -> Tuple[type, Tuple[Union[Path, str]]]:
+        return type(self), (self.out,)  # (rebuilt from the path, not the message)
+
 
 def _umask() -> int:
     """The process's file mode creation mask, read from ``/proc/self/status`` where it is
