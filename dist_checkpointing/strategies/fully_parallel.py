@@ -222,7 +222,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             return plan_shards(summary, group).distribution()
 
         distribution = self._planner.plan(
-            self, sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict), compute,
+            self, sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict, skip_empty=True), compute,
             "Planning the fully parallel save")
         return run_agreed(
             lambda: distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution),
@@ -355,7 +355,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         start = time.perf_counter()
-        plan = self._planner.plan(self, sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict),
+        plan = self._planner.plan(self, sharded_state_dict,
+                                  lambda: local_tensor_summary(sharded_state_dict, skip_empty=True),
                                   self._compute_plan, "Planning the fully parallel load")
         if plan is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
