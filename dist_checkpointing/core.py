@@ -9,7 +9,9 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .storage import Storage, StorageOptions, storage_for, url_scheme
 
@@ -22,8 +24,22 @@ _MAX_CONFIG_BYTES = 1 << 16
 _checkpoint_file_checks: List[Callable[[str], bool]] = []
 
 
-class CheckpointingException(Exception):
-    """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O)."""
+class CheckpointingException(Exception, CheckpointException):
+    """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O).
+
+    Also a ``torch.distributed.checkpoint.api.CheckpointException``, which Megatron-Core
+    lets propagate from PyTorch's reader and writer: code catching either catches it.
+    Constructed as ``CheckpointingException(msg)`` (``failures``, the per-rank
+    ``(exception, traceback)`` pairs PyTorch's class carries, defaults to none); ``str()``
+    is the message, and it is an ``Exception`` (PyTorch's class is only a
+    ``BaseException``).
+    """
+
+    def __init__(self, msg: Any = "", failures: Optional[Dict[int, Any]] = None):
+        Exception.__init__(self, msg)
+        self._failures = dict(failures or {})
+
+    __str__ = Exception.__str__
 
 
 @contextmanager

@@ -86,12 +86,23 @@ def load_sharded_metadata(checkpoint_dir: CkptDir, sharded_strategy: Optional[Lo
     return sharded_load_strategy(config, sharded_strategy).load_sharded_metadata(checkpoint_dir)
 
 
-def load_plain_tensors(checkpoint_dir: CkptDir, storage_options: StorageOptions = None) -> StateDict:
-    """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process)."""
+def load_plain_tensors(checkpoint_dir: CkptDir, storage_options: StorageOptions = None, *,
+                       original_shape: bool = False) -> StateDict:
+    """Every global tensor of the checkpoint, whole, as ``{key: tensor}`` (one process).
+
+    A key stored flattened (distributed-optimizer slices, ``flattened_range``) comes back
+    1-D, as Megatron-Core 0.15 returns it; ``original_shape=True`` returns it in its
+    original N-D global shape instead (the same values: the 1-D tensor is a view of it).
+    """
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     strategy = sharded_load_strategy(load_config(checkpoint_dir), None)
     request = strategy.load_tensors_metadata(checkpoint_dir)
-    return strategy.load_local(request, checkpoint_dir)
+    loaded = strategy.load_local(request, checkpoint_dir)
+    if not original_shape:
+        for stored in strategy.stored_items(checkpoint_dir).tensors:
+            if stored.flattened and stored.key in loaded:
+                loaded[stored.key] = loaded[stored.key].reshape(-1)
+    return loaded
 
 
 def load_content_metadata(checkpoint_dir: Optional[CkptDir] = None, *,

@@ -142,7 +142,7 @@ class _Phases:
     def log(self, what: str, checkpoint_dir: CkptDir) -> None:
         total = time.perf_counter() - self.start
         split = ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
-        logger.info("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
+        logger.debug("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
                     self.nbytes / 2**20, total, self.nbytes / max(total, 1e-9) / 1e9, split)
 
 

@@ -308,6 +308,13 @@ class ShardedTensor(ShardedBase):
             chunk.append(off // size)
         return tuple(chunk)
 
+    def is_empty_chunk(self) -> bool:
+        """Whether this chunk (or its flattened slice) holds no elements, e.g. a rank's share
+        of an unevenly sharded tensor that gives it nothing. Several ranks may hold empty
+        chunks at the same offset: they are not replicas of one chunk."""
+        rng = self.flattened_range
+        return rng.stop == rng.start if rng is not None else math.prod(self.local_shape) == 0
+
     def global_region(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """``(offsets, sizes)`` of the chunk in the global tensor (size 1 on prepended axes)."""
         return self.global_offset, (1,) * self.prepend_axis_num + self.local_shape

@@ -343,29 +343,36 @@ def determine_missing_and_unexpected_keys(
     return missing, unexpected
 
 
+def mismatch_message(missing: Set[str], unexpected_by_rank: Dict[Optional[int], List[str]]) -> str:
+    """The key-mismatch report, worded as Megatron-Core words it (its tests and users grep
+    ``Missing keys`` / ``Unexpected keys``): a title line, then the keys.
+    ``unexpected_by_rank`` maps a rank (``None``: this rank) to its unexpected keys."""
+    unexpected = {r: keys for r, keys in unexpected_by_rank.items() if keys}
+    title = ""
+    if missing:
+        title += "Some keys found in the checkpoint are missing in the provided sharded state dict. "
+    if unexpected:
+        title += "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict. "
+    body = f"Missing keys (for all ranks): {sorted(missing)}. " if missing else ""
+    for rank, keys in sorted(unexpected.items(), key=lambda item: -1 if item[0] is None else item[0]):
+        who = "this rank" if rank is None else f"rank {rank}"
+        body += f"Unexpected keys (for {who}): {sorted(keys)}. "
+    return title + "\n" + body
+
+
 def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected: Set[str],
                            checkpoint_dir: Any, group: Optional[Any] = None) -> None:
     """Log or raise (collectively: on every rank) as ``strict`` says."""
-    def describe(m: Set[str], u: Set[str]) -> str:
-        parts = []
-        if u:
-            parts.append(f"unexpected keys (requested, not in the checkpoint): {sorted(u)}")
-        if m:
-            parts.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(m)}")
-        return "; ".join(parts)
-
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
         if missing or unexpected:
-            logger.warning("Loading %s with key mismatches: %s", checkpoint_dir, describe(missing, unexpected))
+            logger.warning(mismatch_message(missing, {None: sorted(unexpected)}))
     elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
         # the key lists travel only when some rank has unexpected keys (a 1-byte flag otherwise)
         any_unexpected = all_reduce_max_uint8([int(bool(unexpected))], group)[0]
         per_rank = all_gather_object(sorted(unexpected), group) if any_unexpected else []
-        details = [f"rank {r}: unexpected keys {keys}" for r, keys in enumerate(per_rank) if keys]
-        if missing:
-            details.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(missing)}")
-        if details:
-            raise CheckpointingException(f"Strict load ({strict.value}) of {checkpoint_dir} failed: " + "; ".join(details))
+        if missing or any_unexpected:
+            raise CheckpointingException(f"Strict load ({strict.value}) of {checkpoint_dir} failed: "
+                                         + mismatch_message(missing, dict(enumerate(per_rank))))
 
 
 # ----------------------------------------------------------------------------- common state
@@ -399,6 +406,13 @@ def common_state_digest(common: Any) -> str:
     return h.hexdigest()
 
 
+def _at(nested: Any, path: Tuple) -> Any:
+    """The value at ``path`` (keys / indices) in a nested structure."""
+    for k in path:
+        nested = nested[k]
+    return nested
+
+
 def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> Optional[str]:
     """Compare every rank's common state with rank 0's (which is the one saved).
 
@@ -422,14 +436,18 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     digest0, payload = broadcast_object((digest, payload), group)
     if digest == digest0:
         return None
-    prefix = f"Rank {get_rank(group)}: the common state differs from rank 0's, which is the one saved"
+    rank = get_rank(group)
+    # worded as Megatron-Core words it (its tests match the whole message)
+    prefix = f"Rank {rank} common state dict differs from rank 0 common state dict."
     try:  # nothing collective follows: a failure here must not leave this rank behind
-        only_rank0, only_here, different = diff(pickle.loads(payload), common)
-        report = (f"{prefix}: keys only on rank 0: {only_rank0}; keys only on this rank: {only_here}; "
-                  f"keys with different values: {different}")
+        rank0_common = pickle.loads(payload)
+        only_rank0, only_here, different = diff(rank0_common, common)
+        mismatched = [(path, type(_at(rank0_common, path)), type(_at(common, path))) for path in different]
+        report = (f"{prefix} Keys only on rank 0: {only_rank0}, Keys only on {rank}: {only_here}, "
+                  f"Mismatched keys: {mismatched}")
     except Exception as e:  # noqa: BLE001 - unpicklable or incomparable: report without details
         reason = "cannot be pickled" if payload is None else f"cannot be compared here ({error_message(e)})"
-        report = f"{prefix} (rank 0's common state {reason}, so the differing keys are unknown)"
+        report = f"{prefix} Rank 0's common state {reason}, so the differing keys are unknown"
     logger.warning(report)
     return report
 

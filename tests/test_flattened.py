@@ -290,14 +290,16 @@ def test_tp2dp2_nonflat_save_loads_flat(saved_ckpts, layout):
 
 def test_flat_checkpoint_offline_readers_and_on_disk_layout(saved_ckpts):
     ckpt = saved_ckpts["save_flat"]
-    plain = dc.load_plain_tensors(ckpt)
+    plain = dc.load_plain_tensors(ckpt, original_shape=True)
+    flat = dc.load_plain_tensors(ckpt)  # Megatron-Core 0.15's view: flattened keys 1-D
     meta = dc.load_tensors_metadata(ckpt)
     md = read_metadata(ckpt)
-    assert set(plain) == set(KEYS) and set(meta) == set(KEYS)
+    assert set(plain) == set(KEYS) and set(meta) == set(KEYS) and set(flat) == set(KEYS)
     for name, (shape, dtype, prepend, save_axis, _, salt) in KEYS.items():
         glob = global_values(shape, dtype, salt)
         assert plain[name].dtype == dtype and tuple(plain[name].shape) == shape
         assert torch.equal(plain[name], glob), name
+        assert torch.equal(flat[name], glob.reshape(-1)), name
         assert meta[name].global_shape == shape and meta[name].dtype == dtype
         # on disk: reformulated as axis_fragmentations + (prod(local_shape),)
         fragm = [1] * len(shape)
@@ -547,12 +549,15 @@ def test_distopt_flat_fixture_loads(layout):
 def test_distopt_flat_fixture_offline_readers():
     exp = torch.load(FIXTURES / FLAT_FIXTURE / "expected.pt", weights_only=True)
     ckpt = FIXTURES / FLAT_FIXTURE / "checkpoint"
-    plain = dc.load_plain_tensors(ckpt)
-    assert set(plain) == set(exp["tensors"]) == set(FX_KEYS)
+    plain = dc.load_plain_tensors(ckpt, original_shape=True)
+    flat = dc.load_plain_tensors(ckpt)
+    assert set(plain) == set(exp["tensors"]) == set(FX_KEYS) == set(flat)
     for key, full in exp["tensors"].items():
         assert tuple(full.shape) == FX_KEYS[key][0]
         assert plain[key].dtype == full.dtype and plain[key].shape == full.shape
         assert torch.equal(plain[key], full), key
+        # as Megatron-Core 0.15 returns them (the fixture's manifest: 1-D of 48 elements)
+        assert flat[key].shape == (48,) and torch.equal(flat[key], full.reshape(-1)), key
     meta = dc.load_tensors_metadata(ckpt)
     for key, full in exp["tensors"].items():
         assert meta[key].global_shape == tuple(full.shape) and meta[key].dtype == full.dtype

@@ -565,21 +565,38 @@ _MISMATCH = {  # case: (key, request factory, fragments the message must contain
 }
 
 
-def _dtype_mismatch_load(rank, world, ckpt, case, wrapped):
+_MISMATCH_STORED = {"f32": lambda: torch.arange(8, dtype=torch.float32).reshape(2, 4),
+                    "n8": lambda: torch.zeros(2, 4, dtype=torch.float8_e4m3fn),
+                    "bf": lambda: torch.ones(2, 4, dtype=torch.bfloat16)}
+
+
+def _dtype_mismatch_load(rank, world, ckpt, case, wrapped, strict):
     key, make, _ = _MISMATCH[case]
-    strategy = None
+    strategy = TorchDistLoadShardedStrategy(strict_dtypes=strict)
     if wrapped:
-        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), None, exchange_algo="broadcast")
+        strategy = FullyParallelLoadStrategyWrapper(strategy, None, exchange_algo="broadcast")
     req = make()
-    dc.load({key: _st(key, req, replica_id=rank)}, ckpt, sharded_strategy=strategy)
+    out = dc.load({key: _st(key, req, replica_id=rank)}, ckpt, sharded_strategy=strategy)[key]
+    # by default the stored values are cast into the request (as Megatron-Core's reader does)
+    values = _nominal(out).float() if is_float8tensor(out) else out.float()
+    expected = _MISMATCH_STORED[key]().to(req.dtype if not is_float8tensor(req) else values.dtype).float()
+    assert out is req and torch.allclose(values, expected, rtol=0.13, atol=0.02), (case, values, expected)
+
+
+def _nominal(t):
+    from dist_checkpointing.fp8 import dequantize
+
+    return dequantize(t)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "fully-parallel"])
-def test_fp8_request_for_other_stored_dtype_raises_on_every_rank(pool2, tmp_path, wrapped):
+def test_fp8_request_for_other_stored_dtype_is_cast_or_refused_when_strict(pool2, tmp_path, wrapped):
     ckpt = str(tmp_path / "c")
     pool2.run(_dtype_mismatch_save, ckpt)
+    for case in _MISMATCH:
+        pool2.run(_dtype_mismatch_load, ckpt, case, wrapped, False, timeout=_ERR_TIMEOUT)
     for case, (key, _, fragments) in _MISMATCH.items():
-        excs = pool2.run_expect_error(_dtype_mismatch_load, ckpt, case, wrapped, timeout=_ERR_TIMEOUT)
+        excs = pool2.run_expect_error(_dtype_mismatch_load, ckpt, case, wrapped, True, timeout=_ERR_TIMEOUT)
         assert len(excs) == 2
         for rank, e in enumerate(excs):
             assert isinstance(e, CheckpointingException), f"{case} rank {rank}: {type(e).__name__}: {e}"

@@ -187,8 +187,12 @@ def _request_wrong_shape(rank, world, ckpt):
 
 
 def _request_wrong_dtype(rank, world, ckpt):
+    """Another dtype is cast by default (as Megatron-Core does); ``strict_dtypes`` refuses it."""
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
     dtype = torch.float64
-    dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(2, dtype=dtype), (0, rank, world))}, ckpt)
+    dc.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(2, dtype=dtype), (0, rank, world))}, ckpt,
+            sharded_strategy=TorchDistLoadShardedStrategy(strict_dtypes=True))
 
 
 def _request_missing_object(rank, world, ckpt):

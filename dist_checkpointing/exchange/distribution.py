@@ -140,14 +140,18 @@ def _group_rank_or_raise(group: Optional[Any]) -> int:
     return rank
 
 
-def local_tensor_summary(sharded_state_dict: ShardedStateDict) -> List[Tuple[ShardId, ShardInfo, bool]]:
+def local_tensor_summary(sharded_state_dict: ShardedStateDict,
+                         skip_empty: bool = False) -> List[Tuple[ShardId, ShardInfo, bool]]:
     """``(shard id, info, holds the main replica)`` of each distinct shard of this rank.
+    ``skip_empty`` leaves out empty chunks (the fully parallel wrappers: nothing of them
+    is written, read or sent, and several ranks may hold one at the same offset, uneven
+    sharding, without being replicas).
 
     Raises :class:`CheckpointingException` (on this rank) when a shard id appears twice
     with different shapes or dtypes."""
     summary: Dict[ShardId, Tuple[ShardInfo, bool]] = {}
     for sh in nested_values(sharded_state_dict):
-        if isinstance(sh, ShardedTensor):
+        if isinstance(sh, ShardedTensor) and not (skip_empty and sh.is_empty_chunk()):
             sid = shard_id(sh)
             info = _shard_info(sh)
             main = is_main_replica(sh.replica_id)

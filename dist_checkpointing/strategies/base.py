@@ -7,6 +7,7 @@ Megatron-Core has them.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from ..mapping import ShardedStateDict, StateDict
 from .registry import StrategyAction, default_strategies, get_default_strategy, register_default_strategy
 
 __all__ = [
-    "AsyncSaveShardedStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase", "SaveCommonStrategy",
+    "AsyncSaveShardedStrategy", "CopyableStrategy", "LoadCommonStrategy", "LoadShardedStrategy", "LoadStrategyBase", "SaveCommonStrategy",
     "SaveShardedStrategy", "SaveStrategyBase", "StoredChunk", "StoredItems", "StoredRange", "StoredTensor",
     "StrategyAction", "default_strategies", "get_default_strategy", "register_default_strategy",
 ]
@@ -83,7 +84,43 @@ class StoredItems:
         return None
 
 
-class LoadStrategyBase(ABC):
+class CopyableStrategy:
+    """Deep copies and pickles of a strategy carry its settings and caches (as
+    Megatron-Core's do), not its runtime resources: the attributes named in
+    ``_runtime_attrs`` (locks, reusable buffers) are left out and rebuilt fresh by
+    :meth:`_new_runtime`. A deep copy shares the process groups it refers to (they
+    cannot be copied); pickling a strategy that holds one fails, as in Megatron-Core."""
+
+    _runtime_attrs: Tuple[str, ...] = ()
+
+    def _new_runtime(self) -> Dict[str, Any]:
+        """Fresh values of the ``_runtime_attrs``."""
+        return {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._runtime_attrs}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.update(self._new_runtime())
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "CopyableStrategy":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        for group in _process_groups(state.values()):  # (also the same group held by a helper)
+            memo[id(group)] = group
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+
+def _process_groups(values: Any) -> List[Any]:
+    """The process groups among ``values`` (shared, not copied, by deep copies)."""
+    group_type = getattr(torch.distributed, "ProcessGroup", None)
+    return [v for v in values if group_type is not None and isinstance(v, group_type)]
+
+
+class LoadStrategyBase(CopyableStrategy, ABC):
     """Base of load strategies. What a strategy reads is declared as data:
     ``supported_backends`` and ``supported_versions`` (of ``metadata.json``), which the
     compatibility checks below test (a strategy may override the checks instead)."""
@@ -109,7 +146,7 @@ class LoadStrategyBase(ABC):
         return False
 
 
-class SaveStrategyBase(ABC):
+class SaveStrategyBase(CopyableStrategy, ABC):
     """Base of save strategies; ``backend`` and ``version`` go into ``metadata.json``."""
 
     def __init__(self, backend: str, version: int):

@@ -97,16 +97,15 @@ def _check_group(group: Optional[Any]) -> None:
 class _Planner:
     """Plan agreement and caching shared by the save and load wrappers."""
 
-    def __init__(self, parallelization_group: Optional[Any], do_cache_distribution: bool):
-        self.parallelization_group = parallelization_group
-        self.do_cache_distribution = do_cache_distribution
+    def __init__(self) -> None:
         self._cached: Optional[Tuple[List[tuple], Any]] = None
         self._group_checked = False
 
-    def plan(self, sharded_state_dict: ShardedStateDict, local: Callable[[], Any],
+    def plan(self, owner: Any, sharded_state_dict: ShardedStateDict, local: Callable[[], Any],
              compute: Callable[[Any], Any], what: str) -> Any:
         """``compute(local())`` run collectively, or the cached plan when no rank's structure
-        changed. ``local()`` (this rank's summary, no communication) and the item checks
+        changed (``owner``: the wrapper, whose ``parallelization_group`` and
+        ``do_cache_distribution`` apply). ``local()`` (this rank's summary, no communication) and the item checks
         run first and their errors are agreed before any group collective."""
         error: Optional[str] = None
         structure = summary = None
@@ -114,11 +113,11 @@ class _Planner:
             for sh in nested_values(sharded_state_dict):
                 if isinstance(sh, (ShardedTensor, ShardedObject)):
                     sh.validate_metadata_integrity()
-            if self.do_cache_distribution:
+            if owner.do_cache_distribution:
                 structure = _structure(sharded_state_dict)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = error_message(e)
-        reuse = self.do_cache_distribution and self._cached is not None and self._cached[0] == structure
+        reuse = owner.do_cache_distribution and self._cached is not None and self._cached[0] == structure
         if not reuse and error is None:
             try:
                 summary = local()
@@ -129,14 +128,18 @@ class _Planner:
             raise_if_any(all_gather_object(error), what)
         if not replan:
             return self._cached[1]
-        if self.do_cache_distribution:  # ranks that could reuse their plan summarize now
+        if owner.do_cache_distribution:  # ranks that could reuse their plan summarize now
             summary = run_agreed(lambda: local() if summary is None else summary, what)
         if not self._group_checked:
-            _check_group(self.parallelization_group)
+            _check_group(owner.parallelization_group)
             self._group_checked = True
         result = run_agreed(lambda: compute(summary), what)
-        self._cached = (structure, result) if self.do_cache_distribution else None
+        self._cached = (structure, result) if owner.do_cache_distribution else None
         return result
+
+    def cached_result(self) -> Any:
+        """The cached plan, or ``None``."""
+        return self._cached[1] if self._cached is not None else None
 
 
 def distribute_main_replicas_with_precomputed_distribution(
@@ -197,7 +200,12 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
-        self._planner = _Planner(parallelization_group, do_cache_distribution)
+        self._planner = _Planner()
+
+    @property
+    def cached_distribution(self) -> Optional[ShardDistribution]:
+        """The distribution kept from the last save (with ``do_cache_distribution``)."""
+        return self._planner.cached_result()
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -221,7 +229,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
             return plan_shards(summary, group).distribution()
 
         distribution = self._planner.plan(
-            sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict), compute,
+            self, sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict, skip_empty=True), compute,
             "Planning the fully parallel save")
         return run_agreed(
             lambda: distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution),
@@ -259,7 +267,7 @@ def _assign_reads(sharded_state_dict: ShardedStateDict, plan: ShardPlan,
     for sh in nested_values(work):
         if isinstance(sh, ShardedTensor):
             ident: Any = shard_id(sh)
-            mine = plan.reader[ident] == me
+            mine = sh.is_empty_chunk() or plan.reader[ident] == me  # (an empty chunk: nothing to read)
         elif isinstance(sh, ShardedObject):
             ident, mine = sh.unique_key, True
         else:
@@ -303,7 +311,17 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
-        self._planner = _Planner(parallelization_group, do_cache_distribution)
+        self._planner = _Planner()
+
+    @property
+    def cached_distribution(self) -> Optional[ShardPlan]:
+        """The plan kept from the last load (with ``do_cache_distribution``)."""
+        return self._planner.cached_result()
+
+    @property
+    def cached_global_metadata(self) -> Any:
+        """The global metadata the wrapped strategy read in its last load, if it keeps it."""
+        return getattr(self.base_strategy, "cached_global_metadata", None)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -344,7 +362,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         start = time.perf_counter()
-        plan = self._planner.plan(sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict),
+        plan = self._planner.plan(self, sharded_state_dict,
+                                  lambda: local_tensor_summary(sharded_state_dict, skip_empty=True),
                                   self._compute_plan, "Planning the fully parallel load")
         if plan is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)

@@ -98,6 +98,15 @@ def allowed_globals() -> List[SafeGlobal]:
 
 @contextlib.contextmanager
 def safe_globals_context() -> Iterator[None]:
-    """Holds :data:`_LOCK` and extends torch's allow-list with :func:`allowed_globals`."""
-    with _LOCK, torch.serialization.safe_globals(allowed_globals()):
-        yield
+    """Holds :data:`_LOCK` and extends torch's allow-list with :func:`allowed_globals`.
+
+    Only the entries torch's list lacks are added, and only those are removed after:
+    what the user registered with ``torch.serialization.add_safe_globals`` before stays
+    registered (``torch.serialization.safe_globals`` removes every entry it was given on
+    exit, also one the user had registered).
+    """
+    with _LOCK:
+        present = set(torch.serialization.get_safe_globals())
+        added = [entry for entry in allowed_globals() if entry not in present]
+        with torch.serialization.safe_globals(added):
+            yield

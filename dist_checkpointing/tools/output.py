@@ -32,9 +32,20 @@ class OutputExistsError(CheckpointingException):
         super().__init__(f"{out} already exists (pass force=True to replace it)")
         self.out = out
 
+    def __reduce__(self) -> Tuple[type, Tuple[Union[Path, str]]]:
+        return type(self), (self.out,)  # (rebuilt from the path, not the message)
+
 
 def _umask() -> int:
-    """The process's file mode creation mask."""
+    """The process's file mode creation mask, read from ``/proc/self/status`` where it is
+    listed; elsewhere set and restored at once (briefly visible to other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -152,7 +152,7 @@ class PGTransport:
             self._send_text(dsts, 0, "", (_TAG_GO, _TAG_GO_TEXT), "sending the go-ahead")
         self._send_data(dsts, meta, sources)
         total = sum(size for size, _ in meta.messages)
-        logger.info("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
+        logger.debug("Peer transfer: sent %d leaves, %.1f MiB in %d messages to ranks %s in %.3f s",
                     len(values), total / 2**20, len(meta.messages), dsts, time.perf_counter() - start)
 
     def send_failure(self, dst_ranks: Sequence[int], reason: str) -> None:
@@ -284,7 +284,7 @@ class PGTransport:
 
         out = self._receive_data(meta, dests, src_rank, lambda results: _assemble(meta, results), ready)
         total = sum(size for size, _ in meta.messages)
-        logger.info("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
+        logger.debug("Peer transfer: received %d leaves, %.1f MiB in %d messages from rank %d in %.3f s",
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
         return out
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Dict, Optional, Union
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...collectives import run_agreed
 from ...core import CheckpointingException, open_storage
@@ -35,6 +35,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             from the checkpoint: only for checkpoints you trust).
         verify_checksums: verify every item read against its recorded checksum
             (checkpoints without checksums, e.g. Megatron-Core's, load unverified).
+        strict_dtypes: refuse a request whose dtype differs from the stored one. By
+            default (as Megatron-Core, through PyTorch's reader) the stored values are cast
+            into the request's tensor, one stored chunk at a time.
 
     Resharding loads of flattened keys assemble through temporary buffers that the
     strategy keeps for its next load (at most 256 MiB; :meth:`release_scratch` frees them).
@@ -43,16 +46,27 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     supported_backends = ("torch_dist",)
     supported_versions = (1,)
 
-    def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True):
+    def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True,
+                 strict_dtypes: bool = False):
         self.thread_count = max(1, int(thread_count))
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
+        self.strict_dtypes = strict_dtypes
+        #: the global metadata read by the last load (Megatron-Core's attribute; Megatron-LM
+        #: hands it to its save strategy)
+        self.cached_global_metadata: Optional[Metadata] = None
         self._scratch = ScratchArena()
+
+    _runtime_attrs = ("_scratch",)
+
+    def _new_runtime(self) -> Dict[str, Any]:
+        return {"_scratch": ScratchArena()}
 
     def offline_reader(self) -> "TorchDistLoadShardedStrategy":
         """One reader thread (at most one temporary chunk buffer at a time), no unsafe
         unpickling, checksums verified as this strategy verifies them."""
-        return TorchDistLoadShardedStrategy(thread_count=1, verify_checksums=self.verify_checksums)
+        return TorchDistLoadShardedStrategy(thread_count=1, verify_checksums=self.verify_checksums,
+                                            strict_dtypes=self.strict_dtypes)
 
     def release_scratch(self) -> None:
         """Free the temporary memory kept from the last resharding load of flattened keys."""
@@ -85,9 +99,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage]) -> LoadPlan:
         storage = open_storage(checkpoint_dir)
-        metadata = read_metadata(storage)
+        metadata = self.cached_global_metadata = read_metadata(storage)
         self._scratch.begin()
-        return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch)
+        return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch, self.strict_dtypes)
 
     def _execute(self, plan: LoadPlan, storage: Storage) -> None:
         tensor_reads, object_reads, post_copies = plan

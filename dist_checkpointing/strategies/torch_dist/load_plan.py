@@ -72,6 +72,9 @@ class ScratchArena:
 
 @dataclass
 class TensorRead:
+    """One stored chunk (of ``dtype``, as stored) read into the ``overlap`` of ``dest``
+    (which may have another dtype: the values are cast)."""
+
     key: str
     storage: _StorageInfo
     chunk: Region
@@ -106,14 +109,18 @@ def stored_chunk_shape(key: str, md: TensorStorageMetadata, orig: Tuple[int, ...
 
 
 def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoint_dir: str,
-              scratch: ScratchArena) -> LoadPlan:
-    """The reads (and copies after them) that fill the request from the checkpoint."""
+              scratch: ScratchArena, strict_dtypes: bool = False) -> LoadPlan:
+    """The reads (and copies after them) that fill the request from the checkpoint.
+
+    A tensor stored in another dtype than requested is cast into the request's tensor
+    (one stored chunk at a time, as PyTorch's reader does for Megatron-Core); with
+    ``strict_dtypes`` such a request raises instead."""
     tensor_reads: List[TensorRead] = []
     post_copies: List[Callable[[], Any]] = []
     object_reads: Dict[int, ObjectRead] = {}
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
-            reads, copies = plan_tensor(sh, metadata, checkpoint_dir, scratch)
+            reads, copies = plan_tensor(sh, metadata, checkpoint_dir, scratch, strict_dtypes)
             tensor_reads.extend(reads)
             post_copies.extend(copies)
         elif isinstance(sh, ShardedObject):
@@ -128,9 +135,10 @@ def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoi
     return tensor_reads, object_reads, post_copies
 
 
-def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str,
-                scratch: ScratchArena) -> Tuple[List[TensorRead], List[Callable[[], Any]]]:
-    """Reads (and copies to run after them) that fill ``sh.data`` from the checkpoint."""
+def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str, scratch: ScratchArena,
+                strict_dtypes: bool = False) -> Tuple[List[TensorRead], List[Callable[[], Any]]]:
+    """Reads (and copies to run after them) that fill ``sh.data`` from the checkpoint
+    (cast to the request's dtype unless ``strict_dtypes``: see :func:`plan_load`)."""
     md = metadata.state_dict_metadata.get(sh.key)
     if md is None:
         raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in checkpoint {checkpoint_dir}")
@@ -143,7 +151,7 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str,
             f"Global shape mismatch for key {sh.key!r}: checkpoint {checkpoint_dir} has "
             f"{stored_shape}, the request expects {sh.global_shape}"
         )
-    if md.properties.dtype != sh.dtype:
+    if strict_dtypes and md.properties.dtype != sh.dtype:
         raise CheckpointingException(
             f"Dtype mismatch for key {sh.key!r}: checkpoint {checkpoint_dir} has "
             f"{md.properties.dtype}, the request expects {sh.dtype}"
@@ -154,12 +162,12 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str,
         # Read the high-precision values, then quantize them into the FP8 tensor.
         fp8 = sh.data
         values = replace(sh, data=torch.empty(tuple(fp8.shape), dtype=sh.dtype))
-        reads, copies = plan_tensor(values, metadata, checkpoint_dir, scratch)
+        reads, copies = plan_tensor(values, metadata, checkpoint_dir, scratch, strict_dtypes)
         return reads, copies + [lambda: fill_float8_(fp8, values.data)]
     data = sh.data.detach()  # fill in place, also parameters that require grad
-    rng = sh.flattened_range
-    if rng is not None and rng.stop == rng.start:
+    if sh.is_empty_chunk():
         return [], []
+    rng = sh.flattened_range
     if rng is not None and orig is not None and sh.reformulated_region()[0] == tuple(md.size):
         # Same grid as saved: the slice is a range of one row of the stored tensor.
         _, offsets, sizes = sh.reformulated_region()
@@ -198,7 +206,7 @@ def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metada
                 f"Checkpoint {checkpoint_dir} has no storage entry for chunk {chunk[0]} of {sh.key!r}"
             )
         covered += math.prod(overlap[1])
-        reads.append(TensorRead(sh.key, storage, chunk, sh.dtype, dest, request[0], overlap))
+        reads.append(TensorRead(sh.key, storage, chunk, md.properties.dtype, dest, request[0], overlap))
     if covered != math.prod(request[1]) and not sh.allow_shape_mismatch:
         raise CheckpointingException(
             f"Checkpoint {checkpoint_dir} does not cover the requested chunk of {sh.key!r} "

@@ -147,7 +147,7 @@ class Reader:
         rel = [o - c for o, c in zip(read.overlap[0], read.chunk[0])]
         first = sum(r * st for r, st in zip(rel, header.stride))
         last = sum((r + s - 1) * st for r, s, st in zip(rel, read.overlap[1], header.stride))
-        itemsize = dest.element_size()
+        itemsize = read.dtype.itemsize  # as stored
         whole = tuple(read.overlap[1]) == tuple(read.chunk[1])
         # A checksum covers the chunk's whole data span (data-only checksums: of a contiguous chunk).
         verify = expected is not None and (self.whole_records or header.is_contiguous())
@@ -158,13 +158,14 @@ class Reader:
         data = (header.data_offset + read_from * itemsize, (read_to - read_from + 1) * itemsize)
         verifier = RecordVerifier(file, (read.storage.offset, read.storage.length), data, expected,
                                   self.whole_records, what, where) if verify else None
-        if whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous():
+        if (whole and header.is_contiguous() and dest.device.type == "cpu" and dest.is_contiguous()
+                and dest.dtype == read.dtype):
             _read_into(file, tensor_bytes(dest), header.data_offset, where, what, verifier)
             return
         span = torch.empty(data[1], dtype=torch.uint8)
         _read_into(file, span.numpy(), data[0], where, what, verifier)
         src = torch.as_strided(span.view(read.dtype), read.overlap[1], header.stride, first - read_from)
-        dest.copy_(src)
+        dest.copy_(src)  # casts a chunk stored in another dtype
 
     def _read_tensor_via_torch_load(self, read: TensorRead, file: RangeReader, dest: torch.Tensor, where: str,
                                     expected: Optional[int], what: str) -> None:

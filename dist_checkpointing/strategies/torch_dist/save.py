@@ -86,10 +86,38 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.checksums = checksums
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = max(1, int(thread_count))
-        self.cached_metadata = cached_metadata
+        #: Megatron-Core's name of ``cached_metadata`` (Megatron-LM sets it after construction)
+        self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
-        self._cache: Optional[Tuple[List[str], Metadata]] = None
+        # (layout digest, rank 0's metadata) of the last save with cached metadata
+        self._cache: Optional[Tuple[Optional[str], Optional[Metadata]]] = None
         self._staging = HostStaging()
+
+    _runtime_attrs = ("_staging",)
+
+    def _new_runtime(self) -> Dict[str, Any]:
+        return {"_staging": HostStaging()}
+
+    @property
+    def cached_metadata(self) -> bool:
+        """Whether an unchanged layout reuses the previous save's global metadata."""
+        return self.use_cached_ckpt_structure
+
+    @cached_metadata.setter
+    def cached_metadata(self, value: bool) -> None:
+        self.use_cached_ckpt_structure = value
+
+    @property
+    def cached_global_metadata(self) -> Optional[Metadata]:
+        """The global metadata kept from the last save (rank 0; ``None`` elsewhere or when
+        not caching). Megatron-LM plugs in the metadata its load strategy read: accepted,
+        but not reused (the next save gathers its own; a layout this strategy has not
+        seen saved is never assumed)."""
+        return self._cache[1] if self._cache is not None else None
+
+    @cached_global_metadata.setter
+    def cached_global_metadata(self, metadata: Optional[Metadata]) -> None:
+        self._cache = None if metadata is None else (None, metadata)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -5,6 +5,7 @@ layout) and how they are split into data files."""
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -44,8 +45,8 @@ def collect_save_items(sharded_state_dict: ShardedStateDict) -> List[SaveItem]:
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
             sh.validate_metadata_integrity()
-            if sh.flattened_range is not None and sh.flattened_range.stop == sh.flattened_range.start:
-                continue  # an empty slice of a chunk: nothing to store
+            if sh.is_empty_chunk() and math.prod(sh.global_shape) > 0:
+                continue  # an empty chunk (or slice) of a tensor that other chunks cover: nothing to store
             # FP8 tensors (Transformer Engine) are stored as their high-precision values.
             local = dequantize(sh.data) if is_float8tensor(sh.data) else sh.data
             if sh.flattened_range is not None:
