@@ -80,7 +80,7 @@ from _common import (
 import dist_checkpointing
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing import serialization as ser
-from dist_checkpointing.integrity import checksum
+from dist_checkpointing.integrity.checksums import checksum
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, ForkedCall
 from dist_checkpointing.strategies.filesystem_async import tensor_bytes

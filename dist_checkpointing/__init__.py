@@ -8,6 +8,7 @@ prefix and model code written for it works unchanged.
 # it after init_process_group can make the process abort at exit (torch 2.13, gloo).
 import torch.distributed.checkpoint  # noqa: F401
 
+from .compat import moved as _moved
 from .core import CheckpointingConfig, CheckpointingException
 from .manager import CheckpointManager
 from .mapping import (
@@ -34,6 +35,8 @@ from .serialization import (
 )
 from .strategies.safe_globals import register_safe_globals
 from .validation import StrictHandling
+
+_moved.install()  # module paths of earlier versions (e.g. dist_checkpointing.convert) still import
 
 __version__ = "0.1.0"
 

@@ -204,7 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f)
             return 0
         if args.command == "convert":
-            from .convert import convert_checkpoint
+            from .tools.convert import convert_checkpoint
 
             result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"),
                                         storage_options=options)

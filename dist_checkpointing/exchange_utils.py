@@ -31,8 +31,8 @@ from .exchange.tensors import (
     exchange_loaded_tensors_gather_object,
     exchange_loaded_tensors_gather_rounds,
 )
-from .fp8 import is_float8tensor
-from .forwarding import forward_settings
+from .tensors.fp8 import is_float8tensor
+from .compat.forwarding import forward_settings
 
 __all__ = [
     "EXCHANGE_ALGORITHMS", "BUCKET_BYTES", "ROUND_BYTES", "SMALL_SHARD_BYTES", "ShardDistribution", "ShardId",

@@ -20,7 +20,7 @@ import torch
 
 from .core import CheckpointingException
 from .dict_utils import dict_list_map_inplace
-from .sharded_tensor import ReplicaId, ShardedBase, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .tensors.sharded import ReplicaId, ShardedBase, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 
 CommonStateDict = Dict[str, Any]
 FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]

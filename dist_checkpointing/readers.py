@@ -10,8 +10,8 @@ import os
 from typing import Dict, Optional, Tuple, Union
 
 from .core import CheckpointingConfig, CheckpointingException, checkpoint_location, load_config
-from .integrity import SIDECAR_SUFFIX
-from .manifest import refresh_manifest
+from .integrity.checksums import SIDECAR_SUFFIX
+from .integrity.manifest import refresh_manifest
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .storage import Storage, StorageOptions
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, get_default_strategy

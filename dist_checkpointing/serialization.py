@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 
-from .collectives import broadcast_object, error_message, get_rank, run_agreed
+from .exchange.collectives import broadcast_object, error_message, get_rank, run_agreed
 from .core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -44,11 +44,11 @@ from .readers import (
     remove_sharded_tensors,
     sharded_load_strategy,
 )
-from .dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
-from .integrity import sidecar_name, sidecar_record
-from .manifest import MANIFEST_FNAME, hash_written_files, verify_manifest, write_manifest
-from .save_claim import CLAIM_FNAME, check_claim, claim_save_dir, release_claim
-from .stored_names import refuse_unkept_names, verify_stored
+from .tensors.dtensor import dtensors_to_sharded, is_dtensor, restore_dtensors
+from .integrity.checksums import sidecar_name, sidecar_record
+from .integrity.manifest import MANIFEST_FNAME, hash_written_files, verify_manifest, write_manifest
+from .integrity.save_claim import CLAIM_FNAME, check_claim, claim_save_dir, release_claim
+from .integrity.stored_names import refuse_unkept_names, verify_stored
 from .storage import StorageOptions
 from .dict_utils import (
     copy_structure, dict_list_map_inplace, extract_matching_values, find_anywhere, merge, nested_values,

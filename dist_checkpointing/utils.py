@@ -108,7 +108,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
 def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
     """Replace, in place, the data of every leaf holding an FP8 (Transformer Engine) tensor
     by its dequantized high-precision values."""
-    from .fp8 import dequantize, is_float8tensor  # torch only; kept out of the data model's imports
+    from .tensors.fp8 import dequantize, is_float8tensor  # torch only; kept out of the data model's imports
 
     for v in nested_values(sharded_state_dict):
         if hasattr(v, "data") and is_float8tensor(v.data):

@@ -14,8 +14,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 import torch
 import torch.distributed as dist
 
-from .bytes_view import as_bytes
-from .collectives import (
+from .tensors.bytes_view import as_bytes
+from .exchange.collectives import (
     all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, exchange_objects, get_rank,
     get_world_size, run_agreed, run_agreed_with_flags,
 )

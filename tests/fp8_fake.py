@@ -1,6 +1,6 @@
 """A stand-in for Transformer Engine's ``Float8Tensor``, for tests without TE or a GPU.
 
-``FakeFloat8Tensor`` follows the interface ``dist_checkpointing.fp8`` relies on: a tensor
+``FakeFloat8Tensor`` follows the interface ``dist_checkpointing.tensors.fp8`` relies on: a tensor
 subclass whose nominal ``dtype`` is high precision (e.g. bf16) while its values live in a
 uint8 ``_data`` tensor (FP8 bytes) with one per-tensor ``_scale_inv``
 (value = fp8(_data) * _scale_inv), its format in ``_fp8_dtype`` and a ``dequantize()``.
@@ -14,7 +14,7 @@ values (a plain tensor); ``detach`` keeps the subclass (so ``nn.Parameter(fake)`
 ``_fp8_dtype`` is a torch float8 dtype, or, with ``te_style_dtype=True``, a TE-like enum
 member (``TEDType.kFloat8E4M3``) that the library must recognise by name.
 
-Registered with :func:`dist_checkpointing.fp8.register_float8_tensor_class` at import,
+Registered with :func:`dist_checkpointing.tensors.fp8.register_float8_tensor_class` at import,
 so importing this module in a rank process is enough.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from dist_checkpointing.fp8 import register_float8_tensor_class
+from dist_checkpointing.tensors.fp8 import register_float8_tensor_class
 
 
 class TEDType(enum.Enum):

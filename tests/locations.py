@@ -16,7 +16,6 @@ import pytest
 
 from dist_checkpointing.storage import storage_for
 
-from . import conftest
 
 
 class Locations:
@@ -39,6 +38,8 @@ def _set_env(rank: int, world: int, env: Dict[str, str]) -> None:
 
 def _export_env(env: Dict[str, str]) -> None:
     os.environ.update(env)
+    from . import conftest  # (here: a rank that unpickles a function of this module imports it first)
+
     for pool in conftest._POOLS.values():
         pool.run(_set_env, env)
 

@@ -22,7 +22,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main as cli_main
-from dist_checkpointing.convert import convert_checkpoint
+from dist_checkpointing.tools.convert import convert_checkpoint
 from dist_checkpointing.strategies import CommonStateObjectSaveStrategy
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import original_global_shape, read_metadata
@@ -183,7 +183,7 @@ def test_converts_megatron_015_distributed_optimizer_fixture(ckpts):
 
 _MEASURE = """
 import sys
-from dist_checkpointing.convert import convert_checkpoint
+from dist_checkpointing.tools.convert import convert_checkpoint
 def peak_rss():  # VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's)
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 before = peak_rss()

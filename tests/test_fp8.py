@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
-from dist_checkpointing.fp8 import is_float8tensor
+from dist_checkpointing.tensors.fp8 import is_float8tensor
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
@@ -584,7 +584,7 @@ def _dtype_mismatch_load(rank, world, ckpt, case, wrapped, strict):
 
 
 def _nominal(t):
-    from dist_checkpointing.fp8 import dequantize
+    from dist_checkpointing.tensors.fp8 import dequantize
 
     return dequantize(t)
 

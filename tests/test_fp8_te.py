@@ -20,7 +20,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 import dist_checkpointing as dc  # noqa: E402
 from dist_checkpointing import ShardedTensor  # noqa: E402
-from dist_checkpointing.fp8 import is_float8tensor  # noqa: E402
+from dist_checkpointing.tensors.fp8 import is_float8tensor  # noqa: E402
 
 
 def _float8_tensor_class():

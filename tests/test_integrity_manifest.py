@@ -18,7 +18,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.core import CheckpointingException
-from dist_checkpointing.manifest import MANIFEST_FNAME, manifest_bytes
+from dist_checkpointing.integrity.manifest import MANIFEST_FNAME, manifest_bytes
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.tools import validate_checkpoint
 

@@ -19,7 +19,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main as cli
-from dist_checkpointing.integrity import checksum
+from dist_checkpointing.integrity.checksums import checksum
 from dist_checkpointing.manager import convert_local_checkpoint
 
 from .conftest import get_pool

@@ -28,7 +28,7 @@ import pytest
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.liveness import start_time
+from dist_checkpointing.integrity.liveness import start_time
 from dist_checkpointing.manager.layout import INDEX_FNAME, TRACKER_FNAME
 from dist_checkpointing.manager.lock import LOCK_FNAME, RootLock
 from dist_checkpointing.storage import PosixStorage, storage_for

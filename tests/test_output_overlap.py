@@ -20,7 +20,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main
-from dist_checkpointing.convert import convert_checkpoint
+from dist_checkpointing.tools.convert import convert_checkpoint
 from dist_checkpointing.manager import convert_local_checkpoint
 from dist_checkpointing.storage import normalized_location, storage_for
 from dist_checkpointing.tools import export_checkpoint, import_checkpoint

@@ -23,7 +23,7 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
-from dist_checkpointing.integrity import checksum, write_file_with_checksum
+from dist_checkpointing.integrity.checksums import checksum, write_file_with_checksum
 from dist_checkpointing.storage import PosixStorage
 from dist_checkpointing.storage.buffers import STAGING_BUFFER_BYTES
 from dist_checkpointing.strategies.filesystem_async import write_file

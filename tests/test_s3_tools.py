@@ -19,7 +19,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main
-from dist_checkpointing.convert import convert_checkpoint
+from dist_checkpointing.tools.convert import convert_checkpoint
 from dist_checkpointing.storage import storage_for
 from dist_checkpointing.tools import OutputExistsError, export_checkpoint, validate_checkpoint
 

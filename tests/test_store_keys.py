@@ -24,7 +24,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
 from dist_checkpointing.cli import main
-from dist_checkpointing.convert import convert_checkpoint
+from dist_checkpointing.tools.convert import convert_checkpoint
 from dist_checkpointing.storage import object_key_problem, storage_for
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy

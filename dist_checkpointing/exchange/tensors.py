@@ -16,10 +16,10 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..bytes_view import as_bytes
-from ..collectives import all_gather_object, get_rank, get_world_size
+from ..tensors.bytes_view import as_bytes
+from .collectives import all_gather_object, get_rank, get_world_size
 from ..core import CheckpointingException
-from ..fp8 import dequantize, fill_float8_, is_float8tensor
+from ..tensors.fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedTensor
 from .distribution import ShardDistribution, ShardId, ShardInfo, _describe, _global_rank, comm_device
 from .plan import ShardPlan

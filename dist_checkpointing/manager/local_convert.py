@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import serialization
-from ..collectives import get_world_size
+from ..exchange.collectives import get_world_size
 from ..core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict, is_main_replica
-from ..path_overlap import refuse_overlap
-from ..sharded_tensor import ShardedTensor
+from ..integrity.overlap import refuse_overlap
+from ..tensors.sharded import ShardedTensor
 from ..storage import StorageOptions, url_scheme
 from .layout import CONTENT_KEY
 from .local_format import rebuild

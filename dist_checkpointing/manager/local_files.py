@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import CheckpointingException
-from ..integrity import checksum, new_hasher
+from ..integrity.checksums import checksum, new_hasher
 from ..mapping import ShardedStateDict
 from ..storage import PosixStorage, RangeReader, Storage, storage_for
 from ..storage.base import byte_view

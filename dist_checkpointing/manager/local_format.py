@@ -31,7 +31,7 @@ import torch
 from ..core import CheckpointingException
 from ..dict_utils import extract_matching_values
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..sharded_tensor import ShardedTensor
+from ..tensors.sharded import ShardedTensor
 from ..strategies.safe_pickle import safe_torch_load
 
 #: the header's format (2: it records what a normal save needs: ``structure``, ``fields``, ``sharded``)

@@ -37,10 +37,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
+from ..exchange.collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
 from ..core import CheckpointingException
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..sharded_tensor import ShardedTensor
+from ..tensors.sharded import ShardedTensor
 from ..transport import PGTransport
 from .local_files import map_copy, read_copy, scan
 from .local_format import decode_header

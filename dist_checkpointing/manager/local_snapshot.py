@@ -12,12 +12,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..bytes_view import as_bytes
+from ..tensors.bytes_view import as_bytes
 from ..core import CheckpointingException, malformed
-from ..integrity import new_hasher
+from ..integrity.checksums import new_hasher
 from ..dict_utils import extract_matching_values, merge
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..sharded_tensor import ShardedTensor
+from ..tensors.sharded import ShardedTensor
 from ..strategies.async_utils import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
 from .local_format import Entry, dtype_of, encode_header, leaf_id, walk

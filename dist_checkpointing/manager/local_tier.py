@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
+from ..exchange.collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
 from ..storage import Storage, storage_for, url_scheme

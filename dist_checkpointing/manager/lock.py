@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
 
 from ..core import CheckpointingException
-from ..liveness import runs, this_process
+from ..integrity.liveness import runs, this_process
 from ..storage import PosixStorage, Storage
 
 logger = logging.getLogger(__name__)

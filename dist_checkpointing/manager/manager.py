@@ -18,12 +18,12 @@ from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from .. import serialization
-from ..collectives import broadcast_object, error_message, get_rank, run_agreed, run_agreed_with_flags
+from ..exchange.collectives import broadcast_object, error_message, get_rank, run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException, open_storage
 from ..mapping import ShardedStateDict, StateDict
-from ..path_overlap import refuse_overlap
+from ..integrity.overlap import refuse_overlap
 from ..storage import Storage, url_scheme
-from ..stored_names import refuse_unkept_names
+from ..integrity.stored_names import refuse_unkept_names
 from ..strategies.async_utils import AsyncCallsQueue
 from ..validation import StrictHandling
 from .crash import crash_point

@@ -1,9 +1,9 @@
 """Which entries of a step directory this library wrote: all that the manager ever deletes.
 
 Decided by what the files say, never by their names alone. A save records its id
-(:mod:`~dist_checkpointing.save_claim`) in ``.save_claim`` (from before its first byte
+(:mod:`~dist_checkpointing.integrity.checksums.save_claim`) in ``.save_claim`` (from before its first byte
 until its commit), in the checksum sidecars of ``common.pt`` and ``.metadata``
-(:mod:`~dist_checkpointing.integrity`) and in ``.metadata``'s ``storage_meta.save_id``;
+(:mod:`~dist_checkpointing.integrity.checksums`) and in ``.metadata``'s ``storage_meta.save_id``;
 ``.metadata`` names the data files.
 
 - A committed checkpoint being retired (its ``metadata.json`` deleted first, by the
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..core import CONFIG_FNAME, CheckpointingException
-from ..integrity import SIDECAR_SUFFIX
-from ..liveness import on_this_host, runs
-from ..manifest import MANIFEST_FNAME
-from ..save_claim import CLAIM_FNAME
+from ..integrity.checksums import SIDECAR_SUFFIX
+from ..integrity.liveness import on_this_host, runs
+from ..integrity.manifest import MANIFEST_FNAME
+from ..integrity.save_claim import CLAIM_FNAME
 from ..storage import Storage
 from ..strategies.common import COMMON_STATE_FNAME
 from ..strategies.torch_dist.format import METADATA_FNAME, checked_data_file_name

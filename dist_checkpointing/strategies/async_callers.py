@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Deque, Dict, Optional, Tuple
 
-from ..collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
+from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
 from ..core import CheckpointingException, gc_paused
 from .async_utils import AsyncRequest, ForkedCall, _preloaded
 

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..collectives import all_gather_object, all_reduce_max_uint8, error_message, is_distributed, raise_if_any, run_agreed
+from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, is_distributed, raise_if_any, run_agreed
 from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..bytes_view import nbytes
+from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
 from .registry import StrategyAction, default_strategies, get_default_strategy, register_default_strategy

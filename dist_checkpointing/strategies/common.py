@@ -9,7 +9,7 @@ from typing import Callable, Union
 import torch
 
 from ..core import CheckpointingException, open_storage
-from ..integrity import read_file_verified, write_file_with_checksum
+from ..integrity.checksums import read_file_verified, write_file_with_checksum
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy
 from .registry import StrategyAction, register_default_strategy

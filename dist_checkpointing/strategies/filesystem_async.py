@@ -13,9 +13,9 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from ..bytes_view import as_bytes
+from ..tensors.bytes_view import as_bytes
 from ..core import CheckpointingException
-from ..integrity import new_hasher
+from ..integrity.checksums import new_hasher
 from ..storage import Storage, WriteStream
 from ..storage.zip_crc import zip_crc_disabled
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..collectives import (
+from ..exchange.collectives import (
     all_gather_object,
     all_reduce_max_uint8,
     error_message,
@@ -45,7 +45,7 @@ from ..dict_utils import dict_list_map_outplace, nested_values
 from ..exchange.distribution import ShardDistribution, ShardId, local_tensor_summary, shard_id
 from ..exchange.plan import ShardPlan, plan_shards
 from ..exchange.tensors import check_exchange_algo, exchange_by_distribution, exchange_point_to_point
-from ..fp8 import dequantize, fill_float8_, is_float8tensor
+from ..tensors.fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy, StoredItems
 

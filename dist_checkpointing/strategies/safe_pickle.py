@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint import planner as dcp_planner
 
 from ..core import CheckpointingException, Location, open_storage
-from ..integrity import read_file_verified
+from ..integrity.checksums import read_file_verified
 from .safe_globals import safe_globals_context
 from .stand_ins import StandInMismatch
 

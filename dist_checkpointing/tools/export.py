@@ -12,14 +12,14 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ..bytes_view import nbytes
+from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
-from ..path_overlap import refuse_overlap
-from ..safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
+from ..integrity.overlap import refuse_overlap
+from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
 from ..readers import load_tensors_metadata
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
-from ..stored_names import refuse_unkept_names
-from ..whole_tensors import TensorReader
+from ..integrity.stored_names import refuse_unkept_names
+from .whole_tensors import TensorReader
 from .output import (OutputExistsError, PathLike, Progress, clear_url_output, delete_quietly, move_into_place,
                      refuse_existing, staging_dir, url_output)
 

@@ -14,12 +14,12 @@ import torch
 from ..core import CheckpointingException, malformed, open_storage
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
-from ..path_overlap import refuse_overlap
-from ..safetensors_stream import INDEX_FNAME
+from ..integrity.overlap import refuse_overlap
+from .safetensors_stream import INDEX_FNAME
 from ..serialization import SAVED_FILE_NAMES, save
 from ..storage import StorageOptions, url_scheme
 from ..strategies.torch_dist.format import data_file_name
-from ..stored_names import refuse_unkept_names
+from ..integrity.stored_names import refuse_unkept_names
 from .output import PathLike, clear_url_output, refuse_existing, remove_path, url_output
 
 logger = logging.getLogger(__package__)  # (the package's name, as before the split)

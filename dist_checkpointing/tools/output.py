@@ -1,4 +1,4 @@
-"""Writing a tool's output safely (for export, import and :mod:`dist_checkpointing.convert`):
+"""Writing a tool's output safely (for export, import and :mod:`dist_checkpointing.tools.convert`):
 refuse to replace an existing output unless asked; a local output is written next to it
 and moved into place durably; a URL output (an object store cannot rename) is written in
 place, its marker of completeness last, after the old output (with ``force``) was deleted
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Tuple, Union
 
 from ..core import CONFIG_FNAME, CheckpointingException, open_storage
-from ..path_overlap import output_location
-from ..safetensors_stream import INDEX_FNAME
+from ..integrity.overlap import output_location
+from .safetensors_stream import INDEX_FNAME
 from ..storage import Storage, StorageOptions
 from ..storage.posix import fsync_dir
 
@@ -60,7 +60,7 @@ def refuse_existing(out: Path, force: bool) -> None:
 @contextmanager
 def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
     """``(tmp, location)``: a new directory to write an output in, next to ``location``
-    (where ``out`` goes: :func:`~dist_checkpointing.path_overlap.output_location`, never
+    (where ``out`` goes: :func:`~dist_checkpointing.integrity.checksums.overlap.output_location`, never
     inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
     ``0700``). The block moves what it wrote into place (:func:`move_into_place`);
     whatever is left of ``tmp`` afterwards is removed, also when the block fails."""

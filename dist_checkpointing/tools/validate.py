@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
 from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
-from ..manifest import MANIFEST_FNAME, manifest_problems
+from ..integrity.manifest import MANIFEST_FNAME, manifest_problems
 from ..mapping import ShardedObject
 from ..readers import get_default_load_sharded_strategy
 from ..storage import Storage, StorageOptions
 from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
-from ..whole_tensors import TensorReader
+from .whole_tensors import TensorReader
 from .output import PathLike, Progress
 
 

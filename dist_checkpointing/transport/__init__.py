@@ -44,7 +44,7 @@ and unpacking tensor bytes), :mod:`.protocol` (:class:`PGTransport`,
 """
 
 from . import wire
-from ..forwarding import forward_settings
+from ..compat.forwarding import forward_settings
 from .leaves import _Columns, _LeafColumns
 from .plan import _plan_messages
 from .protocol import PGTransport, recover_from_peer

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..fp8 import fill_float8_, is_float8tensor, per_tensor_layout
+from ..tensors.fp8 import fill_float8_, is_float8tensor, per_tensor_layout
 from .leaves import _Columns, _TensorMeta
 
 

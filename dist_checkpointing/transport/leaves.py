@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..fp8 import float8_dtype, is_float8tensor, per_tensor_layout
+from ..tensors.fp8 import float8_dtype, is_float8tensor, per_tensor_layout
 from ..mapping import ShardedTensor
 
 try:  # DTensor is optional (older or stripped-down torch builds)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ..core import CheckpointingException, gc_paused
-from ..fp8 import float8_dtype, is_float8tensor
+from ..tensors.fp8 import float8_dtype, is_float8tensor
 from . import wire
 from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _wire_view
 from .leaves import DTensor, _Columns, _kind, _LeafError, _local_tensor

@@ -11,10 +11,10 @@ from typing import Any, Dict, Optional, Union
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ...collectives import run_agreed
+from ...exchange.collectives import run_agreed
 from ...core import CheckpointingException, open_storage
 from ...dict_utils import dict_list_map_outplace, nested_values
-from ...integrity import SCOPE_RECORD, item_checksum_scope
+from ...integrity.checksums import SCOPE_RECORD, item_checksum_scope
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ...storage import Storage
 from ..base import LoadShardedStrategy, StoredItems

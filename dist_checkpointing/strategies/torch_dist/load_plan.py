@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...core import CheckpointingException
 from ...dict_utils import nested_values
-from ...fp8 import fill_float8_, is_float8tensor
+from ...tensors.fp8 import fill_float8_, is_float8tensor
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from ..resharding import (
     Region,

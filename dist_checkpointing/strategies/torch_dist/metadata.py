@@ -23,11 +23,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...bytes_view import nbytes
+from ...tensors.bytes_view import nbytes
 from ...core import CheckpointingException, gc_paused, malformed, open_storage
 from ...core import Location as CheckpointLocation
-from ...integrity import item_checksum_table, write_file_with_checksum
-from ...save_claim import current_save_id
+from ...integrity.checksums import item_checksum_table, write_file_with_checksum
+from ...integrity.save_claim import current_save_id
 from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
@@ -46,7 +46,7 @@ def checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]
 
 def storage_meta(storage: Storage) -> StorageMeta:
     """DCP's record of this save: the directory and the id of the save that holds it
-    (:mod:`~dist_checkpointing.save_claim`; a fresh id when none does)."""
+    (:mod:`~dist_checkpointing.integrity.checksums.save_claim`; a fresh id when none does)."""
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...core import CheckpointingException
-from ...fp8 import dequantize, is_float8tensor
-from ...integrity import RecordVerifier, checksum, mismatch_error
+from ...tensors.fp8 import dequantize, is_float8tensor
+from ...integrity.checksums import RecordVerifier, checksum, mismatch_error
 from ...storage import RangeReader, Storage
 from ..filesystem_async import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices

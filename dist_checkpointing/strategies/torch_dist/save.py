@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...collectives import (
+from ...exchange.collectives import (
     all_gather_object,
     all_reduce_max_uint8,
     broadcast_object,

@@ -13,7 +13,7 @@ import torch
 
 from ...core import CheckpointingException
 from ...dict_utils import nested_values
-from ...fp8 import dequantize, is_float8tensor
+from ...tensors.fp8 import dequantize, is_float8tensor
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from .format import data_file_name
 

@@ -30,21 +30,21 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-from .bytes_view import nbytes
-from .core import (CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, checkpoint_location,
+from ..tensors.bytes_view import nbytes
+from ..core import (CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, checkpoint_location,
                    load_config, malformed, open_storage, save_config)
-from .integrity import read_file_verified, sidecar_name
-from .path_overlap import refuse_overlap
-from .stored_names import refuse_unkept_names, verify_stored
-from .save_claim import CLAIM_FNAME, check_claim, claim_save_dir, current_save_id, release_claim
-from .strategies.base import StoredItems
-from .strategies.common import COMMON_STATE_FNAME
-from .strategies.filesystem_async import write_file
-from .storage import PosixStorage, Storage, StorageOptions, url_scheme
-from .strategies.torch_dist.format import (COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name,
+from ..integrity.checksums import read_file_verified, sidecar_name
+from ..integrity.overlap import refuse_overlap
+from ..integrity.stored_names import refuse_unkept_names, verify_stored
+from ..integrity.save_claim import CLAIM_FNAME, check_claim, claim_save_dir, current_save_id, release_claim
+from ..strategies.base import StoredItems
+from ..strategies.common import COMMON_STATE_FNAME
+from ..strategies.filesystem_async import write_file
+from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
+from ..strategies.torch_dist.format import (COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name,
                                            original_global_shape)
-from .strategies.torch_dist.metadata import build_metadata, data_file_sizes, read_metadata, stored_items, write_metadata
-from .tools.output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
+from ..strategies.torch_dist.metadata import build_metadata, data_file_sizes, read_metadata, stored_items, write_metadata
+from .output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
 from .whole_tensors import TensorReader
 
 logger = logging.getLogger(__name__)

@@ -25,16 +25,16 @@ import json
 import re
 from typing import Dict, List, Optional, Tuple
 
-from .collectives import (
+from ..exchange.collectives import (
     all_gather_object, all_reduce_max_uint8, error_message, gather_object, get_rank, get_world_size, raise_if_any,
     run_agreed, scatter_object,
 )
-from .core import (
+from ..core import (
     CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, config_bytes, load_config, open_storage,
     read_small_json,
 )
 from .save_claim import CLAIM_FNAME
-from .storage import Storage
+from ..storage import Storage
 
 MANIFEST_FNAME = "integrity.json"
 ALGORITHM = "sha256"

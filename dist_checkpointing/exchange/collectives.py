@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from .core import CheckpointingException
+from ..core import CheckpointingException
 
 T = TypeVar("T")
 

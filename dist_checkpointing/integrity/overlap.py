@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
-from .core import CheckpointingException, Location
-from .storage import Storage, normalized_location
+from ..core import CheckpointingException, Location
+from ..storage import Storage, normalized_location
 
 _Identity = Tuple[int, int]
 

@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .bytes_view import as_bytes
-from .core import CheckpointingException
-from .storage import Storage
+from ..tensors.bytes_view import as_bytes
+from ..core import CheckpointingException
+from ..storage import Storage
 
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

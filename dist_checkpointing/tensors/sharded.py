@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .core import CheckpointingException
+from ..core import CheckpointingException
 
 ReplicaId = Union[int, Tuple[int, ...]]
 ShardedStateDict = Dict[str, Any]

@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .core import CheckpointingException
-from .mapping import ShardedTensor
+from ..core import CheckpointingException
+from ..mapping import ShardedTensor
 
 try:  # DTensor is optional (older or stripped-down torch builds)
     from torch.distributed.tensor import DTensor, Replicate, Shard

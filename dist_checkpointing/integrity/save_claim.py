@@ -19,9 +19,9 @@ import time
 import uuid
 from typing import Optional
 
-from .core import CheckpointingException, Location, open_storage
+from ..core import CheckpointingException, Location, open_storage
 from .liveness import this_process
-from .storage import Storage
+from ..storage import Storage
 
 CLAIM_FNAME = ".save_claim"
 

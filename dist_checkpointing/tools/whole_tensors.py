@@ -12,10 +12,10 @@ from typing import List, Optional
 
 import torch
 
-from .bytes_view import nbytes
-from .core import CheckpointingException, Location, malformed, open_storage
-from .serialization import get_default_load_sharded_strategy, load_tensors_metadata
-from .strategies.base import StoredItems
+from ..tensors.bytes_view import nbytes
+from ..core import CheckpointingException, Location, malformed, open_storage
+from ..serialization import get_default_load_sharded_strategy, load_tensors_metadata
+from ..strategies.base import StoredItems
 
 
 def _return_freed_memory() -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from .core import CheckpointingException
-from .storage import Storage
+from ..core import CheckpointingException
+from ..storage import Storage
 
 
 def refuse_unkept_names(storage: Storage, names: Iterable[str], what: str) -> None:

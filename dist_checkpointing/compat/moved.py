@@ -1,0 +1,65 @@
+"""Module paths of earlier versions that moved into packages keep importing: the old name is
+the new module itself (the same object, so setting an attribute through either name sets
+it for both)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Dict, Optional, Sequence
+
+#: old module name (under ``dist_checkpointing``) -> its module now
+MOVED: Dict[str, str] = {
+    "integrity": "integrity",  # (now the package: it re-exports the checksum functions)
+    "manifest": "integrity.manifest",
+    "save_claim": "integrity.save_claim",
+    "liveness": "integrity.liveness",
+    "path_overlap": "integrity.overlap",
+    "stored_names": "integrity.stored_names",
+    "sharded_tensor": "tensors.sharded",
+    "fp8": "tensors.fp8",
+    "dtensor": "tensors.dtensor",
+    "bytes_view": "tensors.bytes_view",
+    "collectives": "exchange.collectives",
+    "forwarding": "compat.forwarding",
+    "convert": "tools.convert",
+    "safetensors_stream": "tools.safetensors_stream",
+    "whole_tensors": "tools.whole_tensors",
+}
+_PKG = __name__.split(".")[0]
+_OLD = {f"{_PKG}.{old}": f"{_PKG}.{new}" for old, new in MOVED.items() if old != new}
+
+
+class _SameModule(importlib.abc.Loader):
+    """Gives the import system the moved module itself."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._spec  # (the import system set the old name's spec on it)
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Resolves the old name of a moved module to the module."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        new = _OLD.get(fullname)
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _SameModule(new))
+
+
+def install() -> None:
+    """Put the finder on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())
