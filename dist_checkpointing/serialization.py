@@ -64,7 +64,7 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
-from .strategies.async_utils import AsyncRequest
+from .strategies.async_request import AsyncRequest
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
 from .strategies.torch_dist.format import METADATA_FNAME

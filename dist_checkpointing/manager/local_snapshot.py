@@ -18,7 +18,7 @@ from ..integrity.checksums import new_hasher
 from ..dict_utils import extract_matching_values, merge
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..tensors.sharded import ShardedTensor
-from ..strategies.async_utils import ForkedCall
+from ..strategies.forked_call import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
 from .local_format import Entry, dtype_of, encode_header, leaf_id, walk
 

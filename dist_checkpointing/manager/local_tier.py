@@ -36,7 +36,7 @@ from ..exchange.collectives import all_reduce_max_uint8, get_rank, get_world_siz
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict
 from ..storage import Storage, storage_for, url_scheme
-from ..strategies.async_utils import ForkedCall
+from ..strategies.forked_call import ForkedCall
 from ..transport import PGTransport
 from .crash import crash_point
 from .local_files import remove_copies, scan, write_copy

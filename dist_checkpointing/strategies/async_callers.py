@@ -26,7 +26,8 @@ from typing import Any, Deque, Dict, Optional, Tuple
 
 from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
 from ..core import CheckpointingException, gc_paused
-from .async_utils import AsyncRequest, ForkedCall, _preloaded
+from .async_request import AsyncRequest, _preloaded
+from .forked_call import ForkedCall
 
 logger = logging.getLogger(__name__)
 

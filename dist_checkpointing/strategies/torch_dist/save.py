@@ -31,7 +31,8 @@ from ...exchange.collectives import (
 )
 from ...core import CheckpointingException, gc_paused, open_storage
 from ...mapping import ShardedStateDict
-from ..async_utils import AsyncRequest, ForkedCall
+from ..async_request import AsyncRequest
+from ..forked_call import ForkedCall
 from ..base import AsyncSaveShardedStrategy
 from ...storage import Storage
 from ...storage.buffers import (
