@@ -33,6 +33,8 @@ import sys
 from types import ModuleType
 from typing import List, Optional, Sequence
 
+from .compat.moved import SameModuleLoader
+
 ALIAS = "megatron.core.dist_checkpointing"
 TARGET = "dist_checkpointing"
 
@@ -41,21 +43,6 @@ def _target_name(fullname: str) -> Optional[str]:
     if fullname == ALIAS or fullname.startswith(ALIAS + "."):
         return TARGET + fullname[len(ALIAS):]
     return None
-
-
-class _AliasLoader(importlib.abc.Loader):
-    """Gives the import system our module itself for an aliased name."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(self.target)
-        self._own_spec = module.__spec__
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._own_spec  # the import system set the alias's spec on it: restore ours
 
 
 class MegatronAliasFinder(importlib.abc.MetaPathFinder):
@@ -69,7 +56,7 @@ class MegatronAliasFinder(importlib.abc.MetaPathFinder):
         if importlib.util.find_spec(name) is None:
             return None  # not provided here: the import fails as for any missing module
         ours = importlib.import_module(name)
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(name), is_package=hasattr(ours, "__path__"))
+        return importlib.machinery.ModuleSpec(fullname, SameModuleLoader(name), is_package=hasattr(ours, "__path__"))
 
 
 def _finder() -> Optional[MegatronAliasFinder]:

@@ -33,8 +33,8 @@ _PKG = __name__.split(".")[0]
 _OLD = {f"{_PKG}.{old}": f"{_PKG}.{new}" for old, new in MOVED.items() if old != new}
 
 
-class _SameModule(importlib.abc.Loader):
-    """Gives the import system the moved module itself."""
+class SameModuleLoader(importlib.abc.Loader):
+    """Gives the import system the module ``target`` itself for another name (an alias)."""
 
     def __init__(self, target: str):
         self.target = target
@@ -45,7 +45,7 @@ class _SameModule(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self._spec  # (the import system set the old name's spec on it)
+        module.__spec__ = self._spec  # (the import system set the alias's spec on it)
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
@@ -56,7 +56,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         new = _OLD.get(fullname)
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _SameModule(new))
+        return importlib.machinery.ModuleSpec(fullname, SameModuleLoader(new))
 
 
 def install() -> None:
