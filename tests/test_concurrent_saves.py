@@ -21,7 +21,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.integrity.checksums.save_claim import CLAIM_FNAME
+from dist_checkpointing.integrity.save_claim import CLAIM_FNAME
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.tools import validate_checkpoint
 

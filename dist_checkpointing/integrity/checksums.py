@@ -114,7 +114,7 @@ def write_file_with_checksum(checkpoint_dir: Location, name: str, data) -> None:
     Safe to use on an existing checkpoint: the old sidecar is removed first, then the file
     replaced, then the new sidecar written, so a crash at any point leaves a file that
     matches its sidecar or has none (read unverified) — never a false mismatch. While a
-    save holds the directory (:mod:`~dist_checkpointing.integrity.checksums.save_claim`), the sidecar records
+    save holds the directory (:mod:`~dist_checkpointing.integrity.save_claim`), the sidecar records
     that save's id, which the save checks before it commits.
     """
     storage = open_storage(checkpoint_dir)

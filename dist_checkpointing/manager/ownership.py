@@ -1,7 +1,7 @@
 """Which entries of a step directory this library wrote: all that the manager ever deletes.
 
 Decided by what the files say, never by their names alone. A save records its id
-(:mod:`~dist_checkpointing.integrity.checksums.save_claim`) in ``.save_claim`` (from before its first byte
+(:mod:`~dist_checkpointing.integrity.save_claim`) in ``.save_claim`` (from before its first byte
 until its commit), in the checksum sidecars of ``common.pt`` and ``.metadata``
 (:mod:`~dist_checkpointing.integrity.checksums`) and in ``.metadata``'s ``storage_meta.save_id``;
 ``.metadata`` names the data files.

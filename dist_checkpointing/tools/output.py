@@ -60,7 +60,7 @@ def refuse_existing(out: Path, force: bool) -> None:
 @contextmanager
 def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
     """``(tmp, location)``: a new directory to write an output in, next to ``location``
-    (where ``out`` goes: :func:`~dist_checkpointing.integrity.checksums.overlap.output_location`, never
+    (where ``out`` goes: :func:`~dist_checkpointing.integrity.overlap.output_location`, never
     inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
     ``0700``). The block moves what it wrote into place (:func:`move_into_place`);
     whatever is left of ``tmp`` afterwards is removed, also when the block fails."""

@@ -46,7 +46,7 @@ def checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]
 
 def storage_meta(storage: Storage) -> StorageMeta:
     """DCP's record of this save: the directory and the id of the save that holds it
-    (:mod:`~dist_checkpointing.integrity.checksums.save_claim`; a fresh id when none does)."""
+    (:mod:`~dist_checkpointing.integrity.save_claim`; a fresh id when none does)."""
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
