@@ -566,3 +566,93 @@ def test_reformulation_errors(tmp_path):
     missing = ShardedTensor.from_rank_offsets_flat("nope", torch.ones(2), (2, 2), flattened_range=slice(0, 2))
     with pytest.raises(CheckpointingException, match="'nope'"):
         get_reformulation_metadata({"x": missing}, tmp_path / "plain")
+
+
+# ----------------------------------------------------------------------------- strategies.checkpointable
+
+_CHECKPOINTABLE_COMPARE = """
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    import dist_checkpointing as op, dist_checkpointing.strategies.checkpointable as oc
+    import megatron.core.dist_checkpointing.mapping as tm
+    import megatron.core.dist_checkpointing.strategies.checkpointable as tc
+
+    def shards(m):
+        g = torch.arange(24.).reshape(4, 6)
+        return [m.ShardedTensor.from_rank_offsets('w', g[2 * i:2 * i + 2, 3 * j:3 * j + 3].clone(), (0, i, 2), (1, j, 2))
+                for i, j in ((0, 1), (1, 0))]
+
+    for o, t in [(oc.CheckpointableShardedTensor.from_sh_ten(shards(op)[0]),
+                  tc.CheckpointableShardedTensor.from_sh_ten(shards(tm)[0])),
+                 (oc.LocalShardsContainer([oc.CheckpointableShardedTensor.from_sh_ten(s) for s in shards(op)]),
+                  tc.LocalShardsContainer([tc.CheckpointableShardedTensor.from_sh_ten(s) for s in shards(tm)]))]:
+        assert o.shape == t.shape
+        assert o.__create_write_items__('w', o) == t.__create_write_items__('w', t)
+        assert o.__create_chunk_list__() == t.__create_chunk_list__()
+        for idx in [MetadataIndex('w', torch.Size([2, 0])), MetadataIndex('w', torch.Size([2, 0]), 0),
+                    MetadataIndex('w', torch.Size([0, 3]), 1)]:
+            if isinstance(o, oc.CheckpointableShardedTensor) and idx.offset != torch.Size([0, 3]):
+                continue
+            assert torch.equal(o.__get_tensor_shard__(idx), t.__get_tensor_shard__(idx))
+        for x in (o, t):
+            try:
+                x + 1
+                raise AssertionError('an operation ran')
+            except NotImplementedError:
+                pass
+    print('CHECKPOINTABLE SAME')
+"""
+
+
+@needs_mcore
+def test_checkpointable_behaves_as_megatron_cores():
+    assert "CHECKPOINTABLE SAME" in _run_with_mcore(_CHECKPOINTABLE_COMPARE)
+
+
+def _dcp_checkpointable_rank(rank, world, ckpt, save):
+    import torch.distributed.checkpoint as dcp
+
+    from dist_checkpointing.strategies.checkpointable import CheckpointableShardedTensor, LocalShardsContainer
+
+    g = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    if save:  # rank r holds rows blocks r and r + world of 2 * world blocks (several shards: a container)
+        blocks = [rank, rank + world]
+        shards = [ShardedTensor.from_rank_offsets("w", g.chunk(2 * world)[b].clone(), (0, b, 2 * world)) for b in blocks]
+        wrapped = LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(s) for s in shards])
+        dcp.save({"w": wrapped}, checkpoint_id=ckpt)
+        return True
+    # load at another layout: columns split in `world`, one shard per rank
+    target = ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6 // world), (1, rank, world))
+    dcp.load({"w": CheckpointableShardedTensor.from_sh_ten(target)}, checkpoint_id=ckpt)
+    return torch.equal(target.data, g.chunk(world, dim=1)[rank])
+
+
+def test_checkpointable_round_trips_through_plain_dcp(pool2, tmp_path):
+    ckpt = str(tmp_path / "dcp")
+    assert pool2.run(_dcp_checkpointable_rank, ckpt, True) == [True, True]
+    assert pool2.run(_dcp_checkpointable_rank, ckpt, False) == [True, True]
+
+
+def test_checkpointable_errors():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dist_checkpointing.strategies.checkpointable import CheckpointableShardedTensor, LocalShardsContainer
+
+    sh = ShardedTensor.from_rank_offsets("w", torch.ones(2, 3), (0, 1, 2))
+    wrapped = CheckpointableShardedTensor.from_sh_ten(sh)
+    assert repr(wrapped).startswith("CheckpointableShardedTensor(") and tuple(wrapped.shape) == (4, 3)
+    with pytest.raises(CheckpointingException, match="not int"):
+        CheckpointableShardedTensor.from_sh_ten(3)
+    for bad in ([], [torch.ones(2)], [wrapped, "x"]):
+        with pytest.raises(CheckpointingException, match="LocalShardsContainer"):
+            LocalShardsContainer(bad)
+    container = LocalShardsContainer([wrapped])
+    for index, match in [(MetadataIndex("w"), "by its offset"), (MetadataIndex("w", torch.Size([0, 0]), 0), r"offset \(0, 0\)")]:
+        with pytest.raises(CheckpointingException, match=match):
+            container.__get_tensor_shard__(index)
+    sh.data = torch.ones(3, 3)  # data no longer the chunk it describes
+    for call in (lambda: wrapped.__create_chunk_list__(), lambda: container.__create_write_items__("w", container)):
+        with pytest.raises(CheckpointingException, match=r"'w': data of shape \(3, 3\)"):
+            call()
+    with pytest.raises(NotImplementedError, match="no tensor operation"):
+        torch.add(wrapped, 1)
