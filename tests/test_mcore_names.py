@@ -90,7 +90,8 @@ _SWITCH = """
     for sub in ['mapping', 'utils', 'optimizer', 'dict_utils', 'serialization', 'validation', 'core',
                 'tensor_aware_state_dict', 'state_dict_utils', 'exchange_utils', 'strategies',
                 'strategies.async_utils', 'strategies.filesystem_async', 'strategies.fully_parallel',
-                'strategies.torch', 'strategies.base', 'strategies.common', 'strategies.resharding']:
+                'strategies.torch', 'strategies.base', 'strategies.common', 'strategies.resharding',
+                'strategies.checkpointable']:
         mod = importlib.import_module('megatron.core.dist_checkpointing.' + sub)
         assert mod is importlib.import_module('dist_checkpointing.' + sub), sub
     assert dist_checkpointing.__spec__.name == 'dist_checkpointing'
