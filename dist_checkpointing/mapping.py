@@ -157,6 +157,13 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
             )
         for i, v2 in enumerate(x2):
             x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
+    elif isinstance(x1, list) and isinstance(x2, dict):  # factories extracted with return_lists_as_dicts
+        for i, v2 in x2.items():
+            if not isinstance(i, int) or not 0 <= i < len(x1):
+                raise CheckpointingException(
+                    f"Cannot merge factories at {key}: key {i!r} is not a position in a list of length {len(x1)}"
+                )
+            x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
     return x1
 
 

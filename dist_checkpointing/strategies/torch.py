@@ -11,6 +11,7 @@ from .torch_dist import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
     data_file_path,
+    get_reformulation_metadata,
     mcore_to_pyt_state_dict,
     original_global_shape,
     read_metadata,
@@ -20,6 +21,7 @@ from .torch_dist import (
 
 __all__ = [
     "COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "MCoreLoadPlanner", "MCoreSavePlanner", "TorchDistLoadShardedStrategy",
-    "TorchDistSaveShardedStrategy", "data_file_path", "mcore_to_pyt_state_dict", "original_global_shape", "read_metadata",
+    "TorchDistSaveShardedStrategy", "data_file_path", "get_reformulation_metadata", "mcore_to_pyt_state_dict",
+    "original_global_shape", "read_metadata",
     "register_default_torch_strategies", "sharded_tensor_to_torch_sharded_tensor",
 ]

@@ -22,7 +22,7 @@ read and write; the machinery is this library's own. One concept per module:
 from ..registry import StrategyAction, register_default_strategy
 from .dcp_interop import MCoreLoadPlanner, MCoreSavePlanner, mcore_to_pyt_state_dict, sharded_tensor_to_torch_sharded_tensor
 from .format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_path, original_global_shape
-from .load import TorchDistLoadShardedStrategy
+from .load import TorchDistLoadShardedStrategy, get_reformulation_metadata
 from .metadata import read_metadata
 from .save import TorchDistSaveShardedStrategy
 
@@ -36,6 +36,7 @@ def register_default_torch_strategies() -> None:
 
 __all__ = [
     "COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "MCoreLoadPlanner", "MCoreSavePlanner", "TorchDistLoadShardedStrategy",
-    "TorchDistSaveShardedStrategy", "data_file_path", "mcore_to_pyt_state_dict", "original_global_shape", "read_metadata",
+    "TorchDistSaveShardedStrategy", "data_file_path", "get_reformulation_metadata", "mcore_to_pyt_state_dict",
+    "original_global_shape", "read_metadata",
     "register_default_torch_strategies", "sharded_tensor_to_torch_sharded_tensor",
 ]

@@ -5,6 +5,7 @@ process for the offline tools."""
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -19,6 +20,7 @@ from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ...storage import Storage
 from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
+from ..resharding import TensorReformulationMetadata, is_nd_flattened_tensor
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
@@ -173,3 +175,29 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Remove tensors whose key starts with ``key_prefix``; data files that hold
         nothing else are deleted."""
         remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
+def get_reformulation_metadata(sharded_state_dict: ShardedStateDict,
+                               checkpoint_dir: Union[str, Path]) -> Dict[str, TensorReformulationMetadata]:
+    """For every flattened key of ``sharded_state_dict``, how the checkpoint stores it
+    (original and reformulated global shape, from ``.metadata``): the input of
+    :func:`~dist_checkpointing.strategies.resharding.apply_nd_flattened_tensors_reformulation`.
+    A 1-D key stored without its original shape (older checkpoints) is skipped with a warning."""
+    metadata = read_metadata(checkpoint_dir)
+    found: Dict[str, TensorReformulationMetadata] = {}
+    for sh in nested_values(sharded_state_dict):
+        if not is_nd_flattened_tensor(sh):
+            continue
+        orig = original_global_shape(metadata, sh.key)
+        stored = metadata.state_dict_metadata.get(sh.key)
+        if orig is None and len(sh.global_shape) == 1:
+            warnings.warn(f"Legacy checkpoint format detected for 1-D flattened tensor {sh.key!r}: "
+                          "no reformulation metadata, skipped")
+            continue
+        if orig is None or not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointingException(
+                f"Flattened tensor {sh.key!r}: the checkpoint {checkpoint_dir} records "
+                f"{'no original global shape' if orig is None else 'no stored tensor'} for it"
+            )
+        found[sh.key] = TensorReformulationMetadata(orig, tuple(stored.size))
+    return found
