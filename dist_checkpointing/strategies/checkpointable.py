@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..core import CheckpointingException
-from ..sharded_tensor import ShardedTensor
+from ..tensors.sharded import ShardedTensor
 
 
 def _chunk(sh_ten: ShardedTensor) -> ChunkStorageMetadata:

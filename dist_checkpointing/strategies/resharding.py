@@ -23,7 +23,7 @@ import torch
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, extract_matching_values
 from ..mapping import ShardedTensorFactory, apply_factories, apply_factory_merges
-from ..sharded_tensor import ShardedStateDict, ShardedTensor, StateDict
+from ..tensors.sharded import ShardedStateDict, ShardedTensor, StateDict
 
 Region = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
 
