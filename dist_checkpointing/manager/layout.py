@@ -38,7 +38,7 @@ _MAX_TRACKER_BYTES = 64
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
 # What a save (or an interrupted deletion) of this library leaves in a checkpoint directory;
 # an incomplete directory holding anything else is not ours to delete.
-_OUR_FILES = re.compile(r"^(\.save_claim|common\.pt|\.metadata|metadata\.json|integrity\.json|.*\.distcp|"
+_OUR_FILES = re.compile(r"^(\.save_claim|common\.pt|\.metadata|\.metadata\.index|metadata\.json|integrity\.json|.*\.distcp|"
                         r".*\.checksum|\..*\.tmp)$")
 
 Metrics = Optional[Dict[str, Any]]

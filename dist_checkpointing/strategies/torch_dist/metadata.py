@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.metadata import (
 from ...bytes_view import nbytes
 from ...core import CheckpointingException, gc_paused, malformed, open_storage
 from ...core import Location as CheckpointLocation
-from ...integrity import item_checksum_table, write_file_with_checksum
+from ...integrity import checksum, item_checksum_table, write_file_with_checksum
 from ...save_claim import current_save_id
 from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
+from .key_index import INDEX_FNAME, encode_index
 from .format import DCP_VERSION, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
@@ -128,8 +129,18 @@ def as_plain_metadata(metadata: Metadata) -> Metadata:
 
 
 def write_metadata(metadata: Metadata, storage: Storage) -> None:
-    """Write ``.metadata`` and its checksum sidecar."""
-    write_file_with_checksum(storage, METADATA_FNAME, pickle.dumps(metadata))
+    """Write ``.metadata`` and its checksum sidecar, then the per-key index of it
+    (:mod:`.key_index`) and the index's sidecar. (An old index is removed first: a crash in
+    between leaves none, never one of another ``.metadata``.)"""
+    data = pickle.dumps(metadata)
+    try:
+        storage.delete(INDEX_FNAME)
+    except OSError as e:
+        raise CheckpointingException(f"Cannot remove {storage.describe(INDEX_FNAME)}: {e}") from e
+    write_file_with_checksum(storage, METADATA_FNAME, data)
+    index = encode_index(metadata, checksum(data))
+    del data
+    write_file_with_checksum(storage, INDEX_FNAME, index)
 
 
 _metadata_cache: Dict[str, Tuple[Hashable, Metadata]] = {}
