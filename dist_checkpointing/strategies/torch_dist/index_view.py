@@ -57,14 +57,17 @@ class IndexedView:
 def open_index(storage: Storage) -> Optional[Tuple[RangeReader, IndexHeader]]:
     """The open index of the checkpoint and its header, if it has one that indexes the
     ``.metadata`` beside it (its recorded checksum is the one of ``.metadata``'s sidecar);
-    ``None`` otherwise (read ``.metadata``). A damaged header is a warning and ``None``."""
+    ``None`` otherwise (read ``.metadata``; also when ``.metadata`` is missing or not of
+    the length its sidecar records, so that its damage is reported). A damaged header is a warning and ``None``."""
     if storage.info(INDEX_FNAME) is None:
         return None
     where = storage.describe(INDEX_FNAME)
     reader = storage.open_reader(INDEX_FNAME)
     try:
         header = read_header(reader, where)
-        if header.metadata_checksum != recorded_checksum(storage, METADATA_FNAME):
+        recorded, stored = recorded_checksum(storage, METADATA_FNAME), storage.info(METADATA_FNAME)
+        if recorded is None or header.metadata_checksum != recorded[0] or stored is None or stored.size != recorded[1]:
+            # another .metadata, or a damaged one: reading it reports the damage
             logger.info("%s does not index the .metadata beside it: reading .metadata", where)
             reader.close()
             return None
