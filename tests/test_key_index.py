@@ -172,29 +172,31 @@ def _rewrite_bucket(ckpt: Path, edit) -> None:
 
 
 def _chunk_outside(doc):
-    for key, rec in doc["keys"]:
+    for key, rec in doc:
         if rec[0] == "t":
             rec[4][0][1] = [10 ** 6] * len(rec[4][0][1])
 
 
 def _negative_offset(doc):
-    for key, rec in doc["keys"]:
+    for key, rec in doc:
         if rec[0] == "t":
             rec[4][0][3] = -5
 
 
 def _outside_file(doc):
-    doc["files"] = ["../../etc/passwd" for _ in doc["files"]]
+    for key, rec in doc:
+        for chunk in rec[4] if rec[0] == "t" else ():
+            chunk[2] = "../../etc/passwd"
 
 
 def _bad_dtype(doc):
-    for key, rec in doc["keys"]:
+    for key, rec in doc:
         if rec[0] == "t":
             rec[1] = "Tensor"
 
 
 def _bad_type(doc):
-    for key, rec in doc["keys"]:
+    for key, rec in doc:
         if rec[0] == "t":
             rec[2] = "big"
 

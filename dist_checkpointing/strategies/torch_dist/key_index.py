@@ -6,8 +6,7 @@ unpickling the whole ``.metadata``.
 Layout: a 64-byte header (:data:`_HEADER`: magic, version, bucket count, key count, table
 offset, the checksum of the ``.metadata`` it indexes, the checksum scope, the header's own
 checksum), a table of ``(offset, length, checksum)`` per bucket, then the buckets: each a
-JSON document ``{"files": [...], "keys": [[key, record], ...]}`` (records: see
-:func:`_tensor_record`). No pickle: nothing in the file can run code. Every bucket is
+JSON list ``[[key, record], ...]`` (records: :data:`Record`). No pickle: nothing in the file can run code. Every bucket is
 verified against its table entry before it is parsed, its range checked against the
 file's size before anything is read.
 """
@@ -43,8 +42,8 @@ _ENTRY = struct.Struct("<QQQ")  # a bucket's offset, length, checksum
 _SCOPES = {None: 0, SCOPE_RECORD: 1, SCOPE_DATA: 2}
 MAX_BUCKET_BYTES = 1 << 30  # a bucket claiming more is refused before it is read
 
-# A key's record as readers see it: ("t", dtype, size, orig shape or None, chunks) with chunks
-# [offsets, sizes, file, offset, length, checksum or None]; ("b", file, offset, length, checksum)
+# A key's record: ["t", dtype, size, orig shape or None, chunks] with chunks
+# [offsets, sizes, file, offset, length, checksum or None]; ["b", file, offset, length, checksum or None]
 Record = List[Any]
 
 
@@ -71,24 +70,49 @@ def reader_of(bucket: int, world: int, n_buckets: int) -> int:
 # ----------------------------------------------------------------------------- writing (rank 0)
 
 
-def encode_index(metadata: Metadata, metadata_checksum: int) -> bytes:
-    """The index of ``metadata`` (whose pickled bytes have checksum ``metadata_checksum``)."""
-    sdm = metadata.state_dict_metadata
+def index_rows(metadata: Metadata) -> Dict[str, List[Any]]:
+    """Each stored key's located pieces ``[offsets | None, sizes | None, file, offset, length,
+    checksum | None]``, from a whole ``metadata`` (:func:`encode_index`'s input when the
+    saving code has not collected them while building it)."""
     table = getattr(metadata, "checksums", None)
     items = table["items"] if table is not None else {}
-    mcore = getattr(metadata, "mcore_data", None) or {}
-    by_key: Dict[str, List[Tuple[Any, _StorageInfo]]] = {}
+    sizes: Dict[Tuple[str, tuple], list] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        for c in getattr(md, "chunks", ()):
+            sizes[(key, tuple(c.offsets))] = list(c.sizes)
+    rows: Dict[str, List[Any]] = {}
     for index, info in metadata.storage_data.items():
-        by_key.setdefault(index.fqn, []).append((index.offset, info))
+        offsets = tuple(index.offset) if index.offset is not None else None
+        rows.setdefault(index.fqn, []).append(
+            [offsets, sizes.get((index.fqn, offsets)), info.relative_path, info.offset, info.length,
+             items.get((info.relative_path, info.offset))])
+    return rows
+
+
+def encode_index(metadata: Metadata, metadata_checksum: int, rows: Optional[Dict[str, List[Any]]] = None) -> bytes:
+    """The index of ``metadata`` (whose pickled bytes have checksum ``metadata_checksum``);
+    ``rows``: its :func:`index_rows`, when already collected (rank 0 does while it builds
+    ``metadata``: no second pass over every location)."""
+    sdm = metadata.state_dict_metadata
+    rows = rows if rows is not None else index_rows(metadata)
+    table = getattr(metadata, "checksums", None)
+    mcore = getattr(metadata, "mcore_data", None) or {}
     n_buckets = max(1, len(sdm))
     buckets: List[List[str]] = [[] for _ in range(n_buckets)]
     for key in sdm:
         buckets[bucket_of(key, n_buckets)].append(key)
     entries, parts, at = [], [], HEADER_BYTES + n_buckets * _ENTRY.size
     for keys in buckets:
-        files: Dict[str, int] = {}
-        records = [[key, _record(sdm[key], by_key.get(key, ()), items, mcore.get(key) or {}, files)] for key in keys]
-        part = json.dumps({"files": list(files), "keys": records}, separators=(",", ":")).encode()
+        records = []
+        for key in keys:
+            md, located = sdm[key], rows.get(key, ())
+            if isinstance(md, BytesStorageMetadata):
+                records.append([key, ["b"] + (located[0][2:] if located else [])])
+            else:
+                orig = (mcore.get(key) or {}).get("nd_reformulated_orig_global_shape")
+                records.append([key, ["t", str(md.properties.dtype)[6:], list(md.size),
+                                      list(orig) if orig is not None else None, located]])
+        part = json.dumps(records, separators=(",", ":")).encode()
         entries.append(_ENTRY.pack(at, len(part), checksum(part)))
         parts.append(part)
         at += len(part)
@@ -96,24 +120,6 @@ def encode_index(metadata: Metadata, metadata_checksum: int) -> bytes:
     head = _HEADER.pack(_MAGIC, _VERSION, n_buckets, len(sdm), HEADER_BYTES, metadata_checksum,
                         int(table is not None), _SCOPES.get(scope, 1))
     return b"".join([head, struct.pack("<Q", checksum(head))] + entries + parts)
-
-
-def _record(md: Any, stored: Iterable[Tuple[Any, _StorageInfo]], items: Dict[Tuple[str, int], int],
-            extras: Dict[str, Any], files: Dict[str, int]) -> Record:
-    def where(info: _StorageInfo) -> List[Any]:
-        name = info.relative_path
-        return [files.setdefault(name, len(files)), info.offset, info.length, items.get((name, info.offset))]
-
-    if isinstance(md, BytesStorageMetadata):
-        return ["b"] + [x for _, info in stored for x in where(info)][:4]
-    located = {tuple(offset): info for offset, info in stored}
-    orig = extras.get("nd_reformulated_orig_global_shape")
-    chunks = []
-    for c in md.chunks:
-        info = located.get(tuple(c.offsets))
-        chunks.append([list(c.offsets), list(c.sizes)] + (where(info) if info is not None else [None, 0, 0, None]))
-    return ["t", str(md.properties.dtype).replace("torch.", ""), list(md.size),
-            list(orig) if orig is not None else None, chunks]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -171,16 +177,13 @@ def read_buckets(reader: RangeReader, header: IndexHeader, buckets: range, where
 
 def _parse_bucket(data: bytes, b: int, n_buckets: int, where: str) -> Dict[str, Record]:
     try:
-        doc = json.loads(data)
-        files = doc["files"]
         out = {}
-        for key, rec in doc["keys"]:
+        for key, rec in json.loads(data):
             if not isinstance(key, str) or bucket_of(key, n_buckets) != b:
                 raise ValueError(f"key {key!r:.100} does not belong in this bucket")
-            if rec[0] == "b":
-                out[key] = ["b"] + ([files[rec[1]]] + rec[2:5] if len(rec) > 1 else [])
-            else:
-                out[key] = rec[:4] + [[c[:2] + [files[c[2]] if c[2] is not None else None] + c[3:6] for c in rec[4]]]
+            if rec[0] not in ("b", "t"):
+                raise ValueError(f"the record of {key!r:.100} is of unknown kind {rec[0]!r:.20}")
+            out[key] = rec
         return out
     except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
         raise CheckpointingException(f"{where}: bucket {b} is malformed: {e}") from e

@@ -50,15 +50,22 @@ def storage_meta(storage: Storage) -> StorageMeta:
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
-def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata:
-    """Global DCP metadata from every rank's item locations, with consistency checks."""
+def build_metadata(per_rank: List[List[Location]], storage: Storage,
+                   rows: Optional[Dict[str, List[Any]]] = None) -> Metadata:
+    """Global DCP metadata from every rank's item locations, with consistency checks; each
+    key's located pieces are also collected into ``rows`` when given (the input of
+    :func:`.key_index.encode_index`)."""
     state_dict_metadata: Dict[str, Any] = {}
     orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
     storage_data: Dict[MetadataIndex, _StorageInfo] = {}
     owner: Dict[MetadataIndex, int] = {}
     shape_owner: Dict[str, int] = {}
     for rank, locations in enumerate(per_rank):
-        for key, tensor_meta, fname, offset, length, _ in locations:
+        for key, tensor_meta, fname, offset, length, cs in locations:
+            if rows is not None:
+                rows.setdefault(key, []).append([tensor_meta[2] if tensor_meta is not None else None,
+                                                 tensor_meta[3] if tensor_meta is not None else None,
+                                                 fname, offset, length, cs])
             if tensor_meta is None:
                 index = MetadataIndex(key)
                 if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
@@ -128,9 +135,10 @@ def as_plain_metadata(metadata: Metadata) -> Metadata:
     return plain
 
 
-def write_metadata(metadata: Metadata, storage: Storage) -> None:
+def write_metadata(metadata: Metadata, storage: Storage, rows: Optional[Dict[str, List[Any]]] = None) -> None:
     """Write ``.metadata`` and its checksum sidecar, then the per-key index of it
-    (:mod:`.key_index`) and the index's sidecar. (An old index is removed first: a crash in
+    (:mod:`.key_index`; ``rows``: as :func:`build_metadata` collects them) and the index's
+    sidecar. (An old index is removed first: a crash in
     between leaves none, never one of another ``.metadata``.)"""
     data = pickle.dumps(metadata)
     try:
@@ -138,7 +146,7 @@ def write_metadata(metadata: Metadata, storage: Storage) -> None:
     except OSError as e:
         raise CheckpointingException(f"Cannot remove {storage.describe(INDEX_FNAME)}: {e}") from e
     write_file_with_checksum(storage, METADATA_FNAME, data)
-    index = encode_index(metadata, checksum(data))
+    index = encode_index(metadata, checksum(data), rows)
     del data
     write_file_with_checksum(storage, INDEX_FNAME, index)
 
