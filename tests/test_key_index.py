@@ -19,12 +19,12 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.core import open_storage
 from dist_checkpointing.integrity import checksum
-from dist_checkpointing.storage.posix import PosixStorage
 from dist_checkpointing.strategies.torch_dist import key_index
 from dist_checkpointing.strategies.torch_dist.index_view import open_index
 
 from .conftest import get_pool
 from .helpers import assert_all_raise
+from .metadata_read_counter import count_metadata_reads
 
 INDEX = ".metadata.index"
 
@@ -256,32 +256,8 @@ def test_plain_dcp_reads_a_checkpoint_with_the_index(tmp_path):
 
 def _count_metadata_reads(rank, world, ckpt, keys):
     """Bytes this rank reads from ``.metadata*`` files during a load of its own slice."""
-    counted = {"bytes": 0}
-    real_open, real_read = PosixStorage.open_reader, PosixStorage.read_bytes
-
-    def open_reader(self, name):
-        reader = real_open(self, name)
-        if name.startswith(".metadata"):
-            inner = reader.read
-
-            def read(offset, n):
-                data = inner(offset, n)
-                counted["bytes"] += len(data)
-                return data
-            reader.read = read
-        return reader
-
-    def read_bytes(self, name, *a, **kw):
-        data = real_read(self, name, *a, **kw)
-        if name.startswith(".metadata"):
-            counted["bytes"] += len(data)
-        return data
-
-    PosixStorage.open_reader, PosixStorage.read_bytes = open_reader, read_bytes
-    try:
+    with count_metadata_reads() as counted:
         out = dc.load(_state(rank, world, fill=False, keys=keys), ckpt)
-    finally:
-        PosixStorage.open_reader, PosixStorage.read_bytes = real_open, real_read
     assert torch.equal(out["w0"], torch.full((2, 4), float(rank + 1)))
     return counted["bytes"]
 
