@@ -36,7 +36,8 @@ agrees). Each measurement runs in a fresh child process (RSS high-water mark res
 ``/proc/self/clear_refs``). Measured: the simulated rank 4321 and the rank that judges the
 most bytes (CPU seconds: medians of 5; RSS and ``tracemalloc`` peaks; bytes delivered to it);
 rank 0's ``_publish`` (CPU and wall seconds, RSS peak); and ``read_metadata`` of the ``.metadata`` it wrote
-(what every rank does first in a ``load``). Rank 0's 10 s target is judged on CPU seconds
+(what every rank does first in a ``load`` without the per-key index), and with the index one
+ordinary rank's load metadata cost (:func:`measure_index_load`). Rank 0's 10 s target is judged on CPU seconds
 (this machine is shared: wall time counts other processes' load).
 
     python benchmarks/_scale_sim.py                 # both variants, rank 4321 and the worst judge
@@ -394,6 +395,23 @@ def measure_read_metadata(ckpt_dir: str) -> Dict[str, Any]:
     return {"cpu_s": cpu, "wall_s": wall, "extra_rss_mib": rss["extra_rss_mib"]}
 
 
+def index_answers(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``rank``'s requests to the readers of the index in ``ckpt_dir`` and their answers (the
+    records of its keys cut to its regions), as :func:`~...index_view.indexed_view` gets them."""
+    from dist_checkpointing.strategies.torch_dist import key_index
+    from dist_checkpointing.strategies.torch_dist.load import requested_regions
+
+    requests = requested_regions(rank_items(cfg, rank))
+    reader = storage_for(ckpt_dir).open_reader(key_index.INDEX_FNAME)
+    try:
+        header = key_index.read_header(reader, "index")
+        everything = key_index.read_buckets(reader, header, range(header.n_buckets), "index")
+    finally:
+        reader.close()
+    return requests, {k: key_index.select_chunks(everything[k], boxes) for k, boxes in requests.items()
+                      if k in everything}
+
+
 def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, Any]:
     """An ordinary rank's metadata cost at load with the per-key index that rank 0 wrote:
     its share as a reader (the buckets :func:`~...key_index.reader_buckets` gives it, every
@@ -405,15 +423,10 @@ def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, An
     from dist_checkpointing.integrity import recorded_checksum
     from dist_checkpointing.strategies.metadata_checks import check_dcp_metadata
     from dist_checkpointing.strategies.torch_dist import key_index
-    from dist_checkpointing.strategies.torch_dist.load import requested_regions
 
     storage = storage_for(ckpt_dir)
-    requests = requested_regions(rank_items(cfg, rank))
+    requests, answers = index_answers(cfg, ckpt_dir, rank)
     reader = storage.open_reader(key_index.INDEX_FNAME)
-    header = key_index.read_header(reader, "index")
-    everything = key_index.read_buckets(reader, header, range(header.n_buckets), "index")
-    answers = {k: key_index.select_chunks(everything[k], boxes) for k, boxes in requests.items() if k in everything}
-    del everything
     counted = {"bytes": 0}
     inner = reader.read
 
