@@ -153,14 +153,15 @@ def read_header(reader: RangeReader, where: str) -> IndexHeader:
 def read_buckets(reader: RangeReader, header: IndexHeader, buckets: range, where: str,
                  wanted: Optional[set] = None) -> Dict[str, Record]:
     """The records of the keys in ``buckets`` (only those of the buckets in ``wanted``, when
-    given): one read of their table entries, one of each run of buckets; each bucket
-    verified against its checksum before it is parsed."""
+    given): one read of their table entries, one of each run of nearby buckets (:func:`_runs`);
+    each bucket's range checked against the file's size before anything is read, and its
+    bytes against its checksum before they are parsed."""
     if not buckets:
         return {}
     raw = reader.read(header.table_offset + buckets.start * _ENTRY.size, len(buckets) * _ENTRY.size)
     if len(raw) != len(buckets) * _ENTRY.size:
         raise CheckpointingException(f"{where} is truncated (bucket table)")
-    records: Dict[str, Record] = {}
+    claimed = []
     for i, b in enumerate(buckets):
         if wanted is not None and b not in wanted:
             continue
@@ -168,11 +169,37 @@ def read_buckets(reader: RangeReader, header: IndexHeader, buckets: range, where
         if length > MAX_BUCKET_BYTES or offset + length > reader.size:
             raise CheckpointingException(f"{where}: bucket {b} claims bytes {offset}..{offset + length} of a "
                                          f"{reader.size}-byte file")
-        data = reader.read(offset, length)
-        if len(data) != length or checksum(data) != expected:
-            raise mismatch_error(f"bucket {b}", where)
-        records.update(_parse_bucket(data, b, header.n_buckets, where))
+        claimed.append((b, offset, length, expected))
+    records: Dict[str, Record] = {}
+    for run in _runs(claimed):  # one read per run of nearby buckets
+        start = run[0][1]
+        span = reader.read(start, max(o + n for _, o, n, _ in run) - start)
+        for b, offset, length, expected in run:
+            data = span[offset - start:offset - start + length]
+            if len(data) != length or checksum(data) != expected:
+                raise mismatch_error(f"bucket {b}", where)
+            records.update(_parse_bucket(data, b, header.n_buckets, where))
     return records
+
+
+_GAP = 64 << 10  # buckets closer than this are read together
+
+
+def _runs(claimed: List[Tuple[int, int, int, int]]) -> List[List[Tuple[int, int, int, int]]]:
+    """``claimed`` buckets ``(bucket, offset, length, checksum)`` grouped into runs that are
+    read in one piece: in file order, each starting within :data:`_GAP` of the run's end and
+    a run at most :data:`MAX_BUCKET_BYTES` long."""
+    runs: List[List[Tuple[int, int, int, int]]] = []
+    end = 0
+    for item in sorted(claimed, key=lambda c: c[1]):
+        _, offset, length, _ = item
+        if runs and runs[-1][0][1] <= offset <= end + _GAP and offset + length - runs[-1][0][1] <= MAX_BUCKET_BYTES:
+            runs[-1].append(item)
+            end = max(end, offset + length)
+        else:
+            runs.append([item])
+            end = offset + length
+    return runs
 
 
 def _parse_bucket(data: bytes, b: int, n_buckets: int, where: str) -> Dict[str, Record]:
