@@ -399,10 +399,11 @@ def index_answers(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Tuple[Dict[str, A
     """``rank``'s requests to the readers of the index in ``ckpt_dir`` and their answers (the
     records of its keys cut to its regions), as :func:`~...index_view.indexed_view` gets them."""
     from dist_checkpointing.strategies.torch_dist import key_index
+    from dist_checkpointing.strategies.torch_dist.format import INDEX_FNAME
     from dist_checkpointing.strategies.torch_dist.load import requested_regions
 
     requests = requested_regions(rank_items(cfg, rank))
-    reader = storage_for(ckpt_dir).open_reader(key_index.INDEX_FNAME)
+    reader = storage_for(ckpt_dir).open_reader(INDEX_FNAME)
     try:
         header = key_index.read_header(reader, "index")
         everything = key_index.read_buckets(reader, header, range(header.n_buckets), "index")
@@ -423,10 +424,11 @@ def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, An
     from dist_checkpointing.integrity import recorded_checksum
     from dist_checkpointing.strategies.metadata_checks import check_dcp_metadata
     from dist_checkpointing.strategies.torch_dist import key_index
+    from dist_checkpointing.strategies.torch_dist.format import INDEX_FNAME
 
     storage = storage_for(ckpt_dir)
     requests, answers = index_answers(cfg, ckpt_dir, rank)
-    reader = storage.open_reader(key_index.INDEX_FNAME)
+    reader = storage.open_reader(INDEX_FNAME)
     counted = {"bytes": 0}
     inner = reader.read
 
@@ -447,7 +449,7 @@ def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, An
         check_dcp_metadata(view, "index")
         cpu = time.process_time() - c0
     sidecar = os.path.getsize(Path(ckpt_dir) / ".metadata.checksum")
-    index_bytes = os.path.getsize(Path(ckpt_dir) / key_index.INDEX_FNAME)
+    index_bytes = os.path.getsize(Path(ckpt_dir) / INDEX_FNAME)
     received = len(pickle.dumps(answers))
     del served
     return {"rank": rank, "cpu_s": cpu, "reader_cpu_s": c1 - c0, "extra_rss_mib": rss["extra_rss_mib"],

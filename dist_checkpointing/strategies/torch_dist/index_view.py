@@ -32,8 +32,8 @@ from ...core import CheckpointingException
 from ...integrity import recorded_checksum
 from ...storage import RangeReader, Storage
 from ..metadata_checks import check_dcp_metadata
-from .format import METADATA_FNAME
-from .key_index import INDEX_FNAME, IndexHeader, bucket_of, partial_metadata, read_buckets, read_header, \
+from .format import INDEX_FNAME, METADATA_FNAME
+from .key_index import IndexHeader, bucket_of, partial_metadata, read_buckets, read_header, \
     reader_buckets, reader_of, select_chunks
 
 logger = logging.getLogger(__name__)

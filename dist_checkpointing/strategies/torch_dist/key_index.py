@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -30,9 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core import CheckpointingException
 from ...integrity import ALGORITHM, SCOPE_DATA, SCOPE_RECORD, checksum, item_checksum_table, mismatch_error
-from ...storage import RangeReader, Storage
+from ...storage import RangeReader
 from ..resharding import grid_chunks_overlapping, intersect
-from .format import INDEX_FNAME
 _MAGIC = b"DCKIDX\x00\x01"
 _VERSION = 1
 # magic, version, buckets, keys, table offset, checksum of .metadata, has checksums, scope; then its own checksum

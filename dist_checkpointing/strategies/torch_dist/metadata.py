@@ -31,8 +31,8 @@ from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
-from .key_index import INDEX_FNAME, encode_index
-from .format import DCP_VERSION, METADATA_FNAME, checked_data_file_name, original_global_shape
+from .key_index import encode_index
+from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
 # One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
