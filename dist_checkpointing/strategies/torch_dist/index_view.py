@@ -4,7 +4,7 @@ serves the keys requested from it to the ranks that request them, each key's rec
 to the chunks the requester's regions need.
 
 A collective load costs each rank two ``exchange_objects`` (its requests to the readers,
-their answers back) and two 1-byte agreements; the index bytes read by all ranks together
+their answers back) and three 1-byte agreements; the index bytes read by all ranks together
 are the index once plus a 64-byte header per rank. Without a usable index (absent, or not
 the index of the ``.metadata`` beside it) every rank agrees to return ``None`` and the
 caller reads ``.metadata`` as before.
