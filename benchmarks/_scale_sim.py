@@ -36,7 +36,8 @@ agrees). Each measurement runs in a fresh child process (RSS high-water mark res
 ``/proc/self/clear_refs``). Measured: the simulated rank 4321 and the rank that judges the
 most bytes (CPU seconds: medians of 5; RSS and ``tracemalloc`` peaks; bytes delivered to it);
 rank 0's ``_publish`` (CPU and wall seconds, RSS peak); and ``read_metadata`` of the ``.metadata`` it wrote
-(what every rank does first in a ``load``). Rank 0's 10 s target is judged on CPU seconds
+(what every rank does first in a ``load`` without the per-key index), and with the index one
+ordinary rank's load metadata cost (:func:`measure_index_load`). Rank 0's 10 s target is judged on CPU seconds
 (this machine is shared: wall time counts other processes' load).
 
     python benchmarks/_scale_sim.py                 # both variants, rank 4321 and the worst judge
@@ -394,6 +395,70 @@ def measure_read_metadata(ckpt_dir: str) -> Dict[str, Any]:
     return {"cpu_s": cpu, "wall_s": wall, "extra_rss_mib": rss["extra_rss_mib"]}
 
 
+def index_answers(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``rank``'s requests to the readers of the index in ``ckpt_dir`` and their answers (the
+    records of its keys cut to its regions), as :func:`~...index_view.indexed_view` gets them."""
+    from dist_checkpointing.strategies.torch_dist import key_index
+    from dist_checkpointing.strategies.torch_dist.format import INDEX_FNAME
+    from dist_checkpointing.strategies.torch_dist.load import requested_regions
+
+    requests = requested_regions(rank_items(cfg, rank))
+    reader = storage_for(ckpt_dir).open_reader(INDEX_FNAME)
+    try:
+        header = key_index.read_header(reader, "index")
+        everything = key_index.read_buckets(reader, header, range(header.n_buckets), "index")
+    finally:
+        reader.close()
+    return requests, {k: key_index.select_chunks(everything[k], boxes) for k, boxes in requests.items()
+                      if k in everything}
+
+
+def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, Any]:
+    """An ordinary rank's metadata cost at load with the per-key index that rank 0 wrote:
+    its share as a reader (the buckets :func:`~...key_index.reader_buckets` gives it, every
+    key's record cut for one requester), and its own view: the answers for the keys it
+    requests (cut by the readers, as :func:`~...index_view.indexed_view` does; computed
+    outside the measurement, it is the other ranks' work) turned into the partial
+    ``Metadata`` and checked. Bytes read: the header, the ``.metadata`` sidecar, its table
+    slice and buckets (counted on the storage reader)."""
+    from dist_checkpointing.integrity.checksums import recorded_checksum
+    from dist_checkpointing.strategies.metadata_checks import check_dcp_metadata
+    from dist_checkpointing.strategies.torch_dist import key_index
+    from dist_checkpointing.strategies.torch_dist.format import INDEX_FNAME
+
+    storage = storage_for(ckpt_dir)
+    requests, answers = index_answers(cfg, ckpt_dir, rank)
+    reader = storage.open_reader(INDEX_FNAME)
+    counted = {"bytes": 0}
+    inner = reader.read
+
+    def read(offset: int, n: int) -> bytes:
+        data = inner(offset, n)
+        counted["bytes"] += len(data)
+        return data
+
+    reader.read = read
+    with _rss_peak() as rss:
+        c0 = time.process_time()
+        header = key_index.read_header(reader, "index")
+        recorded_checksum(storage, ".metadata")
+        mine = key_index.read_buckets(reader, header, key_index.reader_buckets(rank, cfg.world, header.n_buckets), "index")
+        served = [key_index.select_chunks(rec, None) for rec in mine.values()]
+        c1 = time.process_time()
+        view = key_index.partial_metadata(answers, header, "index")
+        check_dcp_metadata(view, "index")
+        cpu = time.process_time() - c0
+    sidecar = os.path.getsize(Path(ckpt_dir) / ".metadata.checksum")
+    index_bytes = os.path.getsize(Path(ckpt_dir) / INDEX_FNAME)
+    received = len(pickle.dumps(answers))
+    del served
+    return {"rank": rank, "cpu_s": cpu, "reader_cpu_s": c1 - c0, "extra_rss_mib": rss["extra_rss_mib"],
+            "bytes_read": counted["bytes"] + sidecar, "requested_keys": len(requests),
+            "chunks_received": sum(len(r[4]) for r in answers.values() if r[0] == "t"),
+            "answers_pickled_bytes": received, "index_bytes": index_bytes,
+            "all_ranks_bytes_read": index_bytes + cfg.world * (key_index.HEADER_BYTES + sidecar)}
+
+
 def profile_rank0(cfg: GPTConfig, payload_file: str, ckpt_dir: str, top: int = 14) -> str:
     """cProfile of :func:`measure_rank0` (the heaviest functions, cumulative time)."""
     import cProfile
@@ -422,6 +487,9 @@ def _run_child(spec: str) -> None:
     cfg = GPTConfig(**job["cfg"])
     if job["kind"] == "read_metadata":
         print(json.dumps(measure_read_metadata(*job["args"])))
+        return
+    if job["kind"] == "index_load":
+        print(json.dumps(measure_index_load(cfg, *job["args"])))
         return
     fn = {"rank": measure_rank, "rank0": measure_rank0, "profile0": profile_rank0}[job["kind"]]
     print(json.dumps(fn(cfg, *job["args"])))
@@ -455,6 +523,7 @@ def simulate(variant: str, rank: int = 4321, profile: bool = False, **overrides:
             r0 = result["rank0"] = _child("rank0", cfg, f.name, ckpt)
             r0["inputs_build_s"] = build_s
             result["read_metadata"] = _child("read_metadata", cfg, ckpt)
+            result["index_load"] = _child("index_load", cfg, ckpt, rank)
             if profile or r0["cpu_s"] > TARGETS["rank0_s"] or r0["extra_rss_mib"] > TARGETS["rank0_mib"]:
                 result["rank0_profile"] = _child("profile0", cfg, f.name, ckpt)
     finally:
@@ -467,6 +536,11 @@ def simulate(variant: str, rank: int = 4321, profile: bool = False, **overrides:
         "rank received <= 1 MB": all(r["received_bytes"] <= TARGETS["rank_received_bytes"] for r in ranks),
         "rank 0 assembly <= 10 s CPU": r0["cpu_s"] <= TARGETS["rank0_s"],
         "rank 0 assembly <= 2 GiB": r0["extra_rss_mib"] <= TARGETS["rank0_mib"],
+        "load: rank metadata CPU <= 0.3 s": result["index_load"]["cpu_s"] <= 0.3,
+        "load: rank extra memory <= 64 MiB": result["index_load"]["extra_rss_mib"] <= 64,
+        "load: rank metadata bytes read <= 4 MB": result["index_load"]["bytes_read"] <= 4e6,
+        "load: all ranks' bytes read <= 2x index": result["index_load"]["all_ranks_bytes_read"]
+        <= 2 * result["index_load"]["index_bytes"],
     }
     result["loadavg_after"] = os.getloadavg()
     return result
@@ -490,6 +564,11 @@ def print_table(res: Dict[str, Any]) -> None:
     rm = res["read_metadata"]
     print(f"  every rank at load, read_metadata: {rm['wall_s']:.2f} s wall ({rm['cpu_s']:.2f} s CPU), "
           f"RSS +{rm['extra_rss_mib']:.0f} MiB")
+    il = res["index_load"]
+    print(f"  rank {il['rank']} at load with the index ({il['index_bytes'] / 1e6:.1f} MB): {il['cpu_s']:.3f} s CPU "
+          f"(reader share {il['reader_cpu_s']:.3f}), RSS +{il['extra_rss_mib']:.1f} MiB, read {il['bytes_read'] / 1e3:.1f} kB, "
+          f"{il['requested_keys']} keys / {il['chunks_received']} chunks received ({il['answers_pickled_bytes'] / 1e3:.0f} kB); "
+          f"all ranks read {il['all_ranks_bytes_read'] / 1e6:.1f} MB")
     print("  targets: " + ", ".join(f"{k}: {'MET' if ok else 'NOT met'}" for k, ok in res["targets_met"].items()))
     print(f"  load average (1 min) before/after: {res['loadavg_before'][0]:.1f} / {res['loadavg_after'][0]:.1f}")
     if "rank0_profile" in res:

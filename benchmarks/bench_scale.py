@@ -9,7 +9,8 @@ the same layout with a ``cached_metadata`` strategy, and a ``load`` — once wit
 strategies, once with the fully parallel wrappers over the world (the save wrapper with
 ``do_cache_distribution=True``). Flat per-rank cost
 means the median rank's bytes and calls do not grow with the world size; rank 0 also
-receives the item locations it writes into ``.metadata``.
+receives the item locations it writes into ``.metadata``. The load also counts each rank's
+bytes read from the ``.metadata*`` files (with the per-key index: its share of the index).
 
 Then it simulates one ordinary rank and rank 0 of an 8,192-rank TP8 x PP16 x DP64 GPT job
 (``_scale_sim.py``, ``_gpt_job.py``: validation, save planning, rank 0's ``.metadata``, and
@@ -48,6 +49,7 @@ from dist_checkpointing.strategies.torch import (  # noqa: E402
 )
 from tests.collective_counter import count_collectives  # noqa: E402
 from tests.dist_pool import DistPool  # noqa: E402
+from tests.metadata_read_counter import count_metadata_reads  # noqa: E402
 
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_scale.json"
 PHASES = ("save", "repeated save", "load")
@@ -79,9 +81,11 @@ def _measure(rank: int, world: int, root: str, keys: int, wrapped: bool) -> dict
             dc.save(state, f"{root}/{target}", sharded_strategy=strategy)
         out[phase] = (count.received, count.n_calls)
     request = _state(rank, world, keys, fill=False)
-    with count_collectives() as count:
+    with count_collectives() as count, count_metadata_reads() as read:
         dc.load(request, f"{root}/b", sharded_strategy=load_strategy)
     out["load"] = (count.received, count.n_calls)
+    out["metadata_read"] = read["bytes"]
+    out["index_bytes"] = os.path.getsize(f"{root}/b/.metadata.index")
     return out
 
 
@@ -122,6 +126,13 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as root:
                     per_rank = pool.run(_measure, root, args.keys, wrapped, timeout=600)
                 strategy = "fully parallel" if wrapped else "default"
+                reads = [r["metadata_read"] for r in per_rank]
+                results.append({"world": world, "strategy": strategy, "phase": "load metadata read",
+                                "median_read": statistics.median(reads), "max_read": max(reads),
+                                "all_ranks_read": sum(reads), "index_bytes": per_rank[0]["index_bytes"]})
+                print(f"{world:>5}  {strategy:<15}load: .metadata* bytes read, median rank {statistics.median(reads) / 1e3:.1f} kB, "
+                      f"max {max(reads) / 1e3:.1f} kB, all ranks {sum(reads) / 1e3:.1f} kB "
+                      f"(index {per_rank[0]['index_bytes'] / 1e3:.1f} kB)", flush=True)
                 for phase in PHASES:
                     received = [r[phase][0] for r in per_rank]
                     calls = [r[phase][1] for r in per_rank]

@@ -9,6 +9,9 @@ prefix and model code written for it works unchanged.
 import torch.distributed.checkpoint  # noqa: F401
 
 from .compat import moved as _moved
+
+_moved.install()  # module paths of earlier versions (e.g. dist_checkpointing.convert) still import
+
 from .core import CheckpointingConfig, CheckpointingException
 from .manager import CheckpointManager
 from .mapping import (
@@ -35,8 +38,6 @@ from .serialization import (
 )
 from .strategies.safe_globals import register_safe_globals
 from .validation import StrictHandling
-
-_moved.install()  # module paths of earlier versions (e.g. dist_checkpointing.convert) still import
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ from .integrity.manifest import refresh_manifest
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .storage import Storage, StorageOptions
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, get_default_strategy
-from .strategies.torch_dist.format import METADATA_FNAME
+from .strategies.torch_dist.format import INDEX_FNAME, METADATA_FNAME
 
 __all__ = [
     "load_common_state_dict", "load_tensors_metadata", "load_sharded_metadata", "load_plain_tensors",
@@ -122,4 +122,5 @@ def remove_sharded_tensors(checkpoint_dir: CkptDir, key_prefix: str, storage_opt
     config = load_config(checkpoint_dir)
     sharded_load_strategy(config, None).remove_sharded_tensors(checkpoint_dir, key_prefix)
     # the strategy rewrote its metadata and deleted data files: an integrity.json follows
-    refresh_manifest(checkpoint_dir, [METADATA_FNAME, METADATA_FNAME + SIDECAR_SUFFIX])
+    refresh_manifest(checkpoint_dir, [name + suffix for name in (METADATA_FNAME, INDEX_FNAME)
+                                      for suffix in ("", SIDECAR_SUFFIX)])

@@ -444,14 +444,20 @@ def load(
     missing: set = set()
     unexpected: set = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        need_missing = StrictHandling.requires_global_app_metadata(strict)
+        found = sharded_strategy_.key_mismatch(sharded, checkpoint_dir, need_missing)  # collective
+
         def checkpoint_and_requested_keys():
             ckpt_keys = {sh.key for sh in sharded_strategy_.load_sharded_metadata(checkpoint_dir).values()}
             ckpt_keys.discard(COMMON_STATE_OBJECT_BASE_KEY)
             return ckpt_keys, {sh.key for sh in nested_values(sharded)}
 
-        ckpt_keys, requested = run_agreed(checkpoint_and_requested_keys, "Reading the checkpoint's keys")
-        missing, unexpected = determine_missing_and_unexpected_keys(
-            ckpt_keys, requested, StrictHandling.requires_global_app_metadata(strict))
+        if found is not None:  # from the checkpoint's per-key index
+            missing, unexpected = found
+            missing.discard(COMMON_STATE_OBJECT_BASE_KEY)
+        else:
+            ckpt_keys, requested = run_agreed(checkpoint_and_requested_keys, "Reading the checkpoint's keys")
+            missing, unexpected = determine_missing_and_unexpected_keys(ckpt_keys, requested, need_missing)
         handle_mismatched_keys(strict, missing, unexpected, checkpoint_dir)
         if unexpected:
             sharded, _ = extract_matching_values(sharded, lambda sh: sh.key not in unexpected)

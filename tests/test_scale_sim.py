@@ -89,6 +89,31 @@ def test_simulated_rank0_metadata_matches_a_real_save(name, tmp_path):
     assert {index: info.relative_path for index, info in simulated.storage_data.items()} == files
 
 
+def _real_index_view(rank: int, world: int, cfg: sim.GPTConfig, ckpt: str) -> dict:
+    from dist_checkpointing.strategies.torch_dist.index_view import indexed_view
+    from dist_checkpointing.strategies.torch_dist.load import requested_regions
+
+    view = indexed_view(storage_for(ckpt), lambda: requested_regions(sim.rank_items(cfg, rank)))
+    return {key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(md, "chunks", ()))
+            for key, md in view.metadata.state_dict_metadata.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_simulated_index_answers_are_what_real_ranks_get(name, tmp_path):
+    """The simulation's answers for a rank at load (its keys' records cut to its regions)
+    are the partial metadata real ranks build from their readers' answers."""
+    cfg = CONFIGS[name]
+    ckpt = str(tmp_path / "real")
+    get_pool(4).run(_real_save, cfg, ckpt)
+    real = get_pool(4).run(_real_index_view, cfg, ckpt)
+    for rank in range(cfg.world):
+        requests, answers = sim.index_answers(cfg, ckpt, rank)
+        assert set(answers) == set(requests) == set(real[rank]), rank
+        simulated = {k: sorted((tuple(c[0]), tuple(c[1])) for c in rec[4]) if rec[0] == "t" else []
+                     for k, rec in answers.items()}
+        assert simulated == real[rank], rank
+
+
 def _real_plan(rank: int, world: int, cfg: sim.GPTConfig) -> int:
     from dist_checkpointing.exchange_utils import local_tensor_summary
     from dist_checkpointing.exchange.plan import plan_shards

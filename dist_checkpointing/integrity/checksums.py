@@ -162,6 +162,11 @@ def read_file_verified(checkpoint_dir: Location, name: str, verify: bool = True)
     return data
 
 
+def recorded_checksum(checkpoint_dir: Location, name: str) -> Optional[Tuple[int, int]]:
+    """The checksum and length that the sidecar of the file ``name`` records (``None`` without one)."""
+    return _read_sidecar(open_storage(checkpoint_dir), name)
+
+
 def _read_sidecar(storage, name: str) -> Optional[tuple]:
     sidecar = sidecar_name(name)
     if storage.info(sidecar) is None:

@@ -39,17 +39,18 @@ from ..integrity.manifest import MANIFEST_FNAME
 from ..integrity.save_claim import CLAIM_FNAME
 from ..storage import Storage
 from ..strategies.common import COMMON_STATE_FNAME
-from ..strategies.torch_dist.format import METADATA_FNAME, checked_data_file_name
+from ..strategies.torch_dist.format import INDEX_FNAME, METADATA_FNAME, checked_data_file_name
 from ..strategies.torch_dist.metadata import read_metadata
 
 _MAX_RECORD_BYTES = 4096
-_SIDECARS = {COMMON_STATE_FNAME + SIDECAR_SUFFIX: COMMON_STATE_FNAME, METADATA_FNAME + SIDECAR_SUFFIX: METADATA_FNAME}
-_CHECKPOINT_FILES = {CONFIG_FNAME, MANIFEST_FNAME, COMMON_STATE_FNAME, METADATA_FNAME, *_SIDECARS}
+_SIDECARS = {name + SIDECAR_SUFFIX: name for name in (COMMON_STATE_FNAME, METADATA_FNAME, INDEX_FNAME)}
+_CHECKPOINT_FILES = {CONFIG_FNAME, MANIFEST_FNAME, COMMON_STATE_FNAME, METADATA_FNAME, INDEX_FNAME, *_SIDECARS}
 # what a claimed save writes before a record names it
-_UNRECORDED = re.compile(r"^(common\.pt|\.metadata|integrity\.json|metadata\.json|(common\.pt|\.metadata)\.checksum|"
+_UNRECORDED = re.compile(r"^(common\.pt|\.metadata|\.metadata\.index|integrity\.json|metadata\.json|"
+                         r"(common\.pt|\.metadata|\.metadata\.index)\.checksum|"
                          r".*__\d+_\d+\.distcp|\..+\.[0-9a-f]{12,32}\.tmp)$")
 # deleted last, in this order: the records that identify the save
-_LAST = (COMMON_STATE_FNAME, METADATA_FNAME, *_SIDECARS, CLAIM_FNAME)
+_LAST = (INDEX_FNAME, COMMON_STATE_FNAME, METADATA_FNAME, *_SIDECARS, CLAIM_FNAME)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -189,6 +189,13 @@ class LoadShardedStrategy(LoadStrategyBase):
         if self.can_handle_sharded_objects:
             raise NotImplementedError
         return self.load_tensors_metadata(checkpoint_dir)
+
+    def key_mismatch(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                     need_missing: bool) -> Optional[Tuple[Set[str], Set[str]]]:
+        """``(missing, unexpected)`` keys of a strict load found without every rank reading
+        the checkpoint's whole metadata (collective), or ``None`` (the default) to have
+        ``load`` compare the request with :meth:`load_sharded_metadata`."""
+        return None
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
         """Every stored tensor and object, from the metadata alone (for the offline tools).

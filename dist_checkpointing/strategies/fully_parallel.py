@@ -24,7 +24,7 @@ import copy
 import hashlib
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -341,6 +341,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
         return self.base_strategy.stored_items(checkpoint_dir)
+
+    def key_mismatch(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                     need_missing: bool) -> Optional[Tuple[Set[str], Set[str]]]:
+        return self.base_strategy.key_mismatch(sharded_state_dict, checkpoint_dir, need_missing)
 
     def offline_reader(self) -> LoadShardedStrategy:
         return self.base_strategy.offline_reader()

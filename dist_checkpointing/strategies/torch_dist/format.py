@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...core import CheckpointingException
 
 METADATA_FNAME = ".metadata"
+INDEX_FNAME = ".metadata.index"  # the per-key index of .metadata (key_index.py)
 DATA_FILE_SUFFIX = ".distcp"
 DCP_VERSION = "1.0.0"
 COMMON_STATE_OBJECT_KEY = "common_state/shard_0_1"
@@ -30,7 +31,7 @@ def data_file_name(rank: int, n: int, prefix: str = "") -> str:
 def is_checkpoint_file(name: str) -> bool:
     """Whether ``name`` is a file this format writes into a checkpoint directory (a
     directory holding one but no ``metadata.json`` is an incomplete checkpoint)."""
-    return name == METADATA_FNAME or name.endswith(DATA_FILE_SUFFIX)
+    return name in (METADATA_FNAME, INDEX_FNAME) or name.endswith(DATA_FILE_SUFFIX)
 
 
 def checked_data_file_name(checkpoint_dir: str, relative_path: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
@@ -22,10 +22,25 @@ from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
 from ..resharding import TensorReformulationMetadata, is_nd_flattened_tensor
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
+from .index_view import Requests, indexed_view
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
 from .metadata import read_metadata, stored_items
 from .reader import Reader
+
+
+def requested_regions(sharded_state_dict: ShardedStateDict, regions: bool = True) -> Requests:
+    """The keys a request needs from the index: each tensor key with its requested global
+    regions (``None``: all of it, or without ``regions``), each object's unique key."""
+    out: Requests = {}
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            boxes = out.setdefault(sh.key, [] if regions else None)
+            if boxes is not None:
+                boxes.append(sh.global_region())
+        elif isinstance(sh, ShardedObject):
+            out[sh.unique_key] = None
+    return out
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -79,35 +94,56 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return True
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
-        """Collective load: errors on any rank are raised on every rank."""
+        """Collective load: errors on any rank are raised on every rank. With a per-key
+        index (:mod:`.key_index`) each rank learns only the metadata of the keys it
+        requests (:func:`.index_view.indexed_view`); without one, every rank reads
+        ``.metadata``."""
         storage = open_storage(checkpoint_dir)
-        plan = run_agreed(lambda: self._plan(sharded_state_dict, storage), "Planning the load")
-        run_agreed(lambda: self._execute(plan, storage), "Reading the checkpoint")
+        view = indexed_view(storage, lambda: requested_regions(sharded_state_dict))
+        metadata = view.metadata if view is not None else None
+        plan = run_agreed(lambda: self._plan(sharded_state_dict, storage, metadata), "Planning the load")
+        run_agreed(lambda: self._execute(plan, storage, metadata), "Reading the checkpoint")
         return self._result(sharded_state_dict, plan)
+
+    def key_mismatch(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                     need_missing: bool) -> Optional[Tuple[Set[str], Set[str]]]:
+        """``(missing, unexpected)`` keys of a strict load, from the index (collective);
+        ``None`` on every rank when the checkpoint has no usable index."""
+        view = indexed_view(open_storage(checkpoint_dir), lambda: requested_regions(sharded_state_dict, False),
+                            need_missing)
+        if view is None:
+            return None
+        unexpected = {sh.key for sh in nested_values(sharded_state_dict)
+                      if (sh.unique_key if isinstance(sh, ShardedObject) else sh.key) in view.absent}
+        return view.missing, unexpected
 
     def load_local(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
         """Load in this process alone (no collectives): for offline tools. Tensors requested
         without data (e.g. from :meth:`load_tensors_metadata`) are allocated only once their
         keys' stored sizes are checked against the data files."""
         storage = open_storage(checkpoint_dir)
+        view = indexed_view(storage, lambda: requested_regions(sharded_state_dict), collective=False)
+        metadata = view.metadata if view is not None else read_metadata(storage)
         dataless = {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor) and sh.data is None}
         if dataless:
-            metadata = read_metadata(storage)
             check_stored_sizes(metadata, storage,
                                [k for k in dataless if isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)])
-        plan = self._plan(sharded_state_dict, storage)
-        self._execute(plan, storage)
+        plan = self._plan(sharded_state_dict, storage, metadata)
+        self._execute(plan, storage, metadata)
         return self._result(sharded_state_dict, plan)
 
-    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage]) -> LoadPlan:
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage],
+              metadata: Optional[Metadata] = None) -> LoadPlan:
+        """The reads of the request, planned on ``metadata`` (default: ``.metadata``)."""
         storage = open_storage(checkpoint_dir)
-        metadata = self.cached_global_metadata = read_metadata(storage)
+        metadata = self.cached_global_metadata = metadata if metadata is not None else read_metadata(storage)
         self._scratch.begin()
         return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch, self.strict_dtypes)
 
-    def _execute(self, plan: LoadPlan, storage: Storage) -> None:
+    def _execute(self, plan: LoadPlan, storage: Storage, metadata: Optional[Metadata] = None) -> None:
         tensor_reads, object_reads, post_copies = plan
-        table = getattr(read_metadata(storage), "checksums", None) if self.verify_checksums else None
+        metadata = metadata if metadata is not None else (read_metadata(storage) if self.verify_checksums else None)
+        table = getattr(metadata, "checksums", None) if self.verify_checksums else None
         scope = item_checksum_scope(table, storage.describe()) if table is not None else None
         reader = Reader(storage, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
         try:

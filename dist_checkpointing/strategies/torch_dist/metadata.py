@@ -26,13 +26,14 @@ from torch.distributed.checkpoint.metadata import (
 from ...tensors.bytes_view import nbytes
 from ...core import CheckpointingException, gc_paused, malformed, open_storage
 from ...core import Location as CheckpointLocation
-from ...integrity.checksums import item_checksum_table, write_file_with_checksum
+from ...integrity.checksums import checksum, item_checksum_table, write_file_with_checksum
 from ...integrity.save_claim import current_save_id
 from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
-from .format import DCP_VERSION, METADATA_FNAME, checked_data_file_name, original_global_shape
+from .key_index import encode_index
+from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
 # One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
@@ -50,15 +51,22 @@ def storage_meta(storage: Storage) -> StorageMeta:
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
-def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata:
-    """Global DCP metadata from every rank's item locations, with consistency checks."""
+def build_metadata(per_rank: List[List[Location]], storage: Storage,
+                   rows: Optional[Dict[str, List[Any]]] = None) -> Metadata:
+    """Global DCP metadata from every rank's item locations, with consistency checks; each
+    key's located pieces are also collected into ``rows`` when given (the input of
+    :func:`.key_index.encode_index`)."""
     state_dict_metadata: Dict[str, Any] = {}
     orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
     storage_data: Dict[MetadataIndex, _StorageInfo] = {}
     owner: Dict[MetadataIndex, int] = {}
     shape_owner: Dict[str, int] = {}
     for rank, locations in enumerate(per_rank):
-        for key, tensor_meta, fname, offset, length, _ in locations:
+        for key, tensor_meta, fname, offset, length, cs in locations:
+            if rows is not None:
+                rows.setdefault(key, []).append([tensor_meta[2] if tensor_meta is not None else None,
+                                                 tensor_meta[3] if tensor_meta is not None else None,
+                                                 fname, offset, length, cs])
             if tensor_meta is None:
                 index = MetadataIndex(key)
                 if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
@@ -141,9 +149,20 @@ def data_file_sizes(metadata: Metadata) -> Dict[str, int]:
     return sizes
 
 
-def write_metadata(metadata: Metadata, storage: Storage) -> None:
-    """Write ``.metadata`` and its checksum sidecar."""
-    write_file_with_checksum(storage, METADATA_FNAME, pickle.dumps(metadata))
+def write_metadata(metadata: Metadata, storage: Storage, rows: Optional[Dict[str, List[Any]]] = None) -> None:
+    """Write ``.metadata`` and its checksum sidecar, then the per-key index of it
+    (:mod:`.key_index`; ``rows``: as :func:`build_metadata` collects them) and the index's
+    sidecar. (An old index is removed first: a crash in
+    between leaves none, never one of another ``.metadata``.)"""
+    data = pickle.dumps(metadata)
+    try:
+        storage.delete(INDEX_FNAME)
+    except OSError as e:
+        raise CheckpointingException(f"Cannot remove {storage.describe(INDEX_FNAME)}: {e}") from e
+    write_file_with_checksum(storage, METADATA_FNAME, data)
+    index = encode_index(metadata, checksum(data), rows)
+    del data
+    write_file_with_checksum(storage, INDEX_FNAME, index)
 
 
 _metadata_cache: Dict[str, Tuple[Hashable, Metadata]] = {}

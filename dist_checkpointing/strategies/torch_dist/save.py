@@ -244,11 +244,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                     metadata = self._cache[1]
                     metadata.storage_meta = storage_meta(storage)
                     metadata.checksums = checksum_table(per_rank)
+                    rows = None
                 else:
                     self.last_written_files = None
-                    metadata = build_metadata(per_rank, storage)
+                    rows = {}
+                    metadata = build_metadata(per_rank, storage, rows)
                     self.last_written_files = data_file_sizes(metadata)
-                write_metadata(metadata, storage)
+                write_metadata(metadata, storage, rows)
+                del rows
                 if self.cached_metadata:
                     self._cache = (digest, metadata)
             except Exception as e:  # noqa: BLE001 - broadcast below
