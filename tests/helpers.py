@@ -129,3 +129,24 @@ class RecordingLoad(TorchDistLoadShardedStrategy):
         self.reads.extend((sh.key, tuple(sh.global_offset)) for sh in nested_values(sharded_state_dict)
                           if isinstance(sh, ShardedTensor))
         return super().load(sharded_state_dict, checkpoint_dir)
+
+
+def _set_index_threshold(rank: int, world: int, value: int) -> int:
+    from dist_checkpointing.strategies.torch_dist import index_view
+
+    old, index_view.INDEX_ABOVE_BYTES = index_view.INDEX_ABOVE_BYTES, value
+    return old
+
+
+@contextlib.contextmanager
+def index_threshold(pools, value: int) -> Iterator[None]:
+    """``index_view.INDEX_ABOVE_BYTES`` set to ``value`` in this process and on every rank of
+    ``pools`` (e.g. 0: the small test checkpoints use the per-key index), restored after."""
+    olds = [pool.run(_set_index_threshold, value)[0] for pool in pools]
+    local = _set_index_threshold(0, 1, value)
+    try:
+        yield
+    finally:
+        _set_index_threshold(0, 1, local)
+        for pool, old in zip(pools, olds):
+            pool.run(_set_index_threshold, old)

@@ -23,10 +23,34 @@ from dist_checkpointing.strategies.torch_dist import key_index
 from dist_checkpointing.strategies.torch_dist.index_view import open_index
 
 from .conftest import get_pool
-from .helpers import assert_all_raise
+from .helpers import assert_all_raise, index_threshold
 from .metadata_read_counter import count_metadata_reads
 
 INDEX = ".metadata.index"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _always_the_index():
+    """These checkpoints are small: without this every rank would read ``.metadata`` itself."""
+    with index_threshold([get_pool(w) for w in (1, 2, 4, 8)], 0):
+        yield
+
+
+def _uses_index(rank, world, ckpt):
+    from dist_checkpointing.strategies.torch_dist.index_view import indexed_view
+    from dist_checkpointing.strategies.torch_dist.load import requested_regions
+
+    return indexed_view(open_storage(ckpt), lambda: requested_regions(_state(rank, world, fill=False))) is not None
+
+
+def test_the_index_is_used_above_the_metadata_bytes_all_ranks_would_read(tmp_path):
+    ckpt = str(tmp_path / "c")
+    get_pool(2).run(_save, ckpt)
+    size = (tmp_path / "c" / ".metadata").stat().st_size
+    for threshold, used in ((64 * 2**20, False), (2 * size, False), (2 * size - 1, True), (0, True)):
+        with index_threshold([get_pool(2)], threshold):
+            assert get_pool(2).run(_uses_index, ckpt) == [used, used], threshold
+            assert get_pool(2).run(_load_and_check, ckpt, 2) == [True, True]
 
 
 def _state(rank: int, world: int, fill: bool = True, keys: int = 6) -> dict:
@@ -242,7 +266,7 @@ def test_strict_key_lists_are_the_same_with_and_without_the_index(index, tmp_pat
         (ckpt / INDEX).unlink()
     assert get_pool(2).run(_strict, str(ckpt)) == [({"w2"}, {"extra"})] * 2
     excs = get_pool(2).run_expect_error(_strict_raise, str(ckpt))
-    assert_all_raise(excs, 2, "'x'", "rank 0", "rank 1", "missing keys", "'norm'")
+    assert_all_raise(excs, 2, "'x'", "rank 0", "rank 1", "Missing keys", "'norm'")
 
 
 def test_plain_dcp_reads_a_checkpoint_with_the_index(tmp_path):

@@ -38,6 +38,11 @@ from .key_index import IndexHeader, bucket_of, partial_metadata, read_buckets, r
 
 logger = logging.getLogger(__name__)
 
+#: The index is used when the ranks together would read more than this many bytes of
+#: ``.metadata`` (its size times the number of ranks loading); below that every rank reads
+#: ``.metadata`` itself, which costs fewer collectives (benchmarks/README.md, "Scale").
+INDEX_ABOVE_BYTES = 64 * 2**20
+
 # key (tensor key or object unique key) -> the requested regions of a tensor (None: all of it / an object)
 Requests = Dict[str, Optional[List[Tuple[tuple, tuple]]]]
 
@@ -82,12 +87,16 @@ def indexed_view(storage: Storage, requests: Callable[[], Requests], need_missin
                  collective: bool = True) -> Optional[IndexedView]:
     """This rank's view of the requested keys, from the index (collective unless not
     ``collective``: then this process reads every bucket it needs itself). ``None`` on every
-    rank when any rank finds no usable index. Errors (a damaged bucket, a record that fails
+    rank when any rank finds no usable index, or when ``.metadata`` is small enough for
+    every rank to read it (:data:`INDEX_ABOVE_BYTES`). Errors (a damaged bucket, a record that fails
     the checks of ``.metadata``) are raised on every rank, naming the file."""
     world, rank = (get_world_size(), get_rank()) if collective else (1, 0)
     where = storage.describe(INDEX_FNAME)
 
     def prepare():
+        stored = storage.info(METADATA_FNAME)
+        if stored is not None and stored.size * world <= INDEX_ABOVE_BYTES:
+            return None, None  # a small .metadata: each rank reads it (fewer collectives)
         return open_index(storage), requests()
 
     if collective:
