@@ -198,7 +198,7 @@ def test_cli_on_urls(s3_server, no_aws_env, tmp_path, capsys):
     assert main(["convert", url, _url(s3_server), *flags]) == 0
     assert "1 tensors" in capsys.readouterr().out
     assert main(["validate", _url(s3_server), *flags]) == 1  # nothing there
-    assert "not found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     assert main(["inspect", url]) == 1  # the environment alone points nowhere
     with pytest.raises(SystemExit):
         main(["inspect", url, "--storage-option", "novalue"])

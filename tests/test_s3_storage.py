@@ -388,5 +388,5 @@ def test_tensors_straddling_parts_round_trip_bit_exactly(world, s3_server, s3_en
 def test_missing_obstore_says_how_to_install(monkeypatch):
     for name in ("obstore", "obstore.store"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it fails
-    with pytest.raises(ImportError, match=r"pip install dist_checkpointing\[s3\]"):
+    with pytest.raises(ImportError, match=r"pip install 'dist_checkpointing\[s3\]'.*pip install -e '\.\[s3\]'"):
         storage_for("s3://bucket/prefix")
