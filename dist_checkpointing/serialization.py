@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 
 from .exchange.collectives import broadcast_object, error_message, get_rank, run_agreed
@@ -65,6 +67,7 @@ from .mapping import (
     is_main_replica,
 )
 from .strategies.async_request import AsyncRequest
+from .strategies.progress import reporting_bytes
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
 from .strategies.torch_dist.format import METADATA_FNAME
@@ -114,11 +117,47 @@ class _Phases:
     """Per-phase wall time of one save/load, reported to the callback as each phase ends
     and logged as one line at the end."""
 
-    def __init__(self, callback: Optional[ProgressCallback]):
+    def __init__(self, callback: Optional[ProgressCallback], progress_bar: Optional[bool] = None):
         self.callback = callback
         self.start = self._last = time.perf_counter()
         self.seconds: Dict[str, float] = {}
         self.nbytes = 0
+        # a tqdm bar on rank 0: when asked for, or (shown after a second) when stderr is a terminal
+        self._bar_delay = 0.0 if progress_bar else 1.0
+        self._want_bar = get_rank() == 0 and (progress_bar if progress_bar is not None else _stderr_is_terminal())
+        self._bar: Any = None
+
+    @contextmanager
+    def metering(self) -> Iterator[None]:
+        """Within the block, the strategy's bytes written / read are reported as they go
+        (:meth:`_bytes`): to the callback, and to the bar."""
+        if self.callback is None and not self._want_bar:
+            yield
+            return
+        try:
+            with reporting_bytes(self._bytes):
+                yield
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def _bytes(self, phase: str, done: int, total: int) -> None:
+        """A byte report of the strategy (from any of its threads, in order)."""
+        if self._want_bar:
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=phase, unit="B", unit_scale=True, unit_divisor=1024,
+                                 file=sys.stderr, delay=self._bar_delay, leave=False)
+            self._bar.total = total
+            self._bar.update(done - self._bar.n)
+        if self.callback is not None:
+            try:
+                self.callback({"phase": phase, "bytes_done": done, "bytes_total": total,
+                               "elapsed": time.perf_counter() - self.start})
+            except Exception:  # noqa: BLE001 - a broken callback must not break the write
+                logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
 
     def end(self, phase: str, inner: Optional[Dict[str, float]] = None) -> None:
         now = time.perf_counter()
@@ -144,6 +183,13 @@ class _Phases:
         split = ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
         logger.debug("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
                     self.nbytes / 2**20, total, self.nbytes / max(total, 1e-9) / 1e9, split)
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -273,6 +319,7 @@ def save(
     progress_callback: Optional[ProgressCallback] = None,
     verify_integrity: bool = False,
     storage_options: StorageOptions = None,
+    progress_bar: Optional[bool] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
@@ -306,10 +353,14 @@ def save(
 
     Each call logs one line at INFO (bytes this rank writes, seconds, GB/s, and the
     split into phases: ``plan``, ``write``, ``finalize``); ``progress_callback``, if given,
-    is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends.
+    is called with ``{"phase", "seconds", "bytes", "elapsed"}`` as each phase ends, and
+    while this rank writes its data with ``{"phase": "write", "bytes_done", "bytes_total",
+    "elapsed"}`` (at most every 0.5 s, and once at the end; not from the background writer
+    of an async save). ``progress_bar``: a tqdm bar of those bytes on rank 0's stderr;
+    ``None`` (default): only when stderr is a terminal and the write takes over a second.
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
-    phases = _Phases(progress_callback)
+    phases = _Phases(progress_callback, progress_bar)
     rank = get_rank()
 
     def prepare():
@@ -371,7 +422,8 @@ def save(
         phases.end("snapshot")
         phases.log("Started async save of", checkpoint_dir)
         return request
-    run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
+    with phases.metering():
+        run_agreed(lambda: sharded_strategy_.save(sharded, checkpoint_dir), "Saving the sharded state")
     # The strategy knows what this rank wrote (a fully parallel save moves main replicas).
     written = sharded_strategy_.last_written_bytes
     phases.nbytes = written if written is not None else phases.nbytes
@@ -395,6 +447,7 @@ def load(
     progress_callback: Optional[ProgressCallback] = None,
     verify_integrity: Optional[bool] = None,
     storage_options: StorageOptions = None,
+    progress_bar: Optional[bool] = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -416,7 +469,8 @@ def load(
 
     Each call logs one line at INFO (bytes this rank requests, seconds, GB/s, phases
     ``plan``, ``read`` — split into ``plan``/``read``/``exchange`` by the fully parallel
-    wrapper — and ``finalize``); ``progress_callback`` is called as in :func:`save`.
+    wrapper — and ``finalize``); ``progress_callback`` and ``progress_bar`` work as in
+    :func:`save`, the byte reports with ``"phase": "read"`` (the bytes this rank reads).
 
     A checkpoint with Megatron-Core's integrity manifest ``integrity.json`` is first
     verified against it (every file hashed once, split over the ranks; a listed file
@@ -426,7 +480,7 @@ def load(
     """
     strict = parse_strict_flag(strict)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
-    phases = _Phases(progress_callback)
+    phases = _Phases(progress_callback, progress_bar)
     if verify_integrity is not False:
         verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
 
@@ -462,7 +516,8 @@ def load(
         if unexpected:
             sharded, _ = extract_matching_values(sharded, lambda sh: sh.key not in unexpected)
     phases.end("plan")
-    loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
+    with phases.metering():
+        loaded = run_agreed(lambda: sharded_strategy_.load(sharded, checkpoint_dir), "Loading the sharded state")
     phases.end("read", sharded_strategy_.last_timings)
 
     def finish():

@@ -107,8 +107,16 @@ def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(as_bytes(t).numpy()).view(t.dtype).view(t.shape)
 
 
+def payload_nbytes(payload: Payload) -> int:
+    """The data bytes of a payload (a tensor's elements, or the bytes as is)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return len(payload)
+
+
 def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
-               compute_checksums: bool = True) -> List[Tuple[int, int, Optional[int]]]:
+               compute_checksums: bool = True,
+               on_written: Optional[Callable[[int], None]] = None) -> List[Tuple[int, int, Optional[int]]]:
     """Write ``payloads`` (tensors as ``torch.save`` blobs, bytes as is) into the new file
     ``name`` of ``storage``, through one :meth:`~..storage.Storage.create_stream`.
 
@@ -118,7 +126,8 @@ def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
     is copied into the staging buffer (still in the CPU cache), while the stream's I/O
     thread writes the previous buffer, so it mostly hides behind the disk. The blobs' zip
     CRC32 is not computed (see :func:`zip_crc_disabled`). A storage error is a
-    :class:`CheckpointingException` naming the file.
+    :class:`CheckpointingException` naming the file. ``on_written(nbytes)``, if given, is
+    called after each payload with its :func:`payload_nbytes` (progress reports).
     """
     try:
         stream = storage.create_stream(name)
@@ -126,7 +135,7 @@ def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
         raise CheckpointingException(f"Cannot create checkpoint file {storage.describe(name)}: {e}") from e
     try:
         with zip_crc_disabled():
-            spans = _write_payloads(stream, payloads, compute_checksums)
+            spans = _write_payloads(stream, payloads, compute_checksums, on_written)
         stream.close()
     except Exception as e:  # noqa: BLE001 - named below
         stream.abort()
@@ -139,8 +148,8 @@ def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
     return spans
 
 
-def _write_payloads(stream: WriteStream, payloads: Sequence[Payload],
-                    compute_checksums: bool) -> List[Tuple[int, int, Optional[int]]]:
+def _write_payloads(stream: WriteStream, payloads: Sequence[Payload], compute_checksums: bool,
+                    on_written: Optional[Callable[[int], None]]) -> List[Tuple[int, int, Optional[int]]]:
     spans: List[Tuple[int, int, Optional[int]]] = []
     for payload in payloads:
         start = stream.tell()
@@ -151,4 +160,6 @@ def _write_payloads(stream: WriteStream, payloads: Sequence[Payload],
         else:
             stream.write(payload)
         spans.append((start, stream.tell() - start, stream.take_checksum() if compute_checksums else None))
+        if on_written is not None:
+            on_written(payload_nbytes(payload))
     return spans

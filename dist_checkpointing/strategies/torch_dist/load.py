@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
@@ -26,7 +26,8 @@ from .index_view import Requests, indexed_view
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
 from .metadata import read_metadata, stored_items
-from .reader import Reader
+from ..progress import ByteMeter, byte_meter
+from .reader import Reader, read_nbytes
 
 
 def requested_regions(sharded_state_dict: ShardedStateDict, regions: bool = True) -> Requests:
@@ -150,6 +151,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
             tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
             reader.plan(arg.storage for _, arg in tasks)
+            meter = byte_meter("read", sum(read_nbytes(arg) for _, arg in tasks))
+            if meter is not None:  # counted per item read
+                tasks = [(_counted(fn, meter), arg) for fn, arg in tasks]
             if self.thread_count == 1 or len(tasks) <= 1:
                 for fn, arg in tasks:
                     fn(arg)
@@ -157,6 +161,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 with ThreadPoolExecutor(self.thread_count) as pool:
                     for f in [pool.submit(fn, arg) for fn, arg in tasks]:
                         f.result()
+            if meter is not None:
+                meter.finish()
         finally:
             reader.close()
         for copy in post_copies:  # assembled flattened data into its destination
@@ -211,6 +217,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Remove tensors whose key starts with ``key_prefix``; data files that hold
         nothing else are deleted."""
         remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+
+def _counted(fn: Callable[[Any], None], meter: ByteMeter) -> Callable[[Any], None]:
+    """``fn`` (one read task), then its bytes counted on ``meter``."""
+    def run(arg: Any) -> None:
+        fn(arg)
+        meter.add(read_nbytes(arg))
+    return run
 
 
 def get_reformulation_metadata(sharded_state_dict: ShardedStateDict,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -201,6 +201,14 @@ class Reader:
         if expected is not None and checksum(raw) != expected:
             raise mismatch_error(what, where)
         return raw
+
+
+def read_nbytes(read: Union[TensorRead, ObjectRead]) -> int:
+    """The bytes one read delivers (progress reports): a tensor's requested overlap, an
+    object's record."""
+    if isinstance(read, TensorRead):
+        return math.prod(read.overlap[1]) * read.dtype.itemsize
+    return read.storage.length
 
 
 _VERIFY_PIECE = 1 << 20  # hash what was just read while it is still in the CPU cache

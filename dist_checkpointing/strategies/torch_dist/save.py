@@ -41,7 +41,8 @@ from ...storage.buffers import (
     reserve_staging_buffers,
     return_staging_buffers,
 )
-from ..filesystem_async import HostStaging, write_file
+from ..filesystem_async import HostStaging, payload_nbytes, write_file
+from ..progress import byte_meter
 from ..memory_maps import not_isolated_by_fork
 from .format import data_file_name
 from .metadata import Location, build_metadata, checksum_table, data_file_sizes, storage_meta, write_metadata
@@ -264,14 +265,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[Location]:
         """Each file through :func:`write_file` (one storage stream per file, files in
-        parallel on ``thread_count`` threads); the location of every item written."""
-        args = (repeat(storage), files, [[it.payload for it in items] for items in files.values()],
-                repeat(self.checksums))
+        parallel on ``thread_count`` threads); the location of every item written. The
+        bytes written are reported to the caller's progress sink, if any (:mod:`..progress`)."""
+        payloads = [[it.payload for it in items] for items in files.values()]
+        meter = byte_meter("write", sum(payload_nbytes(p) for ps in payloads for p in ps))
+        args = (repeat(storage), files, payloads, repeat(self.checksums), repeat(meter and meter.add))
         if len(files) <= 1:
             spans = list(map(write_file, *args))
         else:
             with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
                 spans = list(pool.map(write_file, *args))
+        if meter is not None:
+            meter.finish()
         return [(it.key, it.tensor_meta, fname, off, length, cs)
                 for fname, file_spans in zip(files, spans) for it, (off, length, cs) in zip(files[fname], file_spans)]
 

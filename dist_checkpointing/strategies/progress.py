@@ -1,0 +1,72 @@
+"""Byte progress of the write and the read of one ``save`` / ``load``.
+
+The entry points install a sink with :func:`reporting_bytes` around the sharded
+strategy's call; the lowest layers that know the bytes (the writer of data files, the
+reader's tasks) take a :class:`ByteMeter` from :func:`byte_meter` in the calling thread
+and count each item as it is done. The sink is called at most every
+:data:`REPORT_INTERVAL` seconds and once at the end, never per byte. Without a sink
+(async writers, offline tools) :func:`byte_meter` returns ``None`` and nothing is counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Optional
+
+#: ``sink(phase, bytes_done, bytes_total)``
+ByteSink = Callable[[str, int, int], None]
+
+REPORT_INTERVAL = 0.5  # seconds between two reports of one meter (the last one is always sent)
+
+_sink: ContextVar[Optional[ByteSink]] = ContextVar("dist_checkpointing_byte_sink", default=None)
+
+
+@contextmanager
+def reporting_bytes(sink: Optional[ByteSink]) -> Iterator[None]:
+    """Within the block, meters taken in this thread (:func:`byte_meter`) report to ``sink``."""
+    token = _sink.set(sink)
+    try:
+        yield
+    finally:
+        _sink.reset(token)
+
+
+class ByteMeter:
+    """Bytes done out of ``total`` for one phase; thread safe. Reports go to the sink in
+    order (under a lock), so ``bytes_done`` never decreases."""
+
+    def __init__(self, sink: ByteSink, phase: str, total: int, interval: Optional[float] = None):
+        self._sink, self.phase, self.total = sink, phase, total
+        self._interval = REPORT_INTERVAL if interval is None else interval
+        self.done = 0
+        self._last = time.monotonic()
+        self._reported = -1
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more; report if the interval has passed."""
+        with self._lock:
+            self.done += nbytes
+            now = time.monotonic()
+            if now - self._last >= self._interval:
+                self._last = now
+                self._report()
+
+    def finish(self) -> None:
+        """Report the final count (once; not again if it was the last one reported)."""
+        with self._lock:
+            if self._reported != self.done:
+                self._report()
+
+    def _report(self) -> None:
+        self._reported = self.done
+        self._sink(self.phase, self.done, max(self.total, self.done))
+
+
+def byte_meter(phase: str, total: int) -> Optional[ByteMeter]:
+    """A meter for ``total`` bytes reporting to this thread's sink, or ``None`` without one."""
+    sink = _sink.get()
+    return None if sink is None else ByteMeter(sink, phase, total)
