@@ -9,6 +9,10 @@ What is executed:
   ``# <name>.py — run with: torchrun --nproc-per-node N <name>.py ...``), with
   ``my_model.py`` = the guide's block that defines ``class TinyGPT``, under
   ``python -m torch.distributed.run --nproc-per-node N`` (N gloo ranks on CPU);
+* ``docs/first_day.md``: every ```python block that is not a torchrun script, in order, in
+  one fresh interpreter; then its torchrun scripts, in the page's order, in ONE shared
+  directory (each step goes on from the previous one's checkpoints), with ``my_model.py`` =
+  the page's block that defines ``class ToyModel``;
 * ``docs/coming_from_megatron.md``: every ```python block, in order, in one fresh
   interpreter;
 * ``README.md``: every ```python block, in order, in one fresh interpreter (the "Use"
@@ -35,11 +39,14 @@ from .helpers import free_port
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "user_guide.md"
 MEGATRON_PAGE = ROOT / "docs" / "coming_from_megatron.md"
+FIRST_DAY = ROOT / "docs" / "first_day.md"
 README = ROOT / "README.md"
 
 TORCHRUN_LINE = re.compile(r"# (\w+\.py) — run with: torchrun --nproc-per-node (\d+) ")
 # The torchrun scripts the guide has today; more may be added, none may silently vanish.
 KNOWN_SCRIPTS = {"ddp_demo.py", "fp_demo.py", "recover_demo.py", "fsdp_demo.py"}
+# The first-day page's scripts, in the order a reader runs them.
+FIRST_DAY_SCRIPTS = ["save_load.py", "train.py", "resume.py"]
 
 
 class Block:
@@ -138,17 +145,41 @@ def test_user_guide_torchrun_scripts_are_found():
     assert len(names) == len(_guide_scripts()), "two torchrun scripts of the guide share a name"
 
 
-@pytest.mark.parametrize("block", _guide_scripts(), ids=lambda b: b.torchrun[0])
-def test_user_guide_torchrun_script(block, tmp_path):
+def _write_model(page: Path, class_name: str, where: Path) -> None:
+    """``my_model.py`` in ``where``: the page's block that defines ``class_name``."""
+    pattern = rf"^class {class_name}\b"
+    [model] = [b for b in _blocks(page) if b.lang == "python" and re.search(pattern, b.code, re.M)]
+    (where / "my_model.py").write_text(model.code)
+
+
+def _run_script(page: Path, block: Block, where: Path, shared: Path) -> None:
     name, nproc = block.torchrun
-    [model] = [b for b in _blocks(GUIDE) if b.lang == "python" and re.search(r"^class TinyGPT\b", b.code, re.M)]
-    (tmp_path / "my_model.py").write_text(model.code)
-    (tmp_path / name).write_text(block.code)
-    shared = tmp_path / "shared"
-    shared.mkdir()
+    (where / name).write_text(block.code)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), name, str(shared)]
-    _run(cmd, tmp_path, 240, f"{name} (docs/user_guide.md line {block.start}) under torchrun with {nproc} ranks")
+    _run(cmd, where, 240, f"{name} ({page.relative_to(ROOT)} line {block.start}) under torchrun with {nproc} ranks")
+
+
+@pytest.mark.parametrize("block", _guide_scripts(), ids=lambda b: b.torchrun[0])
+def test_user_guide_torchrun_script(block, tmp_path):
+    _write_model(GUIDE, "TinyGPT", tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _run_script(GUIDE, block, tmp_path, shared)
+
+
+def test_first_day_examples_run_in_one_process(tmp_path):
+    _run_page(FIRST_DAY, tmp_path)
+
+
+def test_first_day_torchrun_scripts_run_in_order(tmp_path):
+    scripts = [b for b in _blocks(FIRST_DAY) if b.lang == "python" and b.torchrun is not None]
+    assert [b.torchrun[0] for b in scripts] == FIRST_DAY_SCRIPTS
+    _write_model(FIRST_DAY, "ToyModel", tmp_path)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for block in scripts:                 # one directory: resume.py resumes what train.py saved
+        _run_script(FIRST_DAY, block, tmp_path, shared)
 
 
 def test_coming_from_megatron_examples_run_in_one_process(tmp_path):
