@@ -12,7 +12,7 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.dict_utils import nested_values
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 
 
 def free_port() -> int:
@@ -105,17 +105,17 @@ def flip_byte(path: Path, position: int) -> None:
 def slow_writes(delay: float) -> Iterator[None]:
     """The writer sleeps ``delay`` s before each data file (a forked writer inherits this
     patch), so what a test does right after ``save`` returns happens while it writes."""
-    orig = torch_dist_save.write_file
+    orig = torch_dist_writing.write_file
 
     def slow(*args, **kwargs):
         time.sleep(delay)
         return orig(*args, **kwargs)
 
-    torch_dist_save.write_file = slow
+    torch_dist_writing.write_file = slow
     try:
         yield
     finally:
-        torch_dist_save.write_file = orig
+        torch_dist_writing.write_file = orig
 
 
 class RecordingLoad(TorchDistLoadShardedStrategy):

@@ -25,8 +25,9 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.strategies import async_utils
+from dist_checkpointing.strategies import async_utils, persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
 from dist_checkpointing.strategies.base import SaveCommonStrategy, SaveShardedStrategy
 from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
@@ -890,16 +891,16 @@ _SCRIPT = textwrap.dedent("""
     import torch
     import dist_checkpointing as dc
     from dist_checkpointing import ShardedTensor
-    from dist_checkpointing.strategies import async_utils
-    from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+    from dist_checkpointing.strategies import async_utils, persistent_worker
+    from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     ckpt, mode = sys.argv[1], sys.argv[2]
     if mode != "exit":  # a writer that is still busy when the parent goes away
-        orig = torch_dist_save.write_file
+        orig = torch_dist_writing.write_file
         def slow(*args, **kwargs):
             time.sleep(60)
             return orig(*args, **kwargs)
-        torch_dist_save.write_file = slow
+        torch_dist_writing.write_file = slow
     state = {{"t": ShardedTensor.from_rank_offsets("t", torch.arange(1 << 20, dtype=torch.float32))}}
     request = dc.save(state, ckpt, async_sharded_save=True)
     queue = AsyncCallsQueue()
@@ -1166,73 +1167,86 @@ def test_forked_call_reports_before_exiting_and_is_reaped():
     assert _child_gone(failing.pid)
 
 
-# ----------------------------------------------------------------------------- 8. copy snapshot
+# ----------------------------------------------------------------------------- 8. arena snapshots
 
 
-def _copy_strategy():
-    return torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot="copy")
-
-
-def _copy_snapshot(rank, world, root):
-    """``async_snapshot="copy"``: the same checkpoint as a sync save, staged at call time,
-    written by the queue's one thread (no process), buffers reused across saves and never
-    shared by two writes in flight, and errors on every rank."""
-    strategy = _copy_strategy()
-    queue = AsyncCallsQueue(persistent=True)
-    idents = set()
-    orig_write = strategy._write_files
-
-    def recording_write(*args, **kwargs):
-        idents.add(threading.get_ident())
-        return orig_write(*args, **kwargs)
-
-    strategy._write_files = recording_write
-    dirs = [os.path.join(root, f"copy{i}") for i in range(4)]
+def _arena_snapshot(rank, world, root, mode):
+    """``async_snapshot="copy"`` / ``"stream"``: the same checkpoint as a sync save, staged
+    at call time into a shared arena, written by this process's persistent writer (another
+    process, started once), arenas reused across saves and never shared by two writes in
+    flight, and a failed write raised on every rank."""
+    strategy = torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot=mode)
+    queue = AsyncCallsQueue()
+    dirs = [os.path.join(root, f"{mode}{i}") for i in range(4)]
     try:
         dc.save(_state(rank, world), os.path.join(root, "sync"))
-        with slow_writes(0.05):
-            sd = _state(rank, world, gen=0)
-            request = dc.save(sd, dirs[0], sharded_strategy=strategy, async_sharded_save=True)
-            assert _strategy_call(request)[1] == ()  # the write itself, no forked writer
-            _mutate(sd)  # before scheduling
-            queue.schedule_async_request(request)
-            sd = _state(rank, world, gen=1)
-            request = dc.save(sd, dirs[1], sharded_strategy=strategy, async_sharded_save=True)
-            queue.schedule_async_request(request)  # two writes in flight: they must not share buffers
-            _mutate(sd)  # while it is being written
-            assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
-        staged = dict(strategy._staging._buffers)
-        for gen in (2, 3):  # one at a time: the staging buffers of the previous save are reused
+        sd0 = _state(rank, world, gen=0)
+        first = dc.save(sd0, dirs[0], sharded_strategy=strategy, async_sharded_save=True)
+        assert first.staged is not None and first.staged.done()  # CPU tensors: copied at the call
+        first.wait_for_staging()
+        _mutate(sd0)  # before scheduling
+        sd1 = _state(rank, world, gen=1)
+        second = dc.save(sd1, dirs[1], sharded_strategy=strategy, async_sharded_save=True)
+        assert len(strategy._arenas.arenas) == 2, "two saves in flight share an arena"
+        _mutate(sd1)
+        queue.schedule_async_request(first)
+        queue.schedule_async_request(second)
+        queue.wait_for_staging()
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0, 1]
+        arenas = list(strategy._arenas.arenas)
+        for gen in (2, 3):  # one at a time: an arena of the previous saves is reused
             request = dc.save(_state(rank, world, gen=gen), dirs[gen], sharded_strategy=strategy,
                               async_sharded_save=True)
-            assert all(strategy._staging._buffers[k] is staged[k] for k in staged), "staging buffers not reused"
+            assert strategy._arenas.arenas == arenas, "staging arenas not reused"
             queue.schedule_async_request(request)
             assert queue.maybe_finalize_async_calls(blocking=True) == [gen]
-        # a failing write: the destination vanishes on rank 0
-        bad = os.path.join(root, "gone")
-        with slow_writes(0.2):
-            request = dc.save(_state(rank, world), bad, sharded_strategy=strategy, async_sharded_save=True)
-            queue.schedule_async_request(request)
-            if rank == 0:
-                while os.path.lexists(bad):  # the queue's thread may be writing common.pt meanwhile
-                    shutil.rmtree(bad, ignore_errors=True)
-            msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
+        worker = persistent_worker.shared_worker()
+        assert worker.pid is not None and worker.pid != os.getpid() and worker.process.poll() is None
+        # a failing write: the destination is gone on rank 0 before the writer runs
+        bad = os.path.join(root, f"{mode}-gone")
+        request = dc.save(_state(rank, world), bad, sharded_strategy=strategy, async_sharded_save=True)
+        if rank == 0:
+            shutil.rmtree(bad)
+        if world > 1:
+            torch.distributed.barrier()  # nobody writes before it is gone
+        queue.schedule_async_request(request)
+        msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
         assert not dc.check_is_distributed_checkpoint(bad)
     finally:
         queue.close()
-    assert strategy._staging._buffers == {}, "close() releases the staging buffers"
-    assert len(idents) == 1 and threading.get_ident() not in idents  # the queue's one thread wrote them all
+    assert strategy._arenas.arenas == [], "close() releases the arenas"
     for gen, d in enumerate(dirs):
-        _load_check(d, rank, world, gen, f"copy save {gen}: ")
+        _load_check(d, rank, world, gen, f"{mode} save {gen}: ")
     assert _sharded_md_summary(dirs[0]) == _sharded_md_summary(os.path.join(root, "sync"))
     return msg
 
 
-def test_copy_snapshot(pool, tmp_path):
-    msgs = pool.run(_copy_snapshot, str(tmp_path), timeout=_ERR_TIMEOUT)
+@pytest.mark.parametrize("mode", ["copy", "stream"])
+def test_arena_snapshot(pool, tmp_path, mode):
+    msgs = pool.run(_arena_snapshot, str(tmp_path), mode, timeout=_ERR_TIMEOUT)
     for rank, msg in enumerate(msgs):
         assert "rank 0" in msg and "No such file or directory" in msg, f"rank {rank}: {msg}"
     assert len(set(msgs)) == 1, msgs
+
+
+def _memory_arena_snapshot(rank, world, mode):
+    """A storage another process cannot open (``memory://``) is written from the queue's thread."""
+    strategy = torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot=mode)
+    url = f"memory://arena-{mode}-{world}"
+    queue = AsyncCallsQueue()
+    try:
+        sd = _state(rank, world)
+        queue.schedule_async_request(dc.save(sd, url, sharded_strategy=strategy, async_sharded_save=True))
+        _mutate(sd)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    _load_check(url, rank, world, 0, f"{mode} to memory: ")
+
+
+@pytest.mark.parametrize("mode", ["copy", "stream"])
+def test_arena_snapshot_of_a_storage_in_this_process(mode):
+    get_pool(1).run(_memory_arena_snapshot, mode)
 
 
 def test_async_snapshot_must_be_known():
@@ -1280,7 +1294,7 @@ def test_idle_worker_does_not_keep_the_last_request_alive():
 def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path):
     # A child can (rarely) hang inside fork in a multi-threaded process; the parent waits
     # for its start byte, kills one that does not start in time and forks again.
-    from dist_checkpointing.strategies import async_utils
+    from dist_checkpointing.strategies import async_utils, persistent_worker
 
     marker = tmp_path / "stalled"
     orig = async_utils._run_child

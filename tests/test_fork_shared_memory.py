@@ -21,6 +21,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.memory_maps import UnisolatedMemory, byte_extent, not_isolated_by_fork
 
@@ -171,7 +172,7 @@ KINDS = {f.__name__.lstrip("_"): f for f in (
 def _writes_wait_for(gate: str):
     """A context in which the forked writer (which inherits it) waits for ``gate`` to exist
     before it writes anything, so the caller's changes made before the gate are seen by it."""
-    orig = torch_dist_save.write_file
+    orig = torch_dist_writing.write_file
 
     def gated(*args, **kwargs):
         deadline = time.monotonic() + 30

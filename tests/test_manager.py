@@ -22,7 +22,7 @@ from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.manager.layout import CONTENT_KEY, INDEX_FNAME, TRACKER_FNAME
 from dist_checkpointing.manager.lock import LOCK_FNAME
 from dist_checkpointing.manager.retention import RetentionPolicy
-from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 
 from .conftest import get_pool
 from .helpers import assert_all_raise
@@ -337,17 +337,17 @@ def test_load_without_that_checkpoint(pool12, tmp_path, step, msg):
 @contextlib.contextmanager
 def _writes_fail_on(rank: int, failing_rank: int):
     """Data-file writes of ``failing_rank`` fail (a forked async writer inherits this)."""
-    orig = torch_dist_save.write_file
+    orig = torch_dist_writing.write_file
 
     def fail(*args, **kwargs):
         raise OSError(5, "injected write failure")
 
     if rank == failing_rank:
-        torch_dist_save.write_file = fail
+        torch_dist_writing.write_file = fail
     try:
         yield
     finally:
-        torch_dist_save.write_file = orig
+        torch_dist_writing.write_file = orig
 
 
 def _failed_save_keeps_good(rank, world, root, async_save):

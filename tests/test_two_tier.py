@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
-from dist_checkpointing.manager.local_snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum, shared_buffer
+from dist_checkpointing.manager.local_snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum
+from dist_checkpointing.strategies.staging import StagingArena
 from dist_checkpointing.manager.local_tier import FAIL_RECV_ENV
 
 from .conftest import get_pool
@@ -304,7 +305,7 @@ def test_a_snapshot_that_dies_does_not_count_the_step(tmp_path):
 def test_a_fork_snapshot_copies_shared_memory_before_returning():
     private, shared = torch.arange(1000.0), torch.arange(2000.0).share_memory_()
     snap = Snapshot({"p": private, "s": shared})
-    buffer = shared_buffer(snap.size)
+    buffer = StagingArena(snap.size).flat
     child = snap.take(buffer, fork=True)
     shared_slot = buffer[snap.layout[1][1]:snap.layout[1][1] + snap.layout[1][2]].view(torch.float32)
     assert torch.equal(shared_slot, torch.arange(2000.0))  # a fork would not isolate it: copied here
@@ -322,12 +323,16 @@ def test_a_snapshot_holds_every_dtype_and_layout(fork):
                "empty": torch.empty(0, 5), "int": torch.arange(7, dtype=torch.int64), "bool": torch.tensor([True, False])}
     expected = {name: t.clone() for name, t in tensors.items()}
     snap = Snapshot(dict(tensors))
-    buffer = shared_buffer(snap.size)
+    buffer = StagingArena(snap.size).flat
     child = snap.take(buffer, fork=fork)
     for t in tensors.values():
         if t.numel():
             t.zero_() if t.dtype != torch.bool else t.fill_(False)  # after the snapshot: not in it
-    checksum = child.result() if child is not None else flat_checksum(snap.flat, snap.layout)
+    if fork:
+        checksum = child.result()
+    else:
+        assert child.done()  # CPU tensors: copied at the call
+        checksum = flat_checksum(snap.flat, snap.layout)
     assert checksum == flat_checksum(snap.flat, snap.layout)
     views = {ident: buffer[off:off + n].view(getattr(torch, dtype.split(".")[-1])).view(shape)
              for ident, off, n, dtype, shape in snap.layout}

@@ -5,9 +5,8 @@ state as it travels between ranks on restore and is filled into the caller's ten
 
 from __future__ import annotations
 
-import mmap
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..tensors.sharded import ShardedTensor
 from ..strategies.forked_call import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
+from ..strategies.staging import Staged, stage_into
 from .local_format import Entry, dtype_of, encode_header, leaf_id, walk
 
 #: test-only fault: a rank whose environment sets this has its forked snapshot die.
@@ -71,21 +71,24 @@ class Snapshot:
         self.tensors.append(t)
         self.size += -(-nbytes // _ALIGN) * _ALIGN
 
-    def take(self, buffer: torch.Tensor, fork: bool) -> Optional[ForkedCall]:
+    def take(self, buffer: torch.Tensor, fork: bool, pinned: bool = False) -> Union[ForkedCall, Staged]:
         """Copy the tensors into ``buffer`` (at least :attr:`size` bytes). ``fork``: in a
         forked child, which sees the tensors as they are now (copy-on-write; ``buffer``
         must be shared memory), except tensors in memory a fork does not isolate (shared
         or file-backed mappings), copied here first: returns the child at once; its result
-        is the checksum of the tensor bytes. Else all on this thread (e.g. a device-to-host
-        copy); returns None."""
+        is the checksum of the tensor bytes. Else from this thread (:func:`..strategies.staging.stage_into`:
+        CPU tensors at once, accelerator tensors on a side stream that later work on the
+        current stream waits for; ``pinned``: ``buffer`` is page-locked): returns the
+        copies' handle."""
         self.flat = buffer[:self.size]
-        here = not_isolated_by_fork(self.tensors) if fork else [True] * len(self.tensors)
+        if not fork:
+            tensors, self.tensors = self.tensors, []
+            return stage_into(self.flat, pinned, tensors, [entry[1] for entry in self.layout])
+        here = not_isolated_by_fork(self.tensors)
         for entry, t, now in zip(self.layout, self.tensors, here):
             if now:
                 slot(self.flat, entry).copy_(t)
         tensors, self.tensors = self.tensors, []
-        if not fork:
-            return None
         pairs = [(self.flat.numpy()[offset:offset + nbytes], None if now else as_bytes(t).numpy())
                  for (_, offset, nbytes, _, _), t, now in zip(self.layout, tensors, here) if nbytes]
 
@@ -110,12 +113,6 @@ def can_fork(snap: Snapshot) -> bool:
     """Whether ``snap`` can be taken in a forked child: every tensor a plain CPU tensor
     and ``os.fork`` available."""
     return hasattr(os, "fork") and all(t.device.type == "cpu" and type(t) is torch.Tensor for t in snap.tensors)
-
-
-def shared_buffer(size: int) -> torch.Tensor:
-    """A flat uint8 buffer of ``size`` bytes in anonymous shared memory (a forked child's
-    writes reach this process; not limited by the size of ``/dev/shm``)."""
-    return torch.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=torch.uint8)
 
 
 def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:

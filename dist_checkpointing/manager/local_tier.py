@@ -27,7 +27,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,8 @@ from .crash import crash_point
 from .local_files import remove_copies, scan, write_copy
 from .local_marker import Job, describe_job
 from .local_format import decode_header
-from .local_snapshot import Snapshot, can_fork, flat_checksum, shared_buffer
+from ..strategies.staging import Staged, StagingArena
+from .local_snapshot import Snapshot, can_fork, flat_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class LocalTier:
         self.transport = PGTransport(self.group, timeout, torch.device("cpu"))
         self.complete: List[int] = []  # steps complete in the local tier (this run)
         self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
-        self._buffer: Optional[torch.Tensor] = None  # the snapshot buffer (shared memory), reused once the save in flight is done
+        # the snapshot buffer (shared memory, pinned where CUDA is), reused once the save in flight is done
+        self._arena: Optional[StagingArena] = None
         if snapshot not in ("fork", "copy"):
             raise CheckpointingException(f"Local tier: snapshot must be 'fork' or 'copy', not {snapshot!r}")
         self.snapshot = snapshot
@@ -200,14 +202,18 @@ class LocalTier:
     def save(self, step: int, sharded_state_dict: ShardedStateDict) -> None:
         """Snapshot this rank's state and write and replicate it in the background. The
         snapshot blocks for a fork (CPU tensors, ``snapshot="fork"``: a child copies them
-        into the shared snapshot buffer as they were at the fork) or for one copy into
-        that buffer on this thread (otherwise)."""
+        into the shared snapshot buffer as they were at the fork), or for one copy into
+        that buffer on this thread (CPU tensors otherwise); accelerator tensors are copied
+        into it (pinned where CUDA is) on a side stream without blocking, and later work on
+        the current stream waits for the copies (:mod:`..strategies.staging`)."""
 
-        def take() -> Tuple[Snapshot, Optional[ForkedCall]]:
+        def take() -> Tuple[Snapshot, Union[ForkedCall, Staged]]:
             snap = Snapshot(sharded_state_dict)
-            if self._buffer is None or self._buffer.numel() < snap.size:
-                self._buffer = shared_buffer(snap.size)
-            return snap, snap.take(self._buffer, self.snapshot == "fork" and can_fork(snap))
+            if self._arena is None or self._arena.size < snap.size:
+                if self._arena is not None:
+                    self._arena.release()
+                self._arena = StagingArena(snap.size)
+            return snap, snap.take(self._arena.flat, self.snapshot == "fork" and can_fork(snap), self._arena.pinned)
 
         snap, child = run_agreed(take, f"Local tier: saving step {step}")
         errors: List[BaseException] = []
@@ -216,7 +222,11 @@ class LocalTier:
             try:
                 crash_point("local", step)
                 try:
-                    flat_sum = child.result() if child is not None else flat_checksum(snap.flat, snap.layout)
+                    if isinstance(child, ForkedCall):
+                        flat_sum = child.result()
+                    else:
+                        child.wait()  # the device-to-host copies
+                        flat_sum = flat_checksum(snap.flat, snap.layout)
                 except BaseException as e:  # noqa: BLE001 - the partners are told, then it is reported
                     exchange(self.transport, {dst: e for dst in self.sends_to}, self.receives_from)
                     raise
@@ -285,8 +295,11 @@ class LocalTier:
             remove_copies(self.node_dir, old, owners)
 
     def close(self) -> None:
-        """Finish the local save in flight (collective) and drop the group."""
+        """Finish the local save in flight (collective), free the snapshot buffer and drop the group."""
         self.finalize()
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

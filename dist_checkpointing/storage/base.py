@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 
 def byte_view(data) -> memoryview:
@@ -126,6 +126,12 @@ class Storage(ABC):
     other from a thread of this process (after copying the tensors to host buffers)."""
 
     fork_safe: bool = True
+
+    def process_spec(self) -> Optional[Tuple[Callable[..., "Storage"], Tuple[Any, ...]]]:
+        """How another process opens this same storage: a picklable factory and its
+        arguments (async saves' persistent writer uses it), or ``None`` when it cannot (an
+        async save then writes from a thread of this process)."""
+        return None
 
     def __str__(self) -> str:
         return self.describe()

@@ -23,7 +23,7 @@ import stat
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE, POOL
@@ -354,6 +354,9 @@ class PosixStorage(Storage):
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.root!r})"
+
+    def process_spec(self) -> Tuple[Callable[..., Storage], Tuple[Any, ...]]:
+        return PosixStorage, (self.root, self._staged, self.durable)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name) if name else self.root

@@ -47,7 +47,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE
@@ -255,9 +255,13 @@ class S3Storage(Storage):
         _obstore()
         from obstore.store import S3Store
 
+        self._location, self._options = location, storage_options
         options = _store_options(storage_options or {})
         self._max_retries = int(options.get("retry_config", {}).get("max_retries", DEFAULT_MAX_RETRIES))
         self._store = S3Store(self.bucket, prefix=self.prefix or None, **options)
+
+    def process_spec(self) -> Tuple[Callable[..., Storage], Tuple[Any, ...]]:
+        return S3Storage, (self._location, self._options)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.describe()!r})"

@@ -2,37 +2,35 @@
 
 * :class:`TemporalAsyncCaller` forks a process per call (our :class:`ForkedCall`: a
   copy-on-write snapshot of this process, killed if this process dies).
-* :class:`PersistentAsyncCaller` starts one worker process (``spawn``) on its first call and
-  sends it every request through a queue; the request (``async_fn`` and its arguments)
-  must be picklable, and ``async_fn`` must be importable by the worker.
+* :class:`PersistentAsyncCaller` starts one worker process (a new interpreter,
+  :mod:`.persistent_worker`) on its first call and sends it every request; the request
+  (``async_fn`` and its arguments) must be picklable, and ``async_fn`` must be importable
+  by the worker (CPU tensors travel through shared memory).
 
 Both run ``preload_fn`` (if any) in the caller before the call starts; its result becomes
 ``async_fn_args[1]``, as in Megatron-Core. Whether the current call is done is agreed over
 all ranks (one 2-byte ``all_reduce`` per check unless ``no_dist``), and an error of any
 rank's call is raised on every rank (a :class:`CheckpointingException` naming the ranks).
 :class:`~.async_utils.AsyncCallsQueue` does not use these classes: it runs requests in a
-background thread of this process (our async saves fork their own writer), which needs no
-picklable request.
+background thread of this process (our async saves fork their own writer, or hand their
+staged bytes to this process's persistent writer), which needs no picklable request.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue as queue_mod
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Deque, Optional, Tuple
 
-from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
+from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, get_rank, raise_if_any
 from ..core import CheckpointingException, gc_paused
 from .async_request import AsyncRequest, _preloaded
 from .forked_call import ForkedCall
+from .persistent_worker import Job, PersistentWorker
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.05  # how often a blocking check looks at the worker
-
 
 _disable_gc = gc_paused  # Megatron-Core's name: garbage collection off for a block or a decorated function
 
@@ -120,81 +118,49 @@ class TemporalAsyncCaller(AsyncCaller):
             self.process = None
 
 
-def _persistent_loop(rank: int, jobs: Any, done: Any, log_level: int) -> None:
-    """The persistent worker: run each request received, report ``(call_idx, error)``."""
-    logging.getLogger(__name__).setLevel(log_level)
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        call_idx, fn, args, kwargs = job
-        try:
-            with _disable_gc():
-                fn(*args, **kwargs)
-            done.put((call_idx, None))
-        except BaseException as e:  # noqa: BLE001 - reported to the trainer
-            done.put((call_idx, f"rank {rank}: {error_message(e)}"))
-
-
 class PersistentAsyncCaller(AsyncCaller):
-    """One worker process (``spawn``), started on the first call, runs every call in order."""
+    """One worker process (:class:`~.persistent_worker.PersistentWorker`: a new interpreter,
+    started on the first call) runs every call in order."""
 
     def __init__(self) -> None:
-        import torch.multiprocessing as mp  # its queues pass tensors through shared memory
+        self.worker = PersistentWorker("dist_checkpointing-persistent-async")
+        self._jobs: Deque[Job] = deque()
 
-        self._ctx = mp.get_context("spawn")
-        self.process = None
-        self.queue = self._ctx.Queue()
-        self.comp_q = self._ctx.Queue()
-        self._pending: Deque[int] = deque()
-        self._finished: Dict[int, Optional[str]] = {}
+    @property
+    def process(self) -> Any:
+        """The worker process (``None`` before the first call or after :meth:`close`)."""
+        return self.worker.process
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         """Send the request to the worker (started now if needed)."""
         if async_req.async_fn is None:
             return
-        if self.process is None:
-            self.process = self._ctx.Process(
-                target=_persistent_loop, args=(get_rank(), self.queue, self.comp_q, logger.getEffectiveLevel()),
-                name="dist_checkpointing-persistent-async", daemon=True)
-            self.process.start()
-        job = (async_req.call_idx, async_req.async_fn, tuple(_preloaded(async_req).async_fn_args), dict(async_req.async_fn_kwargs))
-        self.queue.put(job)
-        self._pending.append(async_req.call_idx)
+        self._jobs.append(self.worker.submit(
+            async_req.async_fn, tuple(_preloaded(async_req).async_fn_args), dict(async_req.async_fn_kwargs),
+            what=f"Async call {async_req.call_idx}"))
 
     def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
-        if not self._pending:
+        if not self._jobs:
             return False, None
-        current = self._pending[0]
-        while current not in self._finished:
-            try:
-                idx, error = self.comp_q.get(timeout=POLL_S) if blocking else self.comp_q.get_nowait()
-                self._finished[idx] = error
-            except queue_mod.Empty:
-                if not self.process.is_alive():
-                    self._finished[current] = f"rank {get_rank()}: the persistent async worker died " \
-                                              f"(exit code {self.process.exitcode})"
-                elif not blocking:
-                    return True, None
-        return False, self._finished[current]
+        job = self._jobs[0]
+        if not blocking and not job.done():
+            return True, None
+        try:
+            job.result()
+        except CheckpointingException as e:
+            return False, f"rank {get_rank()}: {e}"
+        return False, None
 
     def _call_done(self) -> None:
-        if self._pending:
-            self._finished.pop(self._pending.popleft(), None)
+        if self._jobs:
+            self._jobs.popleft()
 
     def close(self, abort: bool = False) -> None:
         """Let the worker finish its calls and stop (kill it with ``abort``)."""
-        if self.process is None:
-            return
-        if abort:
-            self.process.kill()
-        else:
-            self.queue.put(None)
-        self.process.join()
-        self.process = None
-        self._pending.clear()
-        self._finished.clear()
+        self.worker.close(kill=abort)
+        self._jobs.clear()
 
     def __del__(self) -> None:
-        if getattr(self, "process", None) is not None and self.process.is_alive():
-            self.process.kill()
+        worker = getattr(self, "worker", None)
+        if worker is not None and worker.process is not None and worker.process.poll() is None:
+            worker.process.kill()

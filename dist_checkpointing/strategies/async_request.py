@@ -30,6 +30,8 @@ class AsyncRequest:
         preload_fn: called when the request is scheduled (in the caller's thread); its result
             replaces ``async_fn_args[1]`` (Megatron-Core's device-to-host staging hook).
         call_idx: the index the queue gave the request (set when it is scheduled).
+        staged: the host copies of the snapshot when they may still be in progress after the
+            save returned (``async_snapshot="stream"``): :meth:`wait_for_staging` waits for them.
     """
 
     async_fn: Optional[Callable[..., Any]]
@@ -40,6 +42,14 @@ class AsyncRequest:
     is_frozen: bool = False
     call_idx: int = 0
     resources: List[Any] = field(default_factory=list)
+    staged: Optional[Any] = None
+
+    def wait_for_staging(self) -> None:
+        """Block until the snapshot's host copies are done: after this the saved tensors may
+        be changed from any stream (without it, only later work on the streams that were
+        current at the save is ordered after the copies). Not collective; cheap when done."""
+        if self.staged is not None:
+            self.staged.wait()
 
     def _check_not_frozen(self) -> None:
         if self.is_frozen:

@@ -121,6 +121,13 @@ class AsyncCallsQueue:
             finalized.append(call.idx)
         return finalized
 
+    def wait_for_staging(self) -> None:
+        """Block until the snapshots of every scheduled call are taken (their host copies
+        done; see :meth:`AsyncRequest.wait_for_staging`): call it before changing saved
+        tensors from a stream other than the one current at the save. Not collective."""
+        for call in list(self._calls):
+            call.request.wait_for_staging()
+
     def get_num_unfinalized_calls(self) -> int:
         """How many scheduled calls are not finalized yet."""
         return len(self._calls)

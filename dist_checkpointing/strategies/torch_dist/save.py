@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from itertools import repeat
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -41,12 +39,16 @@ from ...storage.buffers import (
     reserve_staging_buffers,
     return_staging_buffers,
 )
-from ..filesystem_async import HostStaging, payload_nbytes, write_file
-from ..progress import byte_meter
+from ..filesystem_async import HostStaging
+from ..persistent_worker import shared_worker
+from ..staging import ArenaPool, Staged, StagingArena, stage
 from ..memory_maps import not_isolated_by_fork
 from .format import data_file_name
 from .metadata import Location, build_metadata, checksum_table, data_file_sizes, storage_meta, write_metadata
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
+from .writing import arena_files, arena_plan, write_files, write_from_arena
+
+SNAPSHOT_MODES = ("auto", "stream", "copy", "fork")
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -63,27 +65,38 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         separation_hint: keys starting with this prefix go to separate files
             ``{hint}__{rank}_{n}.distcp``.
         checksums: record an xxh3-64 checksum of every stored item (verified on load).
-        async_snapshot: how :meth:`async_save` takes its snapshot. ``"fork"`` (default): a
-            forked child process sees the tensors copy-on-write and writes them; the call
-            returns after the fork (a fraction of one memcpy), but every page the caller
-            writes while the child runs is copied by the kernel on its first write, and
-            written pages stay write-protected until then (see the user guide); tensors a
-            fork does not isolate are copied into host buffers first (:func:`_needs_staging`:
-            other devices, pinned memory, shared and file-backed mappings such as
-            ``np.memmap`` or ``torch.load(mmap=True)``; every CPU tensor where
-            ``/proc/self/maps`` cannot be read). ``"copy"``: every tensor is copied into
-            host buffers reused from the previous save of the same structure (one memcpy;
-            device tensors into pinned memory), then written by the async queue's thread;
-            no later cost to the caller. A storage that is not ``fork_safe`` (S3) is
-            always saved the ``"copy"`` way.
+        async_snapshot: how :meth:`async_save` takes its snapshot (the user guide's "Async
+            save" compares them):
+
+            * ``"auto"`` (default): ``"stream"`` when any tensor is on an accelerator, else
+              ``"fork"`` (``"copy"`` for a storage that is not ``fork_safe``).
+            * ``"stream"``: tensors are copied into a shared host arena reused across saves
+              (pinned where CUDA is), accelerator tensors on a side stream: the call returns
+              before the copies complete. Later work on the caller's current stream waits for
+              them on the device, so the checkpoint is the state at the call; work on other
+              streams must call the request's ``wait_for_staging()`` first.
+            * ``"copy"``: the same, but the call returns once the copies are done.
+            * ``"fork"``: a forked child process sees the CPU tensors copy-on-write and
+              writes them; the call returns after the fork (a fraction of one memcpy), but
+              every page the caller writes while the child runs is copied by the kernel on
+              its first write; tensors a fork does not isolate are copied into host buffers
+              first (:func:`_needs_staging`: other devices, pinned memory, shared and
+              file-backed mappings; every CPU tensor where ``/proc/self/maps`` cannot be
+              read).
+
+            ``"stream"`` and ``"copy"`` write from this process's persistent writer (one
+            process spawned on the first such save, :mod:`..persistent_worker`), or from
+            the async queue's thread for a storage another process cannot open
+            (``memory://``).
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 checksums: bool = True, async_snapshot: str = "fork"):
+                 checksums: bool = True, async_snapshot: str = "auto"):
         super().__init__(backend, version)
-        if async_snapshot not in ("fork", "copy"):
-            raise CheckpointingException(f"async_snapshot must be 'fork' or 'copy', not {async_snapshot!r}")
+        if async_snapshot not in SNAPSHOT_MODES:
+            raise CheckpointingException(f"async_snapshot must be one of {', '.join(map(repr, SNAPSHOT_MODES))}, "
+                                         f"not {async_snapshot!r}")
         self.async_snapshot = async_snapshot
         self.checksums = checksums
         self.keep_only_main_replica = keep_only_main_replica
@@ -94,11 +107,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # (layout digest, rank 0's metadata) of the last save with cached metadata
         self._cache: Optional[Tuple[Optional[str], Optional[Metadata]]] = None
         self._staging = HostStaging()
+        self._arenas = ArenaPool(_forget_arena)
 
-    _runtime_attrs = ("_staging",)
+    _runtime_attrs = ("_staging", "_arenas")
 
     def _new_runtime(self) -> Dict[str, Any]:
-        return {"_staging": HostStaging()}
+        return {"_staging": HostStaging(), "_arenas": ArenaPool(_forget_arena)}
 
     @property
     def cached_metadata(self) -> bool:
@@ -139,37 +153,32 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Snapshot this rank's items and write them in the background.
 
         Returns an :class:`AsyncRequest` whose ``async_fn`` writes the data (or waits for
-        the forked writer) and whose finalize step gathers the item locations and writes
-        ``.metadata`` (collective). Once this returns the caller may change its tensors:
-        with ``async_snapshot="fork"`` a forked writer sees them as they are now
-        (copy-on-write; tensors a fork does not isolate — on other devices, in pinned
-        memory, in shared or file-backed mappings — are first copied into host buffers),
-        with ``"copy"`` every tensor has been copied into host buffers. The buffers are
-        kept for the next save of the same structure (released by :meth:`release`, which
-        ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed`` agrees on the
-        preparation.
+        the writer) and whose finalize step gathers the item locations and writes
+        ``.metadata`` (collective). Once this returns the caller may change its tensors
+        (see ``async_snapshot`` for how, and for what ``"stream"`` asks of work on other
+        streams). Host buffers and arenas are kept for the next save (released by
+        :meth:`release`, which ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed``
+        agrees on the preparation.
         """
         storage = open_storage(checkpoint_dir)
-        # A storage a forked child cannot use (S3: obstore's runtime) is written from a thread.
-        copy_all = self.async_snapshot == "copy" or not storage.fork_safe
-        files = run_agreed(lambda: self._stage(self._plan_files(sharded_state_dict), copy_all),
-                           "Preparing the async save")
         written: Dict[str, Any] = {}
 
         def finalize() -> None:
             self._publish(written["locations"], None, storage)
 
-        if copy_all:
-            done = self._staging.hold([it.payload for items in files.values() for it in items
-                                       if isinstance(it.payload, torch.Tensor)])
+        def prepare() -> Tuple[str, Any]:
+            files = self._plan_files(sharded_state_dict)
+            mode = self._snapshot_mode(files, storage)
+            if mode == "fork":
+                return mode, self._stage(files)
+            return mode, self._stage_arena(files, storage, written, wait=mode == "copy")
 
-            def write() -> None:
-                try:
-                    written["locations"] = self._write_files(files, storage)
-                finally:
-                    done()
-
-            return AsyncRequest(write, (), [finalize], resources=[self])
+        mode, prepared = run_agreed(prepare, "Preparing the async save")
+        if mode != "fork":
+            request = AsyncRequest(prepared[0], (), [finalize], resources=[self])
+            request.staged = prepared[1]
+            return request
+        files = prepared
         # The writer's file staging buffers: the pool's (already touched), reserved for it.
         buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
 
@@ -185,18 +194,65 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         written["buffers"] = buffers
         return AsyncRequest(_wait_for_writer, (writer, written), [finalize], resources=[self])
 
-    def release(self) -> None:
-        """Free the host buffers kept for staging the tensors of async saves."""
-        self._staging.release()
+    def _snapshot_mode(self, files: Dict[str, List[SaveItem]], storage: Storage) -> str:
+        """The snapshot this save takes (``async_snapshot`` with ``"auto"`` resolved)."""
+        mode = self.async_snapshot
+        if mode == "auto":
+            on_device = any(isinstance(it.payload, torch.Tensor) and it.payload.device.type != "cpu"
+                            for items in files.values() for it in items)
+            mode = "stream" if on_device else "fork"
+        if mode == "fork" and not storage.fork_safe:  # S3: obstore's runtime does not survive a fork
+            mode = "copy"
+        return mode
 
-    def _stage(self, files: Dict[str, List[SaveItem]], copy_all: bool = False) -> Dict[str, List[SaveItem]]:
-        """The same files with tensors replaced by host copies: every tensor (``copy_all``),
-        else those a fork does not snapshot (:func:`_needs_staging`)."""
+    def _stage_arena(self, files: Dict[str, List[SaveItem]], storage: Storage, written: Dict[str, Any],
+                     wait: bool) -> Tuple[Callable[[], None], Staged]:
+        """Copy every tensor of ``files`` into a staging arena (:mod:`..staging`); returns
+        the request's ``async_fn`` (wait for the copies, then write from the persistent
+        writer, or from this thread where the storage needs it) and the copies' handle."""
+        tensors, offsets, size, sent = arena_plan(files)
+        arena = self._arenas.take(size)
+        done = written["release"] = self._arenas.hold(arena)
+        try:
+            staged = stage(arena, tensors, offsets)
+            if wait:
+                staged.wait()
+        except BaseException:
+            done()
+            raise
+        spec = storage.process_spec()
+        what = f"Writing {storage.describe()} on rank {get_rank()}"
+
+        def write() -> None:
+            try:
+                staged.wait()
+                if spec is None:
+                    written["locations"] = write_files(arena_files(sent, arena.flat), storage, self.checksums,
+                                                       self.thread_count)
+                    return
+                worker = shared_worker()
+                worker.share_arena(arena.id, arena.fd, arena.size)
+                job = worker.submit(write_from_arena, (spec, arena.id, sent, self.checksums, self.thread_count),
+                                    what=what)
+                written["locations"] = job.result()
+            finally:
+                done()
+
+        return write, staged
+
+    def release(self) -> None:
+        """Free the host buffers and arenas kept for staging the tensors of async saves."""
+        self._staging.release()
+        self._arenas.release()
+
+    def _stage(self, files: Dict[str, List[SaveItem]]) -> Dict[str, List[SaveItem]]:
+        """The same files with the tensors a fork does not snapshot (:func:`_needs_staging`)
+        replaced by host copies."""
         tensors = [((fname, i), it.payload) for fname, items in files.items() for i, it in enumerate(items)
                    if isinstance(it.payload, torch.Tensor)]
-        needed = [True] * len(tensors) if copy_all else _needs_staging([t for _, t in tensors])
+        needed = _needs_staging([t for _, t in tensors])
         chosen = [slot_tensor for slot_tensor, need in zip(tensors, needed) if need]
-        copies = self._staging.stage(chosen, pin=copy_all)
+        copies = self._staging.stage(chosen)
         staged = {fname: list(items) for fname, items in files.items()}
         for ((fname, i), _), copy in zip(chosen, copies):
             staged[fname][i] = replace(staged[fname][i], payload=copy)
@@ -264,21 +320,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise CheckpointingException(f"Writing the checkpoint metadata failed on rank 0: {metadata_error}")
 
     def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[Location]:
-        """Each file through :func:`write_file` (one storage stream per file, files in
-        parallel on ``thread_count`` threads); the location of every item written. The
-        bytes written are reported to the caller's progress sink, if any (:mod:`..progress`)."""
-        payloads = [[it.payload for it in items] for items in files.values()]
-        meter = byte_meter("write", sum(payload_nbytes(p) for ps in payloads for p in ps))
-        args = (repeat(storage), files, payloads, repeat(self.checksums), repeat(meter and meter.add))
-        if len(files) <= 1:
-            spans = list(map(write_file, *args))
-        else:
-            with ThreadPoolExecutor(min(self.thread_count, len(files))) as pool:
-                spans = list(pool.map(write_file, *args))
-        if meter is not None:
-            meter.finish()
-        return [(it.key, it.tensor_meta, fname, off, length, cs)
-                for fname, file_spans in zip(files, spans) for it, (off, length, cs) in zip(files[fname], file_spans)]
+        return write_files(files, storage, self.checksums, self.thread_count)
 
 
 def _needs_staging(tensors: List[torch.Tensor]) -> List[bool]:
@@ -307,3 +349,8 @@ def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
         written["locations"] = writer.result()
     finally:
         return_staging_buffers(written.pop("buffers", []))
+
+
+def _forget_arena(arena: StagingArena) -> None:
+    """Tell this process's persistent writer (if it has ``arena``) to unmap it."""
+    shared_worker().forget_arena(arena.id)

@@ -1,0 +1,262 @@
+"""A worker process started once (a new interpreter: never a fork of the trainer, and it
+does not re-run the trainer's main module as ``multiprocessing``'s spawn does) that runs calls
+one after another: async saves' writers (:mod:`.torch_dist.staged_write`) and Megatron-Core's
+:class:`~.async_callers.PersistentAsyncCaller`.
+
+Calls and their results travel pickled through pipes (CPU tensors in their arguments
+through shared memory, as ``torch.multiprocessing`` shares them). Shared host arenas
+(:class:`~.staging.StagingArena`) are handed over once, by file descriptor, and kept mapped
+in the worker until forgotten, so a save's write reads the staged bytes in place. The
+worker exits when this process does (it watches its parent), and a worker that dies fails
+its pending calls with the exit code; the next call starts a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Pipe
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ..core import CheckpointingException
+from ..exchange.collectives import error_message
+
+logger = logging.getLogger(__name__)
+
+#: in the worker: the arenas handed over, by id (``(mmap, size)``)
+ARENAS: Dict[int, Tuple[mmap.mmap, int]] = {}
+PARENT_POLL_S = 0.2  # how often the worker checks that its parent is alive
+_ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent and log level
+
+
+def arena_bytes(arena_id: int) -> memoryview:
+    """In the worker: the bytes of arena ``arena_id`` (handed over by :meth:`PersistentWorker.share_arena`)."""
+    try:
+        m, size = ARENAS[arena_id]
+    except KeyError:
+        raise CheckpointingException(f"Staging arena {arena_id} was not handed to this worker") from None
+    return memoryview(m)[:size]
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)  # the trainer is gone: nothing would finalize what this writes
+
+
+def main() -> None:
+    """The worker process's entry: its two connections are inherited descriptors."""
+    jobs_fd, results_fd, parent, log_level = map(int, os.environ.pop(_ENV).split(","))
+    _serve(Connection(jobs_fd), Connection(results_fd), parent, log_level)
+
+
+def _serve(jobs: Any, results: Any, parent: int, log_level: int) -> None:
+    """The worker's loop: ``("call", id, fn, args, kwargs)`` → ``(id, ok, value)``;
+    ``("arena", id, size)`` followed by its file descriptor; ``("forget", id)``; ``None`` ends."""
+    import torch.multiprocessing  # noqa: F401 - registers the reductions that share CPU tensors
+
+    logging.getLogger("dist_checkpointing").setLevel(log_level)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    while True:
+        try:
+            msg = jobs.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        if msg[0] == "arena":
+            fd = recv_handle(jobs)
+            try:
+                ARENAS[msg[1]] = (mmap.mmap(fd, msg[2]), msg[2])
+            finally:
+                os.close(fd)
+            continue
+        if msg[0] == "forget":
+            entry = ARENAS.pop(msg[1], None)
+            if entry is not None:
+                try:
+                    entry[0].close()
+                except BufferError:  # a view still alive: unmapped when collected
+                    pass
+            continue
+        _, call_id, fn, args, kwargs = msg
+        try:
+            reply = (call_id, True, fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            reply = (call_id, False, error_message(e))
+        try:
+            results.send(reply)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            results.send((call_id, False, f"cannot send the result back: {error_message(e)}"))
+
+
+class Job:
+    """A call sent to the worker: :meth:`result` waits for its value."""
+
+    def __init__(self, worker: "PersistentWorker", call_id: int, what: str):
+        self._worker, self.call_id, self.what = worker, call_id, what
+        self._done = threading.Event()
+        self._ok = False
+        self._value: Any = None
+
+    def _set(self, ok: bool, value: Any) -> None:
+        self._ok, self._value = ok, value
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether the call has ended (with a value or an error)."""
+        return self._done.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """The call's value; its error (or the worker's death) as :class:`CheckpointingException`."""
+        if not self._done.wait(timeout):
+            raise CheckpointingException(f"{self.what}: no result within {timeout} s")
+        if not self._ok:
+            raise CheckpointingException(f"{self.what} failed in the persistent worker: {self._value}")
+        return self._value
+
+
+class PersistentWorker:
+    """One ``spawn`` ed worker process, started on the first call and reused until
+    :meth:`close`; calls run in the order they are submitted."""
+
+    def __init__(self, name: str = "dist_checkpointing-worker"):
+        self.name = name
+        self.process: Any = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: Dict[int, Job] = {}
+        self._arenas: set = set()  # ids of the arenas this worker holds
+        self._jobs: Any = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The worker's process id (None before the first call)."""
+        return self.process.pid if self.process is not None else None
+
+    def _start(self) -> None:
+        import torch.multiprocessing  # noqa: F401 - CPU tensors in calls travel through shared memory
+
+        self._jobs, theirs = Pipe(duplex=True)  # a Unix socket: it can carry descriptors
+        results, their_results = Pipe(duplex=False)
+        level = logging.getLogger("dist_checkpointing").getEffectiveLevel()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   **{_ENV: f"{theirs.fileno()},{their_results.fileno()},{os.getpid()},{level}"})
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from dist_checkpointing.strategies.persistent_worker import main; main()"],
+                env=env, pass_fds=(theirs.fileno(), their_results.fileno()), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+            their_results.close()
+        self._arenas = set()
+        threading.Thread(target=self._collect, args=(self.process, results), name=f"{self.name}-results",
+                         daemon=True).start()
+
+    def _collect(self, process: Any, results: Any) -> None:
+        """Hand each result to its job; when the worker dies, fail the jobs still pending."""
+        while True:
+            try:
+                call_id, ok, value = results.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                job = self._pending.pop(call_id, None)
+            if job is not None:
+                job._set(ok, value)
+        code = process.wait()
+        with self._lock:
+            if self.process is process:
+                self.process = None
+            pending, self._pending = self._pending, {}
+        for job in pending.values():
+            job._set(False, f"the persistent worker (pid {process.pid}) died (exit code {code})")
+
+    def _send(self, msg: Any, fd: Optional[int] = None) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        self._jobs.send(msg)
+        if fd is not None:
+            send_handle(self._jobs, fd, self.process.pid)
+
+    def share_arena(self, arena_id: int, fd: int, size: int) -> None:
+        """Hand the shared memory behind ``fd`` (``size`` bytes) to the worker once; its
+        calls read it with :func:`arena_bytes`."""
+        with self._lock:
+            if self.process is not None and self.process.poll() is None and arena_id in self._arenas:
+                return
+            self._send(("arena", arena_id, size), fd)
+            self._arenas.add(arena_id)
+
+    def forget_arena(self, arena_id: int) -> None:
+        """Let the worker unmap an arena (no call may use it afterwards)."""
+        with self._lock:
+            if arena_id in self._arenas and self.process is not None:
+                self._arenas.discard(arena_id)
+                try:
+                    self._jobs.send(("forget", arena_id))
+                except OSError:
+                    pass
+
+    def submit(self, fn: Callable[..., Any], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None,
+               what: str = "A call") -> Job:
+        """Run ``fn(*args, **kwargs)`` in the worker (``fn`` importable there); returns its :class:`Job`."""
+        with self._lock:
+            job = Job(self, next(self._ids), what)
+            self._pending[job.call_id] = job
+            try:
+                self._send(("call", job.call_id, fn, tuple(args), dict(kwargs or {})))
+            except Exception as e:  # noqa: BLE001 - unpicklable arguments, a dead pipe
+                del self._pending[job.call_id]
+                raise CheckpointingException(f"{what}: cannot send it to the persistent worker: "
+                                             f"{error_message(e)}") from e
+        return job
+
+    def close(self, kill: bool = False, timeout: float = 60.0) -> None:
+        """Stop the worker once its calls are done (``kill``: now)."""
+        with self._lock:
+            process = self.process
+            if process is None:
+                return
+            if kill:
+                process.kill()
+            else:
+                try:
+                    self._jobs.send(None)
+                except OSError:
+                    pass
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+_shared: Optional[PersistentWorker] = None
+_shared_lock = threading.Lock()
+
+
+def shared_worker() -> PersistentWorker:
+    """This process's writer worker (one per process; started on its first call)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = PersistentWorker("dist_checkpointing-writer")
+            atexit.register(_shared.close)
+        return _shared
+
+
+def _forget_after_fork() -> None:
+    global _shared
+    _shared = None  # a forked child must not talk to its parent's worker
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
