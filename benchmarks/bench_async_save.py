@@ -16,10 +16,12 @@ each timing is taken on every rank and the max over ranks is reported:
   returns (``metadata.json`` written), nothing done in between. Also: when the forked
   writer finished (``write``), and the sharding validation and the fork inside ``save``.
 * ``async_copy``: the same with ``TorchDistSaveShardedStrategy(async_snapshot="copy")``
-  (one strategy per rank, reused): the state is copied into host buffers kept from the
-  previous save (an untimed staging pass first fills them, as a previous save would have;
-  they are freed after the measurement so that the fork of ``async`` sees the usual RSS),
-  then written by the queue's thread.
+  (one strategy per rank, reused): the state is copied into the shared staging arena kept
+  from the previous save (made and touched untimed before the first round, as a previous
+  save would have, and the persistent writer started), then written by this process's
+  persistent writer process; ``write`` is when its reply arrived. The arena stays
+  resident across rounds (a second copy of the state in the RSS the fork of ``async``
+  sees, as in a trainer that uses both).
 * ``dcp``: ``torch.distributed.checkpoint.save`` of the same tensors as plain tensors.
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (default thread executor and
   stager; its collectives run on a gloo group of their own): blocking until the Future is
@@ -81,7 +83,9 @@ import dist_checkpointing
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing import serialization as ser
 from dist_checkpointing.integrity.checksums import checksum
+from dist_checkpointing.strategies import persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
+from dist_checkpointing.strategies.torch_dist.writing import arena_plan
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, ForkedCall
 from dist_checkpointing.strategies.filesystem_async import tensor_bytes
 
@@ -144,10 +148,20 @@ def _timed_wait_for_writer(writer, written):
     _probe["writer_done_t"] = time.perf_counter()
 
 
+_orig_job_result = persistent_worker.Job.result
+
+
+def _timed_job_result(self, timeout=None):  # copy mode: the persistent writer's reply
+    value = _orig_job_result(self, timeout)
+    _probe["writer_done_t"] = time.perf_counter()
+    return value
+
+
 def install_probes() -> None:
     """Wrap the library's validation, fork and writer wait with timers (module globals)."""
     torch_dist_save.ForkedCall = _TimedForkedCall
     torch_dist_save._wait_for_writer = _timed_wait_for_writer
+    persistent_worker.Job.result = _timed_job_result
     ser.validate_sharding_integrity = _timed_validate
 
 
@@ -221,19 +235,20 @@ class Bench:
         self.queue = AsyncCallsQueue()  # created once, reused by every async save
         self.default_threads = torch.get_num_threads()
         self.copy_strategy = torch_dist_save.TorchDistSaveShardedStrategy(async_snapshot="copy")
-        write_files = self.copy_strategy._write_files
-
-        def timed_write_files(*args, **kwargs):  # runs on the queue's thread in copy mode
-            result = write_files(*args, **kwargs)
-            _probe["writer_done_t"] = time.perf_counter()
-            return result
-
-        self.copy_strategy._write_files = timed_write_files
+        self._warm_arenas: set = set()
 
     def _warm_copy_staging(self, sd: Dict[str, ShardedTensor]) -> None:
-        """Fill the copy strategy's host buffers untimed, as a previous save of the same
-        structure would have (the benchmark frees them after each copy measurement)."""
-        self.copy_strategy._stage(self.copy_strategy._plan_files(sd), copy_all=True)
+        """Untimed, what a previous save of the same structure leaves: the copy strategy's
+        staging arena (its pages touched, kept across rounds) and its persistent writer
+        (started, the arena handed over)."""
+        _, _, size, _ = arena_plan(self.copy_strategy._plan_files(sd))
+        arena = self.copy_strategy._arenas.take(size)
+        if arena.id not in self._warm_arenas:
+            arena.flat.fill_(0)
+            worker = persistent_worker.shared_worker()
+            worker.share_arena(arena.id, arena.fd, arena.size)
+            worker.submit(os.getpid).result()
+            self._warm_arenas.add(arena.id)
 
     def sharded(self, tensors: List[torch.Tensor]) -> Dict[str, ShardedTensor]:
         return {p.key: ShardedTensor.from_rank_offsets(p.key, t, (p.tp_axis, self.rank, self.world))
@@ -313,7 +328,6 @@ class Bench:
         t0, t1 = self._start_async_save(d, copy)
         self.queue.maybe_finalize_async_calls(blocking=True)
         t2 = time.perf_counter()
-        self.copy_strategy.release()
         update_after = timed_barriered(self.update)
         blocking, total, write, validation, fork, rss = max_over_ranks([
             t1 - t0, t2 - t0, _probe["writer_done_t"] - t0, _probe.get("validation_s", float("nan")),
@@ -351,7 +365,6 @@ class Bench:
         t2 = time.perf_counter()
         self.queue.maybe_finalize_async_calls(blocking=True)
         t3 = time.perf_counter()
-        self.copy_strategy.release()
         done = _probe["writer_done_t"]
         blocking, update_busy, total, write = max_over_ranks([t1 - t0, t2 - t1, t3 - t0, done - t0])
         out = {"blocking_s": blocking, "update_idle_s": update_idle, "update_in_flight_s": update_busy,

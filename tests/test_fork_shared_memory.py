@@ -180,7 +180,7 @@ def _writes_wait_for(gate: str):
             time.sleep(0.002)
         return orig(*args, **kwargs)
 
-    return mock.patch.object(torch_dist_save, "write_file", gated)
+    return mock.patch.object(torch_dist_writing, "write_file", gated)
 
 
 def _change(t: torch.Tensor, rewrite) -> None:

@@ -157,6 +157,7 @@ class LocalTier:
         self._pending: Optional[Tuple[int, threading.Thread, List[BaseException]]] = None
         # the snapshot buffer (shared memory, pinned where CUDA is), reused once the save in flight is done
         self._arena: Optional[StagingArena] = None
+        self._staged: Optional[Staged] = None  # the device-to-host copies of the save in flight
         if snapshot not in ("fork", "copy"):
             raise CheckpointingException(f"Local tier: snapshot must be 'fork' or 'copy', not {snapshot!r}")
         self.snapshot = snapshot
@@ -216,6 +217,7 @@ class LocalTier:
             return snap, snap.take(self._arena.flat, self.snapshot == "fork" and can_fork(snap), self._arena.pinned)
 
         snap, child = run_agreed(take, f"Local tier: saving step {step}")
+        self._staged = child if isinstance(child, Staged) else None
         errors: List[BaseException] = []
 
         def work() -> None:
@@ -251,6 +253,12 @@ class LocalTier:
         thread = threading.Thread(target=work, name=f"local-tier-{step}", daemon=True)
         thread.start()
         self._pending = (step, thread, errors)
+
+    def wait_for_staging(self) -> None:
+        """Block until the snapshot of the save in flight is in the snapshot buffer."""
+        if self._staged is not None:
+            self._staged.wait()
+            self._staged = None
 
     def finalize(self, blocking: bool = True) -> Optional[int]:
         """Wait for the local save in flight (``blocking=False``: only if every rank has

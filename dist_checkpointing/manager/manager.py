@@ -391,6 +391,17 @@ class CheckpointManager:
         if self.local is not None:
             self.local.finalize(blocking=False)
 
+    def wait_for_staging(self) -> None:
+        """Block until the snapshots of the saves in flight are taken (their device-to-host
+        copies done). Work queued on the stream that was current at :meth:`save` (the
+        optimizer step) is ordered after the copies without it; call it before changing
+        saved tensors from another stream or another thread's stream. Not collective;
+        returns at once for CPU state."""
+        if self._queue is not None:
+            self._queue.wait_for_staging()
+        if self.local is not None:
+            self.local.wait_for_staging()
+
     def wait_until_finished(self) -> None:
         """Finalize the async save in flight (collective); on rank 0 also wait for the
         background deletions."""
