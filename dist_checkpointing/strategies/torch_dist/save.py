@@ -1,6 +1,7 @@
-"""The ``torch_dist`` save strategy: writes this rank's items (sync, async from host
-copies, or async from a forked copy-on-write writer), then agrees on the outcome and has
-rank 0 write ``.metadata`` (:meth:`TorchDistSaveShardedStrategy._publish`).
+"""The ``torch_dist`` save strategy: writes this rank's items (sync; async from a staging
+arena written by the persistent writer process, or from a forked copy-on-write writer),
+then agrees on the outcome and has rank 0 write ``.metadata``
+(:meth:`TorchDistSaveShardedStrategy._publish`).
 
 The save costs one 2-byte ``all_reduce`` of the outcome and one gather of item locations
 to rank 0 alone; there is no planning round trip before writing.
