@@ -214,7 +214,10 @@ class LocalTier:
                 if self._arena is not None:
                     self._arena.release()
                 self._arena = StagingArena(snap.size)
-            return snap, snap.take(self._arena.flat, self.snapshot == "fork" and can_fork(snap), self._arena.pinned)
+            fork = self.snapshot == "fork" and can_fork(snap)
+            if not fork:
+                self._arena.pin_for(snap.tensors)
+            return snap, snap.take(self._arena.flat, fork, self._arena.pinned)
 
         snap, child = run_agreed(take, f"Local tier: saving step {step}")
         self._staged = child if isinstance(child, Staged) else None

@@ -3,8 +3,9 @@ accelerators without blocking the caller.
 
 * :class:`StagingArena` — shared host memory (``memfd``: not bounded by ``/dev/shm``) that
   the persistent writer (:mod:`.persistent_worker`) maps once and reads in place, pinned
-  (``cudaHostRegister``) when CUDA is there so device-to-host copies run at full speed and
-  asynchronously.
+  (``cudaHostRegister``) once CUDA tensors are staged into it, so device-to-host copies
+  run at full speed and asynchronously (CPU-only state never touches CUDA, even where it
+  is available).
 * :class:`ArenaPool` — arenas reused across saves: a save takes one not in use by a write
   in flight, so staging never waits for an earlier write, and never allocates in steady
   state.
@@ -35,8 +36,6 @@ _ids = itertools.count(1)
 
 def _cuda_register(flat: torch.Tensor) -> bool:
     """Pin ``flat``'s memory with ``cudaHostRegister`` (page-locked, device-visible)."""
-    if not torch.cuda.is_available():
-        return False
     try:
         return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0
     except Exception:  # noqa: BLE001 - a runtime that cannot register: pageable copies
@@ -44,7 +43,7 @@ def _cuda_register(flat: torch.Tensor) -> bool:
 
 
 class StagingArena:
-    """``size`` bytes of shared host memory (a ``memfd``), pinned where CUDA is available."""
+    """``size`` bytes of shared host memory (a ``memfd``); :meth:`pin_for` pins it."""
 
     def __init__(self, size: int):
         self.id = next(_ids)
@@ -56,8 +55,13 @@ class StagingArena:
         except (AttributeError, OSError) as e:
             raise CheckpointingException(f"Cannot allocate {self.size} bytes of shared staging memory: {e}") from e
         self.flat = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned = _cuda_register(self.flat)
+        self.pinned = False
         self.writes = 0  # writes in flight reading this arena
+
+    def pin_for(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Pin the arena (once) if any of ``tensors`` is a CUDA tensor."""
+        if not self.pinned and any(t.device.type == "cuda" for t in tensors):
+            self.pinned = _cuda_register(self.flat)
 
     def view(self, offset: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
         """The tensor of ``dtype`` and ``shape`` stored at ``offset``."""
@@ -184,6 +188,7 @@ def stage(arena: StagingArena, tensors: Sequence[torch.Tensor], offsets: Sequenc
     (see the module's description; ``ordered``: the caller's current streams wait for the
     copies). Non-contiguous accelerator tensors are made contiguous on their device first
     (one tensor's size of device memory at a time)."""
+    arena.pin_for(tensors)
     return stage_into(arena.flat, arena.pinned, tensors, offsets, ordered)
 
 
