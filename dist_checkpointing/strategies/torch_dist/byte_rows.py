@@ -1,28 +1,44 @@
 """Bytes of many similar records built from columns at once: each field of a record is an
 ``(n, width)`` ``uint8`` matrix (a constant, a pickled integer of fixed width, a decimal
-number padded with spaces, a name from a table), the records are the fields side by side,
-and records of different widths are interleaved into one buffer in a given order. Used to
-write ``.metadata`` (:mod:`.metadata_writer`) and ``.metadata.index`` (:mod:`.key_index`)
-without a Python object per location.
+number padded with spaces, a name from a table), and the records are the fields side by
+side, one record per row. Used to write ``.metadata`` (:mod:`.metadata_writer`) and
+``.metadata.index`` (:mod:`.key_index`) without a Python object per location.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Union
 
 import numpy as np
 
-_BATCH = 1 << 15  # records placed per step of :func:`interleave` (bounds its index arrays)
+Field = Union[bytes, np.ndarray, Sequence["Field"]]
 
 
-def const(data: bytes, n: int) -> np.ndarray:
-    """``data`` in each of ``n`` records."""
-    return np.broadcast_to(np.frombuffer(data, dtype=np.uint8), (n, len(data)))
+def records(fields: Sequence[Field], n: int) -> np.ndarray:
+    """The ``(n, width)`` records made of ``fields`` side by side: constants (``bytes``),
+    ``(n, w)`` matrices, or sequences of fields (flattened; one copy of each byte)."""
+    flat: List[Union[bytes, np.ndarray]] = []
 
+    def add(field: Field) -> None:
+        if isinstance(field, bytes):
+            if flat and isinstance(flat[-1], bytes):
+                flat[-1] += field
+            else:
+                flat.append(field)
+        elif isinstance(field, np.ndarray):
+            flat.append(field)
+        else:
+            for f in field:
+                add(f)
 
-def records(fields: Sequence[np.ndarray], n: int) -> np.ndarray:
-    """The ``(n, width)`` records made of ``fields`` side by side."""
-    return np.hstack(list(fields)) if fields else np.zeros((n, 0), dtype=np.uint8)
+    add(fields)
+    widths = [len(f) if isinstance(f, bytes) else f.shape[1] for f in flat]
+    out = np.empty((n, sum(widths)), dtype=np.uint8)
+    at = 0
+    for f, w in zip(flat, widths):
+        out[:, at:at + w] = np.frombuffer(f, dtype=np.uint8) if isinstance(f, bytes) else f
+        at += w
+    return out
 
 
 def _le(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -30,7 +46,7 @@ def _le(values: np.ndarray, dtype: str) -> np.ndarray:
     return v.view(np.uint8).reshape(len(values), -1)
 
 
-def pickled_int(values: np.ndarray) -> np.ndarray:
+def pickled_int(values: np.ndarray) -> List[Field]:
     """Each integer as a pickle opcode of one fixed width for the column: ``BININT1``,
     ``BININT2``, ``BININT`` or ``LONG1`` (8 or, for ``uint64`` values of 2**63 and more, 9
     bytes)."""
@@ -38,30 +54,30 @@ def pickled_int(values: np.ndarray) -> np.ndarray:
     lo = int(values.min()) if n else 0
     hi = int(values.max()) if n else 0
     if lo >= 0 and hi < 1 << 8:
-        return np.hstack([const(b"K", n), _le(values, "<u1")])
+        return [b"K", _le(values, "<u1")]
     if lo >= 0 and hi < 1 << 16:
-        return np.hstack([const(b"M", n), _le(values, "<u2")])
+        return [b"M", _le(values, "<u2")]
     if lo >= -(1 << 31) and hi < 1 << 31:
-        return np.hstack([const(b"J", n), _le(values, "<i4")])
+        return [b"J", _le(values, "<i4")]
     if hi < 1 << 63:
-        return np.hstack([const(b"\x8a\x08", n), _le(values, "<i8")])
-    return np.hstack([const(b"\x8a\x09", n), _le(values, "<u8"), const(b"\x00", n)])
+        return [b"\x8a\x08", _le(values, "<i8")]
+    return [b"\x8a\x09", _le(values, "<u8"), b"\x00"]
 
 
-def memo_ref(ids: np.ndarray) -> np.ndarray:
+def memo_ref(ids: np.ndarray) -> List[Field]:
     """``LONG_BINGET`` of each memo index."""
-    return np.hstack([const(b"j", len(ids)), _le(ids, "<u4")])
+    return [b"j", _le(ids, "<u4")]
 
 
-def pickled_tuple(matrix: np.ndarray) -> np.ndarray:
+def pickled_tuple(matrix: np.ndarray) -> List[Field]:
     """Each row of an ``(n, d)`` integer matrix as a pickled tuple."""
-    n, d = matrix.shape
+    d = matrix.shape[1]
     ints = [pickled_int(matrix[:, i]) for i in range(d)]
     if d == 0:
-        return const(b")", n)
+        return [b")"]
     if d <= 3:
-        return records(ints + [const(b"\x85\x86\x87"[d - 1:d], n)], n)
-    return records([const(b"(", n)] + ints + [const(b"t", n)], n)
+        return ints + [b"\x85\x86\x87"[d - 1:d]]
+    return [b"("] + ints + [b"t"]
 
 
 def decimal(values: np.ndarray, nulls: np.ndarray = None) -> np.ndarray:
@@ -83,13 +99,12 @@ def decimal(values: np.ndarray, nulls: np.ndarray = None) -> np.ndarray:
     return out
 
 
-def decimal_list(matrix: np.ndarray) -> np.ndarray:
+def decimal_list(matrix: np.ndarray) -> List[Field]:
     """Each row of an ``(n, d)`` non-negative integer matrix as a JSON list."""
-    n, d = matrix.shape
-    parts: List[np.ndarray] = [const(b"[", n)]
-    for i in range(d):
-        parts += [decimal(matrix[:, i])] + ([const(b",", n)] if i < d - 1 else [])
-    return records(parts + [const(b"]", n)], n)
+    parts: List[Field] = [b"["]
+    for i in range(matrix.shape[1]):
+        parts += [decimal(matrix[:, i])] + ([b","] if i < matrix.shape[1] - 1 else [])
+    return parts + [b"]"]
 
 
 def from_table(table: List[bytes], ids: np.ndarray, pad: bytes = b" ") -> np.ndarray:
@@ -98,19 +113,3 @@ def from_table(table: List[bytes], ids: np.ndarray, pad: bytes = b" ") -> np.nda
     width = max((len(t) for t in table), default=0)
     fixed = np.array([t.ljust(width, pad) for t in table], dtype=f"S{max(width, 1)}")
     return fixed[ids].view(np.uint8).reshape(len(ids), -1)[:, :width]
-
-
-def interleave(groups: Sequence[Tuple[np.ndarray, np.ndarray]], n: int) -> Tuple[np.ndarray, np.ndarray]:
-    """One buffer of ``n`` records, record ``i`` at position ``i``, from ``groups`` of
-    ``(positions, records)``; also where each record begins (``n + 1`` offsets)."""
-    width = np.zeros(n, dtype=np.int64)
-    for pos, rec in groups:
-        width[pos] = rec.shape[1]
-    starts = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(width, out=starts[1:])
-    out = np.empty(int(starts[-1]), dtype=np.uint8)
-    for pos, rec in groups:
-        span = np.arange(rec.shape[1])
-        for b in range(0, len(pos), _BATCH):
-            out[starts[pos[b:b + _BATCH]][:, None] + span] = rec[b:b + _BATCH]
-    return out, starts

@@ -17,7 +17,6 @@ import json
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -117,21 +116,13 @@ def encode_table_index(table: LocationTable, checks: ChecksumColumns, metadata_c
     ``checks`` (one per location of ``table``, in its order): what :func:`encode_index` makes of
     that ``Metadata``, built from columns (each chunk record a fixed-width line of JSON,
     :mod:`.byte_rows`)."""
-    order = table.chunk_order
     nulls = ~checks.has
     file_json = [json.dumps(f).encode() for f in table.files]
-    groups = []
-    for d in np.unique(table.ndim[order]):
-        pos = np.flatnonzero(table.ndim[order] == d)
-        rows = order[pos]
-        n = len(rows)
-        groups.append((pos, br.records([
-            br.const(b"[", n), br.decimal_list(table.column(rows, d, 1)), br.const(b",", n),
-            br.decimal_list(table.column(rows, d, 2)), br.const(b",", n), br.from_table(file_json, table.file[rows]),
-            br.const(b",", n), br.decimal(table.offset[rows]), br.const(b",", n), br.decimal(table.length[rows]),
-            br.const(b",", n), br.decimal(checks.cs[rows], nulls[rows]), br.const(b"],", n)], n)))
-    lines, starts = br.interleave(groups, len(order))
-    bounds = np.searchsorted(table.key[order], np.arange(len(table.keys) + 1))
+    lines = [br.records([
+        b"[", br.decimal_list(table.column(rows, d, 1)), b",", br.decimal_list(table.column(rows, d, 2)), b",",
+        br.from_table(file_json, table.file[rows]), b",", br.decimal(table.offset[rows]), b",",
+        br.decimal(table.length[rows]), b",", br.decimal(checks.cs[rows], nulls[rows]), b"],"], len(rows))
+        for d, rows in table.chunk_groups]
     records: Dict[str, bytes] = {}
     for k, (key, kind, dtype, shape, orig) in enumerate(table.key_records()):
         if not kind:
@@ -142,8 +133,8 @@ def encode_table_index(table: LocationTable, checks: ChecksumColumns, metadata_c
             continue
         head = json.dumps([key, ["t", dtype[6:], list(shape), list(orig) if orig is not None else None]],
                           separators=(",", ":")).encode()
-        records[key] = b"".join([head[:-2], b",[", lines[starts[bounds[k]]:starts[bounds[k + 1]] - 1].tobytes(),
-                                 b"]]]"])
+        g, lo, hi = (int(x) for x in table.chunk_span[k])
+        records[key] = b"".join([head[:-2], b",[", lines[g][lo:hi].tobytes()[:-1], b"]]]"])
     return _index_file(records, metadata_checksum, SCOPE_RECORD, True)
 
 

@@ -9,6 +9,7 @@ index straight from it.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -72,8 +73,11 @@ def _global_ids(per_rank: List[List[str]], local: Optional[np.ndarray] = None,
     """The unique names of the lists ``per_rank`` sent, in order of first use, and the index
     into them of each name sent or, given ``local`` (each location's index into its rank's
     list; ranks' locations back to back, ``counts`` per rank), of each location's name."""
-    ids: Dict[str, int] = {}
-    flat = np.fromiter((ids.setdefault(n, len(ids)) for names in per_rank for n in names), np.int64)
+    every = list(chain.from_iterable(per_rank))
+    ids: Dict[str, Any] = dict.fromkeys(every)
+    for i, name in enumerate(ids):
+        ids[name] = i
+    flat = np.fromiter(map(ids.__getitem__, every), np.int64, len(every))
     if local is None:
         return list(ids), flat
     base = np.zeros(len(per_rank), dtype=np.int64)
@@ -112,8 +116,10 @@ class LocationTable:
     (ranks' lists back to back): ``rank``, ``key``, ``kind`` (1 tensor, 0 object), ``file``,
     ``offset``, ``length``, ``ndim`` and its ``shape`` / ``offsets`` / ``sizes`` (from
     ``dims``); ``stored``: the locations recorded in ``.metadata`` (all but the repeated
-    empty chunks of an empty tensor); ``chunk_order``: the stored tensor locations by key,
-    then offsets (each key's chunks in ``.metadata``)."""
+    empty chunks of an empty tensor); ``chunk_groups``: per number of dimensions ``d``, the
+    stored tensor locations with ``d`` dimensions by key, then offsets (each key's chunks in
+    ``.metadata``), and ``chunk_span``: per tensor key, its group and the range of its rows
+    there."""
 
     def __init__(self, per_rank: List[tuple]):
         sent = [_unpack(s, _TAG, r) for r, s in enumerate(per_rank)]
@@ -180,13 +186,16 @@ class LocationTable:
                         and np.all(np.any(self.column(again, d, 0) == 0, axis=1))):
                     return True
                 stored[again] = False
-            chunk_parts.append(ranked[~repeat])
+            chunk_parts.append((int(d), ranked[~repeat]))
         objects = np.flatnonzero(~tensor)
         if len(np.unique(self.key[objects])) != len(objects):
             return True
         self.stored = stored
-        chunks = np.concatenate(chunk_parts) if chunk_parts else np.zeros(0, np.int64)
-        self.chunk_order = chunks[np.argsort(self.key[chunks], kind="stable")]
+        self.chunk_groups = chunk_parts
+        self.chunk_span = np.zeros((n_keys, 3), dtype=np.int64)
+        for g, (_, rows) in enumerate(chunk_parts):
+            keys, lo = np.unique(self.key[rows], return_index=True)
+            self.chunk_span[keys] = np.stack([np.full(len(keys), g), lo, np.append(lo[1:], len(rows))], axis=1)
         self.first_of = first_of
         return False
 

@@ -78,47 +78,37 @@ def _unicode(s: str) -> bytes:
     return b"X" + len(data).to_bytes(4, "little") + data
 
 
-def _size(m: _Memo, matrix: np.ndarray) -> np.ndarray:
-    n = len(matrix)
-    return br.records([br.const(m[torch.Size], n), br.pickled_tuple(matrix), br.const(b"\x85R", n)], n)
+def _size(m: _Memo, matrix: np.ndarray) -> list:
+    return [m[torch.Size], br.pickled_tuple(matrix), b"\x85R"]
 
 
-def _chunks(table: LocationTable, m: _Memo) -> tuple:
-    """Every stored chunk as a pickled ``ChunkStorageMetadata`` (in ``table.chunk_order``),
-    and where each begins in the buffer."""
-    order = table.chunk_order
-    groups = []
-    for d in np.unique(table.ndim[order]):
-        pos = np.flatnonzero(table.ndim[order] == d)
-        rows = order[pos]
-        n = len(rows)
-        groups.append((pos, br.records([
-            br.const(m[ChunkStorageMetadata] + b")\x81}(" + m["offsets"], n), _size(m, table.column(rows, d, 1)),
-            br.const(m["sizes"], n), _size(m, table.column(rows, d, 2)), br.const(b"ub", n)], n)))
-    return br.interleave(groups, len(order))
+def _chunks(table: LocationTable, m: _Memo) -> List[np.ndarray]:
+    """Every stored chunk as a pickled ``ChunkStorageMetadata``: per group of
+    ``table.chunk_groups`` a matrix with one chunk per row."""
+    return [br.records([m[ChunkStorageMetadata] + b")\x81}(" + m["offsets"], _size(m, table.column(rows, d, 1)),
+                        m["sizes"], _size(m, table.column(rows, d, 2)), b"ub"], len(rows))
+            for d, rows in table.chunk_groups]
 
 
-def _storage_data(table: LocationTable, m: _Memo, file_memo: np.ndarray) -> bytes:
-    """Each stored location as ``MetadataIndex: _StorageInfo`` ``SETITEM``, in order
-    (``file_memo``: the memo index of each of ``table.files``)."""
+def _storage_data(table: LocationTable, m: _Memo, file_memo: np.ndarray) -> List[bytes]:
+    """Each stored location as ``MetadataIndex: _StorageInfo`` ``SETITEM``: objects, then
+    tensors by number of dimensions, each in the order received (``file_memo``: the memo
+    index of each of ``table.files``)."""
     stored = np.flatnonzero(table.stored)
-    groups = []
-    kinds = [(0, None)] + [(1, d) for d in np.unique(table.ndim[stored[table.kind[stored] == 1]])]
-    for kind, d in kinds:
-        pos = np.flatnonzero((table.kind[stored] == kind) & ((table.ndim[stored] == d) if kind else True))
-        rows = stored[pos]
-        n = len(rows)
-        if not n:
+    out = []
+    tensor = table.kind[stored] == 1
+    for d in [None] + list(np.unique(table.ndim[stored[tensor]])):
+        rows = stored[~tensor] if d is None else stored[tensor & (table.ndim[stored] == d)]
+        if not len(rows):
             continue
-        index = [br.const(m[MetadataIndex] + b")\x81}(" + m["fqn"], n), br.memo_ref(m.keys + table.key[rows]),
-                 br.const(m["index"] + b"N", n)]
-        if kind:
-            index += [br.const(m["offset"], n), _size(m, table.column(rows, d, 1))]
-        groups.append((pos, br.records(index + [
-            br.const(b"ub" + m[_StorageInfo] + b")\x81}(" + m["relative_path"], n),
-            br.memo_ref(file_memo[table.file[rows]]), br.const(m["offset"], n), br.pickled_int(table.offset[rows]),
-            br.const(m["length"], n), br.pickled_int(table.length[rows]), br.const(b"ubs", n)], n)))
-    return br.interleave(groups, len(stored))[0].tobytes()
+        index = [m[MetadataIndex] + b")\x81}(" + m["fqn"], br.memo_ref(m.keys + table.key[rows]), m["index"] + b"N"]
+        if d is not None:
+            index += [m["offset"], _size(m, table.column(rows, d, 1))]
+        out.append(br.records(index + [
+            b"ub" + m[_StorageInfo] + b")\x81}(" + m["relative_path"],
+            br.memo_ref(file_memo[table.file[rows]]), m["offset"], br.pickled_int(table.offset[rows]),
+            m["length"], br.pickled_int(table.length[rows]), b"ubs"], len(rows)).tobytes())
+    return out
 
 
 def _checksum_items(checks: ChecksumColumns, file_memo: np.ndarray) -> bytes:
@@ -126,7 +116,13 @@ def _checksum_items(checks: ChecksumColumns, file_memo: np.ndarray) -> bytes:
     rows = np.flatnonzero(checks.has)
     n = len(rows)
     return br.records([br.memo_ref(file_memo[checks.file[rows]]), br.pickled_int(checks.offset[rows]),
-                       br.const(b"\x86", n), br.pickled_int(checks.cs[rows]), br.const(b"s", n)], n).tobytes()
+                       b"\x86", br.pickled_int(checks.cs[rows]), b"s"], n).tobytes()
+
+
+def _rows(groups: List[np.ndarray], span: np.ndarray) -> bytes:
+    """The records ``span`` (group, first row, end row) of ``groups``, as bytes."""
+    g, lo, hi = (int(x) for x in span)
+    return groups[g][lo:hi].tobytes()
 
 
 def metadata_bytes(table: LocationTable, checks: ChecksumColumns, storage_meta: StorageMeta) -> bytes:
@@ -137,9 +133,7 @@ def metadata_bytes(table: LocationTable, checks: ChecksumColumns, storage_meta: 
     m = _Memo(table, files)
     table_files = m.files + np.array([file_ids[f] for f in table.files], dtype=np.int64)
     check_files = m.files + np.array([file_ids[f] for f in checks.files], dtype=np.int64)
-    chunks, starts = _chunks(table, m)
-    chunk_keys = table.key[table.chunk_order]
-    bounds = np.searchsorted(chunk_keys, np.arange(len(table.keys) + 1))
+    chunks = _chunks(table, m)
     out: List[bytes] = [b"\x80\x04", m.prefix, fragment(Metadata), b")\x81}(", fragment("state_dict_metadata"), b"}"]
     properties: Dict[str, bytes] = {}
     mcore = {}
@@ -152,10 +146,10 @@ def metadata_bytes(table: LocationTable, checks: ChecksumColumns, storage_meta: 
             properties[dtype] = fragment(TensorProperties(dtype=getattr(torch, dtype[len("torch."):])))
         out += [m[TensorStorageMetadata], b")\x81}(", m["properties"], properties[dtype], m["size"],
                 fragment(torch.Size(shape)), m["chunks"], b"](",
-                chunks[starts[bounds[k]]:starts[bounds[k + 1]]].tobytes(), b"eubs"]
+                _rows(chunks, table.chunk_span[k]), b"eubs"]
         mcore[name] = {"nd_reformulated_orig_global_shape": orig} if orig is not None else {}
     del chunks
-    out += [fragment("planner_data"), b"N", fragment("storage_data"), b"}", _storage_data(table, m, table_files)]
+    out += [fragment("planner_data"), b"N", fragment("storage_data"), b"}", *_storage_data(table, m, table_files)]
     out += [fragment("storage_meta"), fragment(storage_meta), fragment("version"), fragment(DCP_VERSION),
             fragment("mcore_data"), fragment(mcore), fragment("checksums"),
             b"}", fragment("algorithm"), fragment(ALGORITHM), b"s", fragment("scope"), fragment(SCOPE_RECORD), b"s",
