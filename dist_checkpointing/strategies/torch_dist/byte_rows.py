@@ -43,7 +43,7 @@ def records(fields: Sequence[Field], n: int) -> np.ndarray:
 
 def _le(values: np.ndarray, dtype: str) -> np.ndarray:
     v = np.ascontiguousarray(values.astype(dtype))
-    return v.view(np.uint8).reshape(len(values), -1)
+    return v.view(np.uint8).reshape(len(values), v.itemsize)
 
 
 def pickled_int(values: np.ndarray) -> List[Field]:
@@ -112,4 +112,4 @@ def from_table(table: List[bytes], ids: np.ndarray, pad: bytes = b" ") -> np.nda
     ``pad`` (a byte that means nothing where it is used: JSON whitespace)."""
     width = max((len(t) for t in table), default=0)
     fixed = np.array([t.ljust(width, pad) for t in table], dtype=f"S{max(width, 1)}")
-    return fixed[ids].view(np.uint8).reshape(len(ids), -1)[:, :width]
+    return fixed[ids].view(np.uint8).reshape(len(ids), fixed.itemsize)[:, :width]

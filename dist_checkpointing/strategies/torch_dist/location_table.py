@@ -27,6 +27,12 @@ _KIND, _DTYPE, _FILE, _NDIM, _ORIG, _HAS_CS = range(6)
 _OFFSET, _LENGTH, _CS = range(3)
 
 
+def in_file_order(locations: List[Location]) -> List[Location]:
+    """``locations`` by file, then offset: the order a rank sends them in (the same at every
+    save of the same layout)."""
+    return sorted(locations, key=lambda loc: (loc[2], loc[3]))
+
+
 def encode_locations(locations: List[Location]) -> tuple:
     """What a rank sends rank 0: its keys, file names and dtype names, then per location its
     small columns (``int16``: kind, dtype, file, ndim, original ndim + 1 or 0, checksum
@@ -80,9 +86,12 @@ def _global_ids(per_rank: List[List[str]], local: Optional[np.ndarray] = None,
     flat = np.fromiter(map(ids.__getitem__, every), np.int64, len(every))
     if local is None:
         return list(ids), flat
+    if not len(flat):  # (no dtypes: every location an object)
+        return list(ids), np.zeros(len(local), dtype=np.int64)
     base = np.zeros(len(per_rank), dtype=np.int64)
     np.cumsum([len(names) for names in per_rank[:-1]], out=base[1:])
-    return list(ids), flat[local + np.repeat(base, counts)] if len(local) else np.zeros(0, np.int64)
+    # (an object's dtype index, 0, may point past its rank's empty list: clipped, unused)
+    return list(ids), flat[np.minimum(local + np.repeat(base, counts), len(flat) - 1)]
 
 
 def _unpack(sent: Any, tag: str, rank: int) -> tuple:

@@ -68,6 +68,8 @@ def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata
                 global_shape, dtype, offsets, sizes, orig_shape = tensor_meta
                 index = MetadataIndex(key, torch.Size(offsets))
                 md = state_dict_metadata.get(key)
+                if md is not None and not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 if md is None:
                     md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
                     state_dict_metadata[key] = md
@@ -78,8 +80,6 @@ def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata
                         f"ShardedTensor {key!r}: rank {shape_owner[key]} and rank {rank} save it with different "
                         f"flattening (original global shapes {orig_shapes.get(key)} and {orig_shape})"
                     )
-                elif not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != dtype:
                     raise CheckpointingException(
                         f"ShardedTensor {key!r}: rank {shape_owner[key]} saves global shape "

@@ -45,7 +45,9 @@ from ..persistent_worker import shared_worker
 from ..staging import ArenaPool, Staged, StagingArena, stage
 from ..memory_maps import not_isolated_by_fork
 from .format import data_file_name
-from .location_table import ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations
+from .location_table import (
+    ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations, in_file_order,
+)
 from .metadata import assemble_table, table_metadata, write_table
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
 from .writing import arena_files, arena_plan, write_files, write_from_arena
@@ -280,7 +282,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         checksums — gathered to rank 0 alone, then rank 0's outcome broadcast. Error messages
         travel only after a failure."""
         rank = get_rank()
-        locations = sorted(locations, key=lambda loc: (loc[2], loc[3]))  # file order: the same each save
+        locations = in_file_order(locations)
+        sent = None
+        if error is None:
+            try:
+                sent = encode_locations(locations)
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = error_message(e)
         digest = hashlib.sha256(pickle.dumps([loc[:5] for loc in locations])).hexdigest()
         unchanged = self._cache is not None and self._cache[0] == digest and (rank != 0 or self._cache[1] is not None)
         failed, changed = all_reduce_max_uint8([int(error is not None), int(not unchanged)])
@@ -290,8 +298,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         reuse = self.cached_metadata and not changed
         # Same layout as last time: only the checksums (8 bytes per item) travel.
         with gc_paused():
-            self._assemble(encode_checksums(locations) if reuse else encode_locations(locations),
-                           reuse, digest, storage)
+            self._assemble(encode_checksums(locations) if reuse else sent, reuse, digest, storage)
 
     def _assemble(self, sent: tuple, reuse: bool, digest: str, storage: Storage) -> None:
         """Gather the locations (or checksums) to rank 0, which streams ``.metadata`` and its
