@@ -172,6 +172,8 @@ def test_every_reader_reads_the_streamed_metadata(tmp_path):
     got, ref, data, _ = _streamed(layout, tmp_path)
     (tmp_path / ".metadata").write_bytes(data)
     assert _fields(load_dcp_metadata(str(tmp_path), verify_checksum=False)) == _fields(ref)
+    assert _fields(pickle._Unpickler(io.BytesIO(data)).load()) == _fields(ref)  # the strict Python unpickler
+    assert data[2:3] == b"\x95" and int.from_bytes(data[3:11], "little") == len(data) - 11  # one frame
     plain = FileSystemReader(str(tmp_path)).read_metadata()
     assert plain.state_dict_metadata == ref.state_dict_metadata and plain.storage_data == ref.storage_data
 

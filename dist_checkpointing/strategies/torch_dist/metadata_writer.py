@@ -8,7 +8,8 @@ memoized and popped (memo indices 0, 1, ...); then ``Metadata``'s state with eve
 per-location record (``storage_data`` entries, chunks, item checksums) a fixed-width run of
 opcodes referring to the memo (:mod:`.byte_rows`), and the few per-key and per-save values
 (tensor properties, global shapes, ``mcore_data``, ``storage_meta``) pickled normally
-without memo. No frames (optional in protocol 4).
+without memo. All of it after the protocol header is one frame, so that an unpickler reading
+from a stream reads it in one piece, not opcode by opcode.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def metadata_bytes(table: LocationTable, checks: ChecksumColumns, storage_meta: 
     table_files = m.files + np.array([file_ids[f] for f in table.files], dtype=np.int64)
     check_files = m.files + np.array([file_ids[f] for f in checks.files], dtype=np.int64)
     chunks = _chunks(table, m)
-    out: List[bytes] = [b"\x80\x04", m.prefix, fragment(Metadata), b")\x81}(", fragment("state_dict_metadata"), b"}"]
+    out: List[bytes] = [m.prefix, fragment(Metadata), b")\x81}(", fragment("state_dict_metadata"), b"}"]
     properties: Dict[str, bytes] = {}
     mcore = {}
     for k, (name, kind, dtype, shape, orig) in enumerate(table.key_records()):
@@ -154,4 +155,5 @@ def metadata_bytes(table: LocationTable, checks: ChecksumColumns, storage_meta: 
             fragment("mcore_data"), fragment(mcore), fragment("checksums"),
             b"}", fragment("algorithm"), fragment(ALGORITHM), b"s", fragment("scope"), fragment(SCOPE_RECORD), b"s",
             fragment("items"), b"}", _checksum_items(checks, check_files), b"s", b"ub."]
-    return b"".join(out)
+    frame = b"\x95" + sum(len(part) for part in out).to_bytes(8, "little")
+    return b"".join([b"\x80\x04", frame] + out)
