@@ -108,8 +108,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         #: Megatron-Core's name of ``cached_metadata`` (Megatron-LM sets it after construction)
         self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
-        # (layout digest, rank 0's metadata) of the last save with cached metadata
-        self._cache: Optional[Tuple[Optional[str], Optional[Metadata]]] = None
+        # (layout digest, rank 0's LocationTable, or a Metadata plugged in) of the last save with cached metadata
+        self._cache: Optional[Tuple[Optional[str], Union[None, Metadata, LocationTable]]] = None
         self._staging = HostStaging()
         self._arenas = ArenaPool(_forget_arena)
 
@@ -296,7 +296,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise_if_any(all_gather_object(error), "Writing the checkpoint data")
 
         reuse = self.cached_metadata and not changed
-        # Same layout as last time: only the checksums (8 bytes per item) travel.
+        # Same layout as last time: only the checksums (file, offset, checksum: 32 bytes per item) travel.
         with gc_paused():
             self._assemble(encode_checksums(locations) if reuse else sent, reuse, digest, storage)
 
