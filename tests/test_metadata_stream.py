@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import pickletools
 import struct
@@ -29,7 +30,7 @@ from dist_checkpointing.strategies.safe_pickle import load_dcp_metadata
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from dist_checkpointing.strategies.torch_dist import key_index
 from dist_checkpointing.strategies.torch_dist.location_table import LocationTable, encode_checksums, encode_locations
-from dist_checkpointing.strategies.torch_dist.metadata import assemble_table, build_metadata
+from dist_checkpointing.strategies.torch_dist.metadata import assemble_table, build_metadata, data_file_sizes
 from dist_checkpointing.strategies.torch_dist.metadata_writer import metadata_bytes
 
 from .conftest import get_pool
@@ -43,8 +44,7 @@ def _fields(md) -> dict:
     return {k: v for k, v in md.__dict__.items() if k != "storage_meta"}
 
 
-def _index_records(data: bytes) -> dict:
-    raw = data
+def _index_records(raw: bytes) -> dict:
     n = struct.unpack_from("<I", raw, 12)[0]
     out = {}
     for b in range(n):
@@ -73,13 +73,7 @@ def _check_equal(per_rank, tmp: Path) -> None:
     index = key_index.encode_table_index(table, table.checksums, 7)
     assert index[:key_index.HEADER_BYTES] == key_index.encode_index(ref, 7)[:key_index.HEADER_BYTES]
     assert _index_records(index) == _index_records(key_index.encode_index(ref, 7))
-    assert table.data_file_sizes() == {f: s for f, s in sorted(_sizes(ref).items())}
-
-
-def _sizes(md) -> dict:
-    from dist_checkpointing.strategies.torch_dist.metadata import data_file_sizes
-
-    return data_file_sizes(md)
+    assert table.data_file_sizes() == data_file_sizes(ref)
 
 
 def _tensor_locations(name, dtype, shape, grid, ranks, flat=False, checksums=True, base=0):
@@ -142,20 +136,13 @@ def layouts(draw):
             ndim = draw(st.integers(1, 5))
             grid = draw(st.integers(1, 4))
             shape = (grid * draw(st.integers(0, 3)),) + tuple(draw(st.integers(0, 2 ** 20)) for _ in range(ndim - 1))
-            if math_prod(shape) == 0:
+            if math.prod(shape) == 0:
                 grid = 1
             parts.append(_tensor_locations(name, draw(st.sampled_from(DTYPES)), shape, grid, ranks,
                                            flat=draw(st.booleans()), checksums=draw(st.booleans()),
                                            base=base + draw(st.integers(0, 2 ** 40))))
         base += 10 ** 6
     return _merge([[] for _ in range(ranks)], *parts)
-
-
-def math_prod(shape):
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -261,9 +248,9 @@ def test_unchanged_layout_must_name_the_same_items(tmp_path):
 # ----------------------------------------------------------------------------- real gloo ranks
 
 
-def _state(rank, world, fill=True):
+def _state(rank, world, fill=True, bump=0):
     def data(*shape):
-        return torch.full(shape, float(rank + 1)) if fill else torch.zeros(*shape)
+        return torch.full(shape, float(rank + 1 + bump)) if fill else torch.zeros(*shape)
 
     sd = {
         "w": ShardedTensor.from_rank_offsets("w", data(2, 3), (0, rank, world)),
@@ -285,34 +272,41 @@ def _flat_rows(rank, rows):
 
 
 def _save_load(rank, world, ckpt, cached):
+    """Save (twice with ``cached``: the same layout, other values: the second reuses rank 0's
+    table with the new checksums), load each back."""
     strategy = TorchDistSaveShardedStrategy(cached_metadata=cached)
+    tables = []
     for n in range(2 if cached else 1):
-        dc.save(_state(rank, world), f"{ckpt}/{n}", sharded_strategy=strategy)
+        dc.save(_state(rank, world, bump=10 * n), f"{ckpt}/{n}", sharded_strategy=strategy)
+        tables.append(strategy._cache[1] if cached else None)
     out = []
     for n in range(2 if cached else 1):
         loaded = dc.load(_state(rank, world, fill=False), f"{ckpt}/{n}")
         out.append((loaded["w"].tolist(), loaded["big"].sum().item(), loaded["rng"], loaded["empty"].shape,
                     loaded["flat"].tolist()))
-    return out
+    return out, rank != 0 or not cached or tables[1] is tables[0]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("cached", [False, True])
 def test_real_saves_load_back_and_plain_dcp_reads_them(world, cached, tmp_path):
     results = get_pool(world).run(_save_load, str(tmp_path), cached)
-    for rank, per_save in enumerate(results):
-        for w, big, rng, empty, flat in per_save:
-            assert w == [[float(rank + 1)] * 3] * 2
-            assert big == 24 * (rank + 1)
+    assert all(reused for _, reused in results)
+    for rank, (per_save, _) in enumerate(results):
+        for n, (w, big, rng, empty, flat) in enumerate(per_save):
+            assert w == [[float(rank + 1 + 10 * n)] * 3] * 2
+            assert big == 24 * (rank + 1 + 10 * n)
             assert rng == {"rank": rank} and tuple(empty) == (0, 3)
             assert flat == _flat_rows(rank, 4 // world).flatten().tolist()
     first = load_dcp_metadata(str(tmp_path / "0"))
     with open(tmp_path / "0" / ".metadata", "rb") as f:
         assert _fields(pickle.load(f)) == _fields(first)
-    if cached:  # the repeated save: same entries, its own checksums (of the same bytes here)
+    if cached:  # the repeated save: the same entries, its own checksums
         second = load_dcp_metadata(str(tmp_path / "1"))
         assert second.state_dict_metadata == first.state_dict_metadata
-        assert second.storage_data == first.storage_data and second.checksums == first.checksums
+        assert second.storage_data == first.storage_data
+        assert second.checksums["items"].keys() == first.checksums["items"].keys()
+        assert second.checksums["items"] != first.checksums["items"]
     plain = {"w": torch.zeros(2 * world, 3), "norm": torch.zeros(5)}
     dcp.load(plain, checkpoint_id=str(tmp_path / "0"), no_dist=True)
     assert plain["w"][::2, 0].tolist() == [float(r + 1) for r in range(world)]
