@@ -79,7 +79,7 @@ def test_simulated_rank0_metadata_matches_a_real_save(name, tmp_path):
     real = read_metadata(tmp_path / "real")
     simulated_dir = tmp_path / "simulated"
     simulated_dir.mkdir()
-    gathered = [b""] + [pickle.dumps(sim.sender_locations(cfg, r)) for r in range(1, cfg.world)]
+    gathered = [b""] + [sim.sender_payload(cfg, r) for r in range(1, cfg.world)]
     with sim.simulated(sim.SimulatedNetwork(0, cfg.world, gathered=gathered)):
         TorchDistSaveShardedStrategy(thread_count=sim.THREADS)._publish(
             sim.sender_locations(cfg, 0), None, storage_for(simulated_dir))

@@ -32,6 +32,9 @@ from ...core import CheckpointingException
 from ...integrity.checksums import ALGORITHM, SCOPE_DATA, SCOPE_RECORD, checksum, item_checksum_table, mismatch_error
 from ...storage import RangeReader
 from ..resharding import grid_chunks_overlapping, intersect
+from . import byte_rows as br
+from .location_table import ChecksumColumns, LocationTable
+
 _MAGIC = b"DCKIDX\x00\x01"
 _VERSION = 1
 # magic, version, buckets, keys, table offset, checksum of .metadata, has checksums, scope; then its own checksum
@@ -71,8 +74,7 @@ def reader_of(bucket: int, world: int, n_buckets: int) -> int:
 
 def index_rows(metadata: Metadata) -> Dict[str, List[Any]]:
     """Each stored key's located pieces ``[offsets | None, sizes | None, file, offset, length,
-    checksum | None]``, from a whole ``metadata`` (:func:`encode_index`'s input when the
-    saving code has not collected them while building it)."""
+    checksum | None]``, from a whole ``metadata`` (:func:`encode_index`'s input)."""
     table = getattr(metadata, "checksums", None)
     items = table["items"] if table is not None else {}
     sizes: Dict[Tuple[str, tuple], list] = {}
@@ -88,36 +90,68 @@ def index_rows(metadata: Metadata) -> Dict[str, List[Any]]:
     return rows
 
 
-def encode_index(metadata: Metadata, metadata_checksum: int, rows: Optional[Dict[str, List[Any]]] = None) -> bytes:
+def encode_index(metadata: Metadata, metadata_checksum: int) -> bytes:
     """The index of ``metadata`` (whose pickled bytes have checksum ``metadata_checksum``);
-    ``rows``: its :func:`index_rows`, when already collected (rank 0 does while it builds
-    ``metadata``: no second pass over every location)."""
+    each key's chunks in offset order."""
     sdm = metadata.state_dict_metadata
-    rows = rows if rows is not None else index_rows(metadata)
+    rows = index_rows(metadata)
     table = getattr(metadata, "checksums", None)
     mcore = getattr(metadata, "mcore_data", None) or {}
-    n_buckets = max(1, len(sdm))
-    buckets: List[List[str]] = [[] for _ in range(n_buckets)]
-    for key in sdm:
-        buckets[bucket_of(key, n_buckets)].append(key)
+    records: Dict[str, bytes] = {}
+    for key, md in sdm.items():
+        located = rows.get(key, ())
+        if isinstance(md, BytesStorageMetadata):
+            record = ["b"] + (located[0][2:] if located else [])
+        else:
+            orig = (mcore.get(key) or {}).get("nd_reformulated_orig_global_shape")
+            record = ["t", str(md.properties.dtype)[6:], list(md.size), list(orig) if orig is not None else None,
+                      sorted(located, key=lambda c: tuple(c[0]))]
+        records[key] = json.dumps([key, record], separators=(",", ":")).encode()
+    scope = table.get("scope", SCOPE_DATA) if table is not None else None
+    return _index_file(records, metadata_checksum, scope if table is not None else None, table is not None)
+
+
+def encode_table_index(table: LocationTable, checks: ChecksumColumns, metadata_checksum: int) -> bytes:
+    """The index of the ``.metadata`` streamed from ``table`` with this save's item checksums
+    ``checks`` (one per location of ``table``, in its order): what :func:`encode_index` makes of
+    that ``Metadata``, built from columns (each chunk record a fixed-width line of JSON,
+    :mod:`.byte_rows`)."""
+    nulls = ~checks.has
+    file_json = [json.dumps(f).encode() for f in table.files]
+    lines = [br.records([
+        b"[", br.decimal_list(table.column(rows, d, 1)), b",", br.decimal_list(table.column(rows, d, 2)), b",",
+        br.from_table(file_json, table.file[rows]), b",", br.decimal(table.offset[rows]), b",",
+        br.decimal(table.length[rows]), b",", br.decimal(checks.cs[rows], nulls[rows]), b"],"], len(rows))
+        for d, rows in table.chunk_groups]
+    records: Dict[str, bytes] = {}
+    for k, (key, kind, dtype, shape, orig) in enumerate(table.key_records()):
+        if not kind:
+            i = int(table.first_of[k])
+            records[key] = json.dumps([key, ["b", table.files[table.file[i]], int(table.offset[i]),
+                                             int(table.length[i]), int(checks.cs[i]) if checks.has[i] else None]],
+                                      separators=(",", ":")).encode()
+            continue
+        head = json.dumps([key, ["t", dtype[6:], list(shape), list(orig) if orig is not None else None]],
+                          separators=(",", ":")).encode()
+        g, lo, hi = (int(x) for x in table.chunk_span[k])
+        records[key] = b"".join([head[:-2], b",[", lines[g][lo:hi].tobytes()[:-1], b"]]]"])
+    return _index_file(records, metadata_checksum, SCOPE_RECORD, True)
+
+
+def _index_file(records: Dict[str, bytes], metadata_checksum: int, scope: Optional[str], has_checksums: bool) -> bytes:
+    """The index file of the JSON ``[key, record]`` of each key (in ``.metadata``'s order)."""
+    n_buckets = max(1, len(records))
+    buckets: List[List[bytes]] = [[] for _ in range(n_buckets)]
+    for key, record in records.items():
+        buckets[bucket_of(key, n_buckets)].append(record)
     entries, parts, at = [], [], HEADER_BYTES + n_buckets * _ENTRY.size
-    for keys in buckets:
-        records = []
-        for key in keys:
-            md, located = sdm[key], rows.get(key, ())
-            if isinstance(md, BytesStorageMetadata):
-                records.append([key, ["b"] + (located[0][2:] if located else [])])
-            else:
-                orig = (mcore.get(key) or {}).get("nd_reformulated_orig_global_shape")
-                records.append([key, ["t", str(md.properties.dtype)[6:], list(md.size),
-                                      list(orig) if orig is not None else None, located]])
-        part = json.dumps(records, separators=(",", ":")).encode()
+    for bucket in buckets:
+        part = b"[" + b",".join(bucket) + b"]"
         entries.append(_ENTRY.pack(at, len(part), checksum(part)))
         parts.append(part)
         at += len(part)
-    scope = table.get("scope", SCOPE_DATA) if table is not None else None
-    head = _HEADER.pack(_MAGIC, _VERSION, n_buckets, len(sdm), HEADER_BYTES, metadata_checksum,
-                        int(table is not None), _SCOPES.get(scope, 1))
+    head = _HEADER.pack(_MAGIC, _VERSION, n_buckets, len(records), HEADER_BYTES, metadata_checksum,
+                        int(has_checksums), _SCOPES.get(scope, 1))
     return b"".join([head, struct.pack("<Q", checksum(head))] + entries + parts)
 
 

@@ -9,7 +9,7 @@ import math
 import pickle
 import threading
 import uuid
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -32,12 +32,10 @@ from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
-from .key_index import encode_index
+from .key_index import encode_index, encode_table_index
+from .location_table import ChecksumColumns, Location, LocationTable
+from .metadata_writer import metadata_bytes
 from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
-
-
-# One location entry per written item: (key, tensor_meta or None, file, offset, length, checksum)
-Location = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
 
 
 def checksum_table(per_rank_checksums: List[List[Tuple[str, int, Optional[int]]]]) -> Dict[str, Any]:
@@ -51,11 +49,9 @@ def storage_meta(storage: Storage) -> StorageMeta:
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
-def build_metadata(per_rank: List[List[Location]], storage: Storage,
-                   rows: Optional[Dict[str, List[Any]]] = None) -> Metadata:
-    """Global DCP metadata from every rank's item locations, with consistency checks; each
-    key's located pieces are also collected into ``rows`` when given (the input of
-    :func:`.key_index.encode_index`)."""
+def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata:
+    """Global DCP metadata from every rank's item locations, with consistency checks (the
+    object-by-object form of what a save streams from columns: :func:`write_table`)."""
     state_dict_metadata: Dict[str, Any] = {}
     orig_shapes: Dict[str, Optional[Tuple[int, ...]]] = {}
     storage_data: Dict[MetadataIndex, _StorageInfo] = {}
@@ -63,10 +59,6 @@ def build_metadata(per_rank: List[List[Location]], storage: Storage,
     shape_owner: Dict[str, int] = {}
     for rank, locations in enumerate(per_rank):
         for key, tensor_meta, fname, offset, length, cs in locations:
-            if rows is not None:
-                rows.setdefault(key, []).append([tensor_meta[2] if tensor_meta is not None else None,
-                                                 tensor_meta[3] if tensor_meta is not None else None,
-                                                 fname, offset, length, cs])
             if tensor_meta is None:
                 index = MetadataIndex(key)
                 if key in state_dict_metadata and not isinstance(state_dict_metadata[key], BytesStorageMetadata):
@@ -76,6 +68,8 @@ def build_metadata(per_rank: List[List[Location]], storage: Storage,
                 global_shape, dtype, offsets, sizes, orig_shape = tensor_meta
                 index = MetadataIndex(key, torch.Size(offsets))
                 md = state_dict_metadata.get(key)
+                if md is not None and not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 if md is None:
                     md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), [])
                     state_dict_metadata[key] = md
@@ -86,8 +80,6 @@ def build_metadata(per_rank: List[List[Location]], storage: Storage,
                         f"ShardedTensor {key!r}: rank {shape_owner[key]} and rank {rank} save it with different "
                         f"flattening (original global shapes {orig_shapes.get(key)} and {orig_shape})"
                     )
-                elif not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointingException(f"Key {key!r} is saved both as a tensor and as an object")
                 elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != dtype:
                     raise CheckpointingException(
                         f"ShardedTensor {key!r}: rank {shape_owner[key]} saves global shape "
@@ -149,20 +141,47 @@ def data_file_sizes(metadata: Metadata) -> Dict[str, int]:
     return sizes
 
 
-def write_metadata(metadata: Metadata, storage: Storage, rows: Optional[Dict[str, List[Any]]] = None) -> None:
+def write_metadata(metadata: Metadata, storage: Storage) -> None:
     """Write ``.metadata`` and its checksum sidecar, then the per-key index of it
-    (:mod:`.key_index`; ``rows``: as :func:`build_metadata` collects them) and the index's
-    sidecar. (An old index is removed first: a crash in
+    (:mod:`.key_index`) and the index's sidecar. (An old index is removed first: a crash in
     between leaves none, never one of another ``.metadata``.)"""
-    data = pickle.dumps(metadata)
+    _write_both(storage, pickle.dumps(metadata), lambda metadata_checksum: encode_index(metadata, metadata_checksum))
+
+
+def assemble_table(per_rank: List[tuple], storage: Storage) -> LocationTable:
+    """Rank 0's table of every rank's :func:`.location_table.encode_locations`; locations that
+    :func:`build_metadata` refuses are refused with its error, naming key and rank."""
+    table = LocationTable(per_rank)
+    if table.problem:
+        build_metadata(table.per_rank_locations(), storage)  # raises the error naming key and rank
+        raise CheckpointingException("The item locations are inconsistent, but no check names the problem")
+    return table
+
+
+def write_table(table: LocationTable, checks: ChecksumColumns, storage: Storage) -> None:
+    """:func:`write_metadata` of the ``Metadata`` that :func:`build_metadata` would build from
+    ``table``'s locations with this save's item checksums ``checks``, streamed from the
+    columns (:mod:`.metadata_writer`, :func:`.key_index.encode_table_index`)."""
+    table.storage_meta = storage_meta(storage)
+    _write_both(storage, metadata_bytes(table, checks, table.storage_meta),
+                lambda metadata_checksum: encode_table_index(table, checks, metadata_checksum))
+
+
+def table_metadata(table: LocationTable) -> Metadata:
+    """The ``Metadata`` last written from ``table`` (by :func:`write_table`), as objects."""
+    return pickle.loads(metadata_bytes(table, table.checksums, table.storage_meta))
+
+
+def _write_both(storage: Storage, data: bytes, index: Callable[[int], bytes]) -> None:
+    """Write ``.metadata`` (``data``), then the index that ``index(checksum of data)`` encodes."""
     try:
         storage.delete(INDEX_FNAME)
     except OSError as e:
         raise CheckpointingException(f"Cannot remove {storage.describe(INDEX_FNAME)}: {e}") from e
     write_file_with_checksum(storage, METADATA_FNAME, data)
-    index = encode_index(metadata, checksum(data), rows)
+    metadata_checksum = checksum(data)
     del data
-    write_file_with_checksum(storage, INDEX_FNAME, index)
+    write_file_with_checksum(storage, INDEX_FNAME, index(metadata_checksum))
 
 
 _metadata_cache: Dict[str, Tuple[Hashable, Metadata]] = {}

@@ -45,7 +45,10 @@ from ..persistent_worker import shared_worker
 from ..staging import ArenaPool, Staged, StagingArena, stage
 from ..memory_maps import not_isolated_by_fork
 from .format import data_file_name
-from .metadata import Location, build_metadata, checksum_table, data_file_sizes, storage_meta, write_metadata
+from .location_table import (
+    ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations, in_file_order,
+)
+from .metadata import assemble_table, table_metadata, write_table
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
 from .writing import arena_files, arena_plan, write_files, write_from_arena
 
@@ -105,8 +108,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         #: Megatron-Core's name of ``cached_metadata`` (Megatron-LM sets it after construction)
         self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
-        # (layout digest, rank 0's metadata) of the last save with cached metadata
-        self._cache: Optional[Tuple[Optional[str], Optional[Metadata]]] = None
+        # (layout digest, rank 0's LocationTable, or a Metadata plugged in) of the last save with cached metadata
+        self._cache: Optional[Tuple[Optional[str], Union[None, Metadata, LocationTable]]] = None
         self._staging = HostStaging()
         self._arenas = ArenaPool(_forget_arena)
 
@@ -130,7 +133,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         not caching). Megatron-LM plugs in the metadata its load strategy read: accepted,
         but not reused (the next save gathers its own; a layout this strategy has not
         seen saved is never assumed)."""
-        return self._cache[1] if self._cache is not None else None
+        cached = self._cache[1] if self._cache is not None else None
+        return table_metadata(cached) if isinstance(cached, LocationTable) else cached
 
     @cached_global_metadata.setter
     def cached_global_metadata(self, metadata: Optional[Metadata]) -> None:
@@ -273,45 +277,50 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective).
 
         One 2-byte ``all_reduce`` (did any rank fail? did any rank's layout change since the
-        last save with ``cached_metadata``?), then the item locations — or, for an unchanged
-        layout, only their checksums — gathered to rank 0 alone, then rank 0's outcome
-        broadcast. Error messages travel only after a failure."""
+        last save with ``cached_metadata``?), then the item locations as columns
+        (:func:`.location_table.encode_locations`) — or, for an unchanged layout, only their
+        checksums — gathered to rank 0 alone, then rank 0's outcome broadcast. Error messages
+        travel only after a failure."""
         rank = get_rank()
-        layout = sorted((loc[:5] for loc in locations), key=lambda loc: (loc[2], loc[3]))
-        digest = hashlib.sha256(pickle.dumps(layout)).hexdigest()
+        locations = in_file_order(locations)
+        sent = None
+        if error is None:
+            try:
+                sent = encode_locations(locations)
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = error_message(e)
+        digest = hashlib.sha256(pickle.dumps([loc[:5] for loc in locations])).hexdigest()
         unchanged = self._cache is not None and self._cache[0] == digest and (rank != 0 or self._cache[1] is not None)
         failed, changed = all_reduce_max_uint8([int(error is not None), int(not unchanged)])
         if failed:
             raise_if_any(all_gather_object(error), "Writing the checkpoint data")
 
         reuse = self.cached_metadata and not changed
-        # Same layout as last time: only the checksums (8 bytes per item) travel.
-        with gc_paused():  # rank 0 unpickles and builds a million small objects at scale
-            self._assemble(locations if not reuse else [(loc[2], loc[3], loc[5]) for loc in locations],
-                           reuse, digest, storage)
+        # Same layout as last time: only the checksums (file, offset, checksum: 32 bytes per item) travel.
+        with gc_paused():
+            self._assemble(encode_checksums(locations) if reuse else sent, reuse, digest, storage)
 
-    def _assemble(self, sent: List[Any], reuse: bool, digest: str, storage: Storage) -> None:
-        """Gather the locations (or checksums) to rank 0, which writes ``.metadata``; agree on
-        its outcome."""
+    def _assemble(self, sent: tuple, reuse: bool, digest: str, storage: Storage) -> None:
+        """Gather the locations (or checksums) to rank 0, which streams ``.metadata`` and its
+        index from their columns; agree on its outcome."""
         rank = get_rank()
         metadata_error: Optional[str] = None
         per_rank = gather_object(sent)
         if rank == 0:
             try:
-                if reuse:  # the same files as last time (last_written_files too)
-                    metadata = self._cache[1]
-                    metadata.storage_meta = storage_meta(storage)
-                    metadata.checksums = checksum_table(per_rank)
-                    rows = None
+                if reuse:  # the same files as last time (last_written_files too), in the same order
+                    table = self._cache[1]
+                    checks = ChecksumColumns.gather(per_rank)
+                    table.check_same_items(checks)  # now table.checksums
                 else:
                     self.last_written_files = None
-                    rows = {}
-                    metadata = build_metadata(per_rank, storage, rows)
-                    self.last_written_files = data_file_sizes(metadata)
-                write_metadata(metadata, storage, rows)
-                del rows
+                    table = assemble_table(per_rank, storage)
+                    checks = table.checksums
+                    self.last_written_files = table.data_file_sizes()
+                del per_rank
+                write_table(table, checks, storage)
                 if self.cached_metadata:
-                    self._cache = (digest, metadata)
+                    self._cache = (digest, table)
             except Exception as e:  # noqa: BLE001 - broadcast below
                 metadata_error = error_message(e)
         elif self.cached_metadata:
