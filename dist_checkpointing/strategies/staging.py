@@ -31,13 +31,14 @@ from ..core import CheckpointingException
 from ..tensors.bytes_view import as_bytes
 
 ALIGN = 64  # each tensor's offset in an arena (a uint8 slice can be viewed as any dtype)
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 _ids = itertools.count(1)
 
 
 def _cuda_register(flat: torch.Tensor) -> bool:
     """Pin ``flat``'s memory with ``cudaHostRegister`` (page-locked, device-visible)."""
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0
+        return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), _PORTABLE)) == 0
     except Exception:  # noqa: BLE001 - a runtime that cannot register: pageable copies
         return False
 
@@ -68,16 +69,16 @@ class StagingArena:
         return flat_view(self.flat, offset, dtype, shape)
 
     def release(self) -> None:
-        """Unpin and unmap (no view of the arena may be used afterwards)."""
+        """Unpin the arena and drop this object's hold on it: the memory is unmapped once
+        the last view of it (which keeps the mapping alive) is gone."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
             self.pinned = False
         self.flat = None
-        try:
-            self._map.close()
-        except BufferError:  # a view still alive: unmapped when it is collected
-            pass
-        os.close(self.fd)
+        self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ArenaPool:
