@@ -33,7 +33,8 @@ B. bit-exactness of ``auto``/``stream``/``copy``/``fork``: the trainer adds 1 to
    loaded back and must equal the state at the call, bit for bit.
 
 C. ``stream`` and ``fork`` again while the process holds ``--pinned-extra-gib`` GiB of
-   unrelated, touched pinned memory (``stream`` of phase A is the baseline).
+   unrelated, touched pinned memory (``stream`` of phase A is the baseline; both phases
+   also hold the floor's pinned buffers, DCP's cached ones and the arenas).
 
 D. sync: ``ours`` (``save`` / ``load`` in place into GPU tensors), ``dcp``
    (``dcp.save`` / ``dcp.load``), ``raw`` (D2H into the pinned buffers + one file written
@@ -171,9 +172,14 @@ class Bench:
         base = self.device_base()
         t0 = time.perf_counter()
         phases: Dict[str, float] = {}
+
+        def phase_ended(event: Dict[str, Any]) -> None:
+            if "seconds" in event:
+                phases[event["phase"]] = event["seconds"]
+
         if method in self.strategies:
             request = dc.save(sd, str(d), sharded_strategy=self.strategies[method], async_sharded_save=True,
-                              progress_callback=lambda e: phases.__setitem__(e["phase"], e["seconds"]) if "seconds" in e else None)
+                              progress_callback=phase_ended)
             self.queue.schedule_async_request(request)
             t1 = time.perf_counter()
             request.wait_for_staging()
@@ -188,8 +194,8 @@ class Bench:
             t2 = time.perf_counter()
             (response.upload_completion if staging is not None else response).result()
         t3 = time.perf_counter()
-        out = {"blocking_s": t1 - t0, "staged_s": t2 - t0, "total_s": t3 - t0, "device_extra_mib": self.device_extra(base),
-               "save_phases_s": phases}
+        out = {"blocking_s": t1 - t0, "staged_s": t2 - t0, "total_s": t3 - t0,
+               "device_extra_mib": self.device_extra(base), "save_phases_s": phases}
         shutil.rmtree(d, ignore_errors=True)
         return out
 
@@ -197,26 +203,30 @@ class Bench:
         if method == "dcp_default":
             return None
         if self.dcp_stager is None:
-            options = dcp_staging.StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=self.args.dcp_shared_memory,
+            options = dcp_staging.StagingOptions(use_pinned_memory=self.cuda,
+                                                 use_shared_memory=self.args.dcp_shared_memory,
                                                  use_async_staging=True, use_non_blocking_copy=self.cuda)
             self.dcp_stager = dcp_staging.DefaultStager(options)
             self.dcp_fresh_stagers += 1
         return self.dcp_stager
 
-    def dcp_failed(self, error: BaseException, rnd: int) -> None:
-        self.dcp_errors.append(f"round {rnd}: {type(error).__name__}: {error}"[:500])
-        stager, self.dcp_stager = self.dcp_stager, None
-        try:
-            stager.close()
-        except Exception:  # noqa: BLE001 - a broken stager: dropped
-            pass
+    def dcp_failed(self, method: str, error: BaseException, rnd: int) -> None:
+        """Note an error inside DCP; a failed best stager is replaced by a fresh one."""
+        self.dcp_errors.append(f"{method} round {rnd}: {type(error).__name__}: {error}"[:500])
+        if method == "dcp_best" and self.dcp_stager is not None:
+            stager, self.dcp_stager = self.dcp_stager, None
+            try:
+                stager.close()
+            except Exception:  # noqa: BLE001 - a broken stager: dropped
+                pass
 
     # -- phase B
     def bit_exact(self, method: str) -> Dict[str, Any]:
         """The trainer changes every tensor right after the call; the checkpoint must be the state at the call."""
         expected = {k: t.clone() for k, t in self.state.items()}
         d = self.dir(f"exact_{method}")
-        request = dc.save(sharded(self.state), str(d), sharded_strategy=self.strategies[method], async_sharded_save=True)
+        request = dc.save(sharded(self.state), str(d), sharded_strategy=self.strategies[method],
+                          async_sharded_save=True)
         for t in self.state.values():
             t.add_(1)
         self.queue.schedule_async_request(request)
@@ -299,14 +309,14 @@ def run(args: argparse.Namespace, device: torch.device, scratch: Path, partial: 
     info = {"tensors": len(bench.state), "state_bytes": sum(nbytes(t) for t in bench.state.values()),
             "largest_tensor_bytes": max(nbytes(t) for t in bench.state.values())}
     print(f"state: {info['tensors']} tensors, {info['state_bytes'] / GiB:.2f} GiB on {device}", flush=True)
-    has_best = dcp_staging is not None and hasattr(dcp_staging, "DefaultStager") and hasattr(dcp_staging, "StagingOptions")
+    has_best = all(hasattr(dcp_staging, name) for name in ("DefaultStager", "StagingOptions"))
     methods = tuple(m for m in ASYNC if m != "dcp_best" or has_best)
     rounds: Dict[str, List[Dict[str, Any]]] = {m: [] for m in (*methods, *PINNED, *SYNC)}
     raw: Dict[str, Any] = {"state": info, "rounds": rounds, "warm_up": {}, "bit_exact": {},
                            "dcp_best_stager": None if not has_best else {
                                "use_pinned_memory": bench.cuda, "use_shared_memory": args.dcp_shared_memory,
                                "use_async_staging": True, "use_non_blocking_copy": bench.cuda},
-                           "dcp_best_errors": bench.dcp_errors}
+                           "dcp_errors": bench.dcp_errors}
     try:
         # A: async
         for rnd in range(-1, args.rounds):  # round -1: warm-up (arenas, the writer process, DCP's cached buffers)
@@ -316,7 +326,7 @@ def run(args: argparse.Namespace, device: torch.device, scratch: Path, partial: 
                 except Exception as e:  # noqa: BLE001 - DCP's stager: reported, the run goes on
                     if not m.startswith("dcp"):
                         raise
-                    bench.dcp_failed(e, rnd)
+                    bench.dcp_failed(m, e, rnd)
                     continue
                 if rnd >= 0:
                     rounds[m].append(r)
@@ -324,8 +334,8 @@ def run(args: argparse.Namespace, device: torch.device, scratch: Path, partial: 
                     raw["warm_up"][m] = r
             if rnd >= 0:
                 print(f"A round {rnd} (blocking/staged s): " + ", ".join(
-                    f"{m} {rounds[m][-1]['blocking_s']:.4f}/{rounds[m][-1]['staged_s']:.4f}" for m in methods if rounds[m]),
-                    flush=True)
+                    f"{m} {rounds[m][-1]['blocking_s']:.4f}/{rounds[m][-1]['staged_s']:.4f}"
+                    for m in methods if rounds[m]), flush=True)
         partial(raw)
         # B: bit-exact with the trainer changing every tensor right after the call
         raw["bit_exact"] = {m: bench.bit_exact(m) for m in OURS}
@@ -341,6 +351,10 @@ def run(args: argparse.Namespace, device: torch.device, scratch: Path, partial: 
                 rounds[m].append(bench.run_async(m.split("_")[0], f"{m}_{rnd}"))
         del extra
         gc.collect()
+        empty_host_cache = (getattr(torch.accelerator, "empty_host_cache", None)
+                            or getattr(torch._C, "_host_emptyCache", None))
+        if bench.cuda and empty_host_cache is not None:
+            empty_host_cache()  # torch's pinned-memory cache would keep it
         print(f"C with {args.pinned_extra_gib} GiB pinned (allocated in {raw['pinned_alloc_s']:.1f} s), blocking s: " +
               ", ".join(f"{m} {statistics.median(r['blocking_s'] for r in rounds[m]):.4f}" for m in PINNED), flush=True)
         partial(raw)
@@ -348,9 +362,9 @@ def run(args: argparse.Namespace, device: torch.device, scratch: Path, partial: 
         for rnd in range(args.rounds):
             for m in rotated(SYNC, rnd):
                 rounds[m].append(bench.run_sync(m, f"sync_{m}_{rnd}", check=rnd == 0))
-        print("D sync (save/load s): " + ", ".join(f"{m} {statistics.median(r['save_s'] for r in rounds[m]):.3f}/"
-                                                   f"{statistics.median(r['load_s'] for r in rounds[m]):.3f}" for m in SYNC),
-              flush=True)
+        print("D sync (save/load s): " + ", ".join(
+            f"{m} {statistics.median(r['save_s'] for r in rounds[m]):.3f}/"
+            f"{statistics.median(r['load_s'] for r in rounds[m]):.3f}" for m in SYNC), flush=True)
     finally:
         bench.queue.close()
         if bench.dcp_stager is not None:
@@ -375,7 +389,7 @@ def summarize(raw: Dict[str, Any], dry_run: bool) -> Dict[str, Any]:
         med[m] = {f: stats([r[f] for r in rs]) for f in fields}
         if m not in SYNC:
             med[m]["device_extra_mib_max"] = max((r["device_extra_mib"] for r in rs), default=None)
-            names = {name for r in rs for name in r.get("save_phases_s", {})}
+            names = sorted({name for r in rs for name in r.get("save_phases_s", {})})
             med[m]["save_phases_s"] = {n: statistics.median(r["save_phases_s"].get(n, 0.0) for r in rs) for n in names}
         med[m]["rounds"] = len(rs)
 
@@ -402,7 +416,8 @@ def summarize(raw: Dict[str, Any], dry_run: bool) -> Dict[str, Any]:
         "bit-exact (auto, stream, copy, fork)": all(v["bit_exact"] for v in raw["bit_exact"].values()),
         f"blocking(stream) with pinned memory <= {PINNED_GROWTH} x without + 1 ms":
             pinned <= PINNED_GROWTH * stream + PINNED_SLACK_S,
-        "device memory(auto, stream) <= largest tensor": max(med[m]["device_extra_mib_max"] for m in ("auto", "stream")) <= bound,
+        "device memory(auto, stream) <= largest tensor":
+            max(med[m]["device_extra_mib_max"] for m in ("auto", "stream")) <= bound,
         "sync verified (ours, dcp, raw)": all(rounds[m][0]["verified"] for m in SYNC),
     }
     return {"medians": med, "ratios": ratios, "targets": targets,
@@ -427,15 +442,18 @@ def table(raw: Dict[str, Any], summary: Dict[str, Any]) -> str:
             continue
         r = ratios[m]
         exact = raw["bit_exact"].get(m, {}).get("bit_exact", "")
-        lines.append(f"| {m} | {cell(med[m]['blocking_s'])} | {cell(med[m]['staged_s'])} | {cell(med[m]['total_s'], 3)} | "
+        lines.append(f"| {m} | {cell(med[m]['blocking_s'])} | {cell(med[m]['staged_s'])} | "
+                     f"{cell(med[m]['total_s'], 3)} | "
                      f"{num(r['blocking/d2h'])} | {num(r['staged/d2h'])} | {num(r['blocking/dcp_best'])} | "
                      f"{num(med[m]['device_extra_mib_max'], 1)} | {exact} |")
-    lines += ["", "| sync (seconds: median [min–max]) | save | load | save / raw | load / raw | save / dcp | load / dcp | verified |",
+    lines += ["", "| sync (seconds: median [min–max]) | save | load | save / raw | load / raw | save / dcp | "
+              "load / dcp | verified |",
               "|" + " --- |" * 8]
     for m in SYNC:
         r = ratios[m]
         lines.append(f"| {m} | {cell(med[m]['save_s'], 3)} | {cell(med[m]['load_s'], 3)} | {num(r['save/raw'])} | "
-                     f"{num(r['load/raw'])} | {num(r['save/dcp'])} | {num(r['load/dcp'])} | {raw['rounds'][m][0]['verified']} |")
+                     f"{num(r['load/raw'])} | {num(r['save/dcp'])} | {num(r['load/dcp'])} | "
+                     f"{raw['rounds'][m][0]['verified']} |")
     lines.append("")
     lines.append("blocking split as save reports it (medians, ms): " + "; ".join(
         f"{m}: " + ", ".join(f"{n} {v * 1e3:.1f}" for n, v in med[m]["save_phases_s"].items())
@@ -443,9 +461,9 @@ def table(raw: Dict[str, Any], summary: Dict[str, Any]) -> str:
     judged = "not judged: " + summary["targets_not_judged"] if summary["targets_not_judged"] else "judged"
     lines.append(f"targets ({judged}): " + ", ".join(
         f"{k}: {'n/a' if ok is None else 'PASS' if ok else 'FAIL'}" for k, ok in summary["targets"].items()))
-    if raw["dcp_best_errors"]:
-        lines.append(f"dcp_best: {len(raw['dcp_best_errors'])} round(s) failed inside DCP "
-                     f"({raw['dcp_best_stagers_created']} stagers created): {raw['dcp_best_errors'][0]}")
+    if raw["dcp_errors"]:
+        lines.append(f"DCP: {len(raw['dcp_errors'])} save(s) failed inside DCP ({raw['dcp_best_stagers_created']} best "
+                     f"stagers created); first: {raw['dcp_errors'][0]}")
     return "\n".join(lines)
 
 
@@ -467,7 +485,8 @@ def fs_type(path: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=None, help="GPU state size (default 2; dry run 0.02)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pinned-extra-gib", type=float, default=None, help="unrelated pinned memory held in phase C "
@@ -478,7 +497,8 @@ def main() -> None:
     ap.add_argument("--out", "--output", dest="out", default=str(REPO_ROOT / "benchmarks" / "results" / "gpu.json"))
     args = ap.parse_args()
     args.size_gib = args.size_gib if args.size_gib is not None else (0.02 if args.dry_run else 2.0)
-    args.pinned_extra_gib = args.pinned_extra_gib if args.pinned_extra_gib is not None else (0.1 if args.dry_run else 16.0)
+    if args.pinned_extra_gib is None:
+        args.pinned_extra_gib = 0.1 if args.dry_run else 16.0
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     if not args.dry_run and not torch.cuda.is_available():
@@ -499,8 +519,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(report: Dict[str, Any]) -> None:
-        out.write_text(json.dumps({"date": started.isoformat(timespec="seconds"), "machine": machine, "args": vars(args),
-                                   "dry_run": args.dry_run, **report}, indent=1, default=str))
+        out.write_text(json.dumps({"date": started.isoformat(timespec="seconds"), "machine": machine,
+                                   "args": vars(args), "dry_run": args.dry_run, **report}, indent=1, default=str))
 
     try:
         raw = run(args, device, scratch, lambda so_far: write({"partial": True, "raw": so_far}))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -370,7 +369,7 @@ def test_local_tier_snapshot_is_the_state_at_the_call(tmp_path, device):
         assert loaded[k].device.type == device
 
 
-# ----------------------------------------------------------------------------- world 2: gloo (CUDA: both ranks on one GPU)
+# ----------------------------------------------------------------------------- world 2 over gloo (CUDA: one GPU)
 
 
 def _world2(rank: int, world: int, root: str, device: str) -> List[str]:
