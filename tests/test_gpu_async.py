@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Dict, List
 
 import pytest
@@ -44,10 +43,11 @@ MiB = 1 << 20
 
 @functools.lru_cache(maxsize=None)
 def _cycles_per_s() -> float:
-    """Clock cycles per second of ``torch.cuda._sleep`` on this GPU (measured once)."""
-    torch.cuda._sleep(1000)  # warm up
+    """Clock cycles per second of ``torch.cuda._sleep`` on this GPU (measured once, after a
+    spin that lets the clocks leave their idle state)."""
+    torch.cuda._sleep(200_000_000)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 50_000_000
+    cycles = 200_000_000
     start.record()
     torch.cuda._sleep(cycles)
     end.record()
@@ -55,9 +55,14 @@ def _cycles_per_s() -> float:
     return cycles / (start.elapsed_time(end) / 1000)
 
 
-def _busy(seconds: float = BUSY_S) -> None:
-    """Queue a kernel that keeps the current CUDA stream busy for about ``seconds``."""
+def _busy(seconds: float = BUSY_S) -> "torch.cuda.Event":
+    """Queue a kernel that keeps the current CUDA stream busy for about ``seconds``; returns
+    an event recorded after it (``query()``: whether it has ended). The tests that depend
+    on the kernel still running check that event, not the duration."""
     torch.cuda._sleep(int(seconds * _cycles_per_s()))
+    ended = torch.cuda.Event()
+    ended.record()
+    return ended
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -285,15 +290,14 @@ def test_stream_save_returns_before_the_copies_and_orders_the_trainer(tmp_path, 
     strategy = _strategy(mode)
     request = dc.save(_sharded(state), str(tmp_path / "warm"), strategy, async_sharded_save=True)
     request.execute_sync()  # the arena exists: what follows is the steady state
-    _busy()
+    busy = _busy()
     for t in state.values():  # queued behind the kernel: the state at the call is this one
         t.mul_(2)
     expected = {k: v.clone() for k, v in state.items()}
-    start = time.perf_counter()
     request = dc.save(_sharded(state), str(tmp_path / "c"), strategy, async_sharded_save=True)
-    blocked = time.perf_counter() - start
+    # the copies wait for the kernel: a call that waited for them would return after it
+    assert not busy.query(), "the call returned after the queued kernel: it waited for the device"
     assert not request.staged.done(), "the copies finished before the queued kernel: not ordered after it"
-    assert blocked < 0.8 * BUSY_S, f"the call blocked {blocked:.3f} s: it waited for the device"
     for t in state.values():  # the optimizer step, right away, on the current stream
         t.add_(1)
     request.execute_sync()
@@ -307,11 +311,10 @@ def test_stream_save_returns_before_the_copies_and_orders_the_trainer(tmp_path, 
 @cuda_only
 def test_copy_save_returns_after_the_copies(tmp_path):
     state = _big_state("cuda", 64)
-    _busy(0.5)
-    start = time.perf_counter()
+    busy = _busy(0.5)
+    assert not busy.query()
     request = dc.save(_sharded(state), str(tmp_path / "c"), _strategy("copy"), async_sharded_save=True)
-    blocked = time.perf_counter() - start
-    assert request.staged.done() and blocked >= 0.4, "'copy' returned before its copies were done"
+    assert busy.query() and request.staged.done(), "'copy' returned before its copies (queued after the kernel)"
     request.execute_sync()
 
 
@@ -321,12 +324,13 @@ def test_wait_for_staging_then_change_from_another_stream(tmp_path, via):
     state = _big_state("cuda", 256, seed=1)
     expected = {k: v.clone() for k, v in state.items()}
     strategy = _strategy("stream")
+    dc.save(_sharded(state), str(tmp_path / "warm"), strategy, async_sharded_save=True).execute_sync()
     other = torch.cuda.Stream()
     queue = AsyncCallsQueue()
     try:
-        _busy()
+        busy = _busy()
         request = dc.save(_sharded(state), str(tmp_path / "c"), strategy, async_sharded_save=True)
-        assert not request.staged.done()
+        assert not busy.query() and not request.staged.done()
         queue.schedule_async_request(request)
         if via == "request":
             request.wait_for_staging()
