@@ -186,7 +186,8 @@ class Bench:
             t2 = time.perf_counter()
             self.queue.maybe_finalize_async_calls(blocking=True)
         else:
-            response = dcp.async_save(sd, checkpoint_id=str(d), async_stager=self._stager(method))
+            stager = self._stager(method)
+            response = dcp.async_save(sd, checkpoint_id=str(d), **({} if stager is None else {"async_stager": stager}))
             t1 = time.perf_counter()
             staging = getattr(response, "staging_completion", None)
             if staging is not None:
