@@ -1,8 +1,8 @@
 """Async saves of accelerator state (``async_snapshot`` "auto"/"stream"/"copy"/"fork" on
 CUDA tensors): the side-stream staging into pinned arenas, its ordering with the trainer's
 streams, every dtype and layout, the manager and the local tier, world 2 over gloo with
-CUDA tensors on one GPU. The GPU tests skip without CUDA; the tests marked ``cpu`` (and the
-``cpu`` parametrizations) run everywhere and cover the CPU side of the same contract.
+CUDA tensors on one GPU (both ranks share it). The GPU tests skip without CUDA; the others
+(and every ``cpu`` parametrization) run everywhere and hold the CPU side to the same contract.
 
 Ordering is made deterministic with a long GPU kernel (``torch.cuda._sleep``) queued on the
 current stream before the save: the staging copies wait for it, so they are certainly still
