@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 31 in one call, under ~8 minutes: the GPU tests
+# (tests/test_gpu_async.py, <= 180 s), then benchmarks/bench_gpu.py on 2 GiB of GPU state
+# (<= 300 s; it writes its JSON after each phase, so a timeout still leaves figures).
+#
+#   bash benchmarks/gpu_check.sh                        # on the GPU machine
+#   BENCH_ARGS=--dry-run bash benchmarks/gpu_check.sh   # anywhere: checks the script (GPU tests skip)
+#
+# Results go to $OUT when it is set (the device tool brings that folder back), else to
+# benchmarks/results/: env.txt (GPU, driver, torch, scratch disk), pytest_gpu.log,
+# bench_gpu.log, gpu.json. Exit status: 0 when both steps succeeded.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-benchmarks/results}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# No network there: the test session's Megatron-Core peers (tests/peers.py) cannot be
+# installed, and none of these tests needs them; make pip fail at once instead of retrying.
+export PIP_NO_INDEX=1
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$PY" -c "import sys, torch, numpy, xxhash; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
+    df -hT . ..
+    nproc
+    free -g
+} >"$RESULTS/env.txt" 2>&1
+cat "$RESULTS/env.txt"
+
+status=0
+timeout 180 "$PY" -m pytest tests/test_gpu_async.py -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$RESULTS/pytest_gpu.log" || status=1
+# shellcheck disable=SC2086 - BENCH_ARGS is a list of arguments
+timeout 300 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:---size-gib 2 --rounds 5 --pinned-extra-gib 16} --out "$RESULTS/gpu.json" 2>&1 |
+    tee "$RESULTS/bench_gpu.log" || status=1
+echo "gpu_check: exit status $status (results in $RESULTS)"
+exit $status
