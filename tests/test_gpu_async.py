@@ -160,8 +160,6 @@ def test_arena_snapshot_without_tensor_bytes(tmp_path, mode):
     assert out["obj"] == {"step": 3} and out["empty"].shape == (0, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="CheckpointManager has no wait_for_staging() yet (issue 31: the manager "
-                                       "exposes the staging handle); remove this mark once it does")
 def test_manager_exposes_wait_for_staging(tmp_path):
     with CheckpointManager(str(tmp_path / "root"), save_interval_steps=1, async_save=True) as m:
         m.save(1, _sharded({"t": torch.arange(4.0)}))
@@ -188,9 +186,6 @@ _CPU_ONLY_JOB = textwrap.dedent("""
 
 
 @cuda_only
-@pytest.mark.xfail(strict=True, reason="staging.StagingArena pins with cudaHostRegister whenever CUDA is available: "
-                                       "torch.cuda.cudart() creates a CUDA context in a CPU-only job (remove this "
-                                       "mark once arenas are pinned only for accelerator tensors)")
 @pytest.mark.parametrize("how", ["copy", "local_tier"])
 def test_cpu_only_job_creates_no_cuda_context(tmp_path, how):
     # A CPU-only trainer on a GPU node (e.g. saving to S3: "auto" resolves to "copy") must not
