@@ -6,7 +6,8 @@ environment and ``--storage-option KEY=VALUE``. Long operations show a progress 
 a terminal and log lines otherwise.
 
 Each subcommand imports only the tools it runs (inside :func:`main`): ``--help`` and
-``--version`` import neither torch nor the library's modules."""
+``--version`` import neither torch nor the library's modules; ``inspect``, ``validate`` and
+``export`` import torch but not ``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
@@ -93,6 +94,10 @@ def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
         node[leaf] = value
     return options
 
+
+# the subcommands that only read checkpoints: they run without torch.distributed.checkpoint,
+# reading `.metadata` into light stand-ins of its classes (strategies/dcp_types.py)
+_READ_ONLY = ("inspect", "validate", "export")
 
 _CKPT = "the checkpoint: a directory or a URL (s3://bucket/prefix, …)"
 
@@ -237,6 +242,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command not in _READ_ONLY:
+        # what writes a checkpoint writes DCP's own metadata classes: import DCP before the
+        # library (strategies/dcp_types.py takes DCP's classes when DCP is already imported)
+        import torch.distributed.checkpoint  # noqa: F401
     from .core import CheckpointingException
     from .tools.output import OutputExistsError
 
