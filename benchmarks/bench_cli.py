@@ -3,7 +3,9 @@
 Each command runs as ``python -m dist_checkpointing ...`` in a fresh process; its CPU time
 (user + system, from ``resource.getrusage(RUSAGE_CHILDREN)``) and wall time are recorded.
 The commands run interleaved, ``--rounds`` times, and the median is reported, with the heavy
-modules each command imported (``torch``, ``torch.distributed.checkpoint``).
+modules each command imported (``torch``, ``torch.distributed.checkpoint``). ``--baseline DIR``
+runs each command from another source tree too (e.g. an earlier commit's
+``git archive COMMIT | tar -x -C DIR``), interleaved with this one's, for a side-by-side table.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def _commands(ckpt: Path, out: Path) -> Dict[str, List[str]]:
     }
 
 
+def _env(tree: Path) -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
 def _run(args: List[str], env: Dict[str, str]) -> Dict[str, object]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -72,32 +78,40 @@ def _run(args: List[str], env: Dict[str, str]) -> Dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="runs of each command (default 5)")
+    parser.add_argument("--baseline", metavar="DIR", help="also run each command from this source tree")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_cli.json"))
     args = parser.parse_args()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    trees = {"this": ROOT} | ({"baseline": Path(args.baseline).resolve()} if args.baseline else {})
     scratch = Path(tempfile.mkdtemp(prefix="bench_cli_"))
     try:
         ckpt = scratch / "ckpt"
-        subprocess.run([sys.executable, "-c", _MAKE, str(ckpt)], check=True, env=env)
+        subprocess.run([sys.executable, "-c", _MAKE, str(ckpt)], check=True, env=_env(ROOT))
         commands = _commands(ckpt, scratch)
         load_before = os.getloadavg()
-        runs: Dict[str, List[Dict[str, object]]] = {name: [] for name in commands}
-        for _ in range(args.rounds):  # interleaved: every round runs every command once
+        runs: Dict[str, Dict[str, List[Dict[str, object]]]] = {t: {name: [] for name in commands} for t in trees}
+        for _ in range(args.rounds):  # interleaved: every round runs every command once from every tree
             for name, argv in commands.items():
-                runs[name].append(_run(argv, env))
+                for tree, path in trees.items():
+                    runs[tree][name].append(_run(argv, _env(path)))
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"{'command':<16} {'CPU s':>6} {'wall s':>7}  heavy modules imported")
-    summary = {}
-    for name, rs in runs.items():
-        cpu = statistics.median(r["cpu_s"] for r in rs)
-        wall = statistics.median(r["wall_s"] for r in rs)
-        summary[name] = {"cpu_s": cpu, "wall_s": wall, "heavy": rs[-1]["heavy"], "runs": rs}
-        print(f"{name:<16} {cpu:6.2f} {wall:7.2f}  {rs[-1]['heavy'] or '-'}")
+    summary: Dict[str, Dict[str, object]] = {t: {} for t in trees}
+    header = "".join(f" {t + ' CPU s':>14} {t + ' wall s':>15}" for t in trees)
+    print(f"{'command':<16}{header}  heavy modules imported ({', '.join(trees)})")
+    for name in commands:
+        cells, heavy = "", []
+        for tree in trees:
+            rs = runs[tree][name]
+            cpu, wall = statistics.median(r["cpu_s"] for r in rs), statistics.median(r["wall_s"] for r in rs)
+            summary[tree][name] = {"cpu_s": cpu, "wall_s": wall, "heavy": rs[-1]["heavy"], "runs": rs}
+            cells += f" {cpu:14.2f} {wall:15.2f}"
+            heavy.append(rs[-1]["heavy"] or "-")
+        print(f"{name:<16}{cells}  {' | '.join(heavy)}")
     print(f"medians of {args.rounds}; load average (1 min) before/after: {load_before[0]:.1f} / {load_after[0]:.1f}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"rounds": args.rounds, "loadavg_before_after": [load_before, load_after],
+    Path(args.output).write_text(json.dumps({"rounds": args.rounds, "trees": {t: str(p) for t, p in trees.items()},
+                                             "loadavg_before_after": [load_before, load_after],
                                              "commands": summary}, indent=2))
 
 
