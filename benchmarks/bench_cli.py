@@ -60,12 +60,12 @@ def _env(tree: Path) -> Dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
-def _run(args: List[str], env: Dict[str, str]) -> Dict[str, object]:
+def _run(args: List[str], tree: Path) -> Dict[str, object]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _PROBE + "\nimport runpy, sys; sys.argv[0] = 'dist-ckpt'; "
                            "runpy.run_module('dist_checkpointing', run_name='__main__', alter_sys=True)", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=_env(tree), cwd=tree, timeout=300)  # (-c: cwd first on sys.path)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -92,7 +92,7 @@ def main() -> None:
         for _ in range(args.rounds):  # interleaved: every round runs every command once from every tree
             for name, argv in commands.items():
                 for tree, path in trees.items():
-                    runs[tree][name].append(_run(argv, _env(path)))
+                    runs[tree][name].append(_run(argv, path))
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
