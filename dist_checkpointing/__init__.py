@@ -2,50 +2,74 @@
 
 A drop-in for Megatron-Core's ``megatron.core.dist_checkpointing``: change the import
 prefix and model code written for it works unchanged.
+
+The public names below are imported with the package, as they always were, except in the
+``dist-ckpt`` command's own process (``dist-ckpt …`` or ``python -m dist_checkpointing …``):
+there each is imported on first use, so that a subcommand imports only what it needs
+(``--help`` imports neither torch nor the library).
 """
 
-# Import torch's distributed checkpointing now rather than on the first save/load: importing
-# it after init_process_group can make the process abort at exit (torch 2.13, gloo).
-import torch.distributed.checkpoint  # noqa: F401
+import os
+import sys
+from importlib import import_module
+from typing import Any, List
 
 from .compat import moved as _moved
 
 _moved.install()  # module paths of earlier versions (e.g. dist_checkpointing.convert) still import
 
-from .core import CheckpointingConfig, CheckpointingException
-from .manager import CheckpointManager
-from .mapping import (
-    LocalNonpersistentObject,
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    ShardedTensorFactory,
-    StateDict,
-    apply_factories,
-    apply_factory_merges,
-    is_main_replica,
-)
-from .serialization import (
-    check_is_distributed_checkpoint,
-    load,
-    load_common_state_dict,
-    load_content_metadata,
-    load_plain_tensors,
-    load_sharded_metadata,
-    load_tensors_metadata,
-    remove_sharded_tensors,
-    save,
-)
-from .strategies.safe_globals import register_safe_globals
-from .validation import StrictHandling
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointManager", "CheckpointingConfig", "CheckpointingException", "LocalNonpersistentObject", "ShardedObject",
-    "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "StrictHandling",
-    "apply_factories", "apply_factory_merges", "check_is_distributed_checkpoint", "is_main_replica",
-    "load", "load_common_state_dict", "load_content_metadata", "load_plain_tensors",
-    "load_sharded_metadata", "load_tensors_metadata", "register_safe_globals", "remove_sharded_tensors",
-    "save",
-]
+# public name -> the module (relative to this package) that defines it
+_EXPORTS = {
+    "CheckpointingConfig": ".core", "CheckpointingException": ".core",
+    "CheckpointManager": ".manager",
+    **{name: ".mapping" for name in (
+        "LocalNonpersistentObject", "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory",
+        "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica")},
+    **{name: ".serialization" for name in (
+        "check_is_distributed_checkpoint", "load", "load_common_state_dict", "load_content_metadata",
+        "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata", "remove_sharded_tensors", "save")},
+    "register_safe_globals": ".strategies.safe_globals",
+    "StrictHandling": ".validation",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name imported on first use (the command line's process only)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _is_command_line() -> bool:
+    """Whether this process is the ``dist-ckpt`` command: the console script, or
+    ``python -m dist_checkpointing[.…]`` (``sys.argv[0]`` is ``-m`` while the module to run is
+    being imported; ``sys.orig_argv`` names it)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 != "-m":
+        return os.path.basename(argv0) in ("dist-ckpt", "dist-ckpt.exe", "dist-ckpt-script.py")
+    args = list(getattr(sys, "orig_argv", []))
+    for i, arg in enumerate(args[1:], 1):
+        if arg.startswith("-m"):
+            module = arg[2:] or (args[i + 1] if i + 1 < len(args) else "")
+            return module == __name__ or module.startswith(__name__ + ".")
+    return False
+
+
+if not _is_command_line():
+    # Import torch's distributed checkpointing now rather than on the first save/load: importing
+    # it after init_process_group can make the process abort at exit (torch 2.13, gloo).
+    import torch.distributed.checkpoint  # noqa: F401
+
+    for _name in _EXPORTS:
+        __getattr__(_name)
+    del _name

@@ -3,7 +3,11 @@
 local-tier checkpoint into a normal one, in one process without a process group. A
 checkpoint may be a directory or a URL (``s3://bucket/prefix``, …), configured by the
 environment and ``--storage-option KEY=VALUE``. Long operations show a progress bar on
-a terminal and log lines otherwise."""
+a terminal and log lines otherwise.
+
+Each subcommand imports only the tools it runs (inside :func:`main`): ``--help`` and
+``--version`` import neither torch nor the library's modules; ``inspect``, ``validate`` and
+``export`` import torch but not ``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
@@ -15,17 +19,13 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from .core import CheckpointingException, open_storage
-from .tools import (
-    OutputExistsError, export_checkpoint, format_info, human_size, import_checkpoint, inspect_checkpoint,
-    validate_checkpoint,
-)
-
 logger = logging.getLogger("dist_checkpointing.cli")
 
 
 def _progress(desc: str) -> Callable[[int, int, str], None]:
     """A progress callback: a tqdm bar when stderr is a terminal, else a log line per 10%."""
+    from .tools.info import human_size
+
     if sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -88,10 +88,16 @@ def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
+                from .core import CheckpointingException
+
                 raise CheckpointingException(f"--storage-option {key}: {part} is already a value")
         node[leaf] = value
     return options
 
+
+# the subcommands that only read checkpoints: they run without torch.distributed.checkpoint,
+# reading `.metadata` into light stand-ins of its classes (strategies/dcp_types.py)
+_READ_ONLY = ("inspect", "validate", "export")
 
 _CKPT = "the checkpoint: a directory or a URL (s3://bucket/prefix, …)"
 
@@ -167,6 +173,66 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
+def _run(args: argparse.Namespace, options: Optional[Dict[str, Any]]) -> int:
+    """Run the subcommand ``args.command``, importing only the tools it needs."""
+    from .core import CheckpointingException
+    from .tools.info import human_size
+
+    if args.command == "inspect":
+        from .tools.info import format_info, inspect_checkpoint
+
+        info = inspect_checkpoint(args.dir, options)
+        print(json.dumps(info.as_dict(), indent=2) if args.json else format_info(info))
+        return 0
+    if args.command == "validate":
+        from .core import open_storage
+        from .tools.validate import validate_checkpoint
+
+        if not args.json and open_storage(args.dir, options).kind() is None:  # (--json reports it as a problem)
+            raise CheckpointingException(f"Checkpoint directory {args.dir} does not exist")
+        report = validate_checkpoint(args.dir, progress=_progress("validate"), storage_options=options)
+        if args.json:
+            print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
+        else:
+            print(f"{report.path}: {'OK' if report.ok else 'DAMAGED'} — {report.checked_tensors} tensors "
+                  f"({human_size(report.checked_bytes)}) and {report.checked_objects} objects checked")
+            for problem in report.problems:
+                print(f"  problem: {problem}")
+            for note in report.notes:
+                print(f"  note: {note}")
+        return 0 if report.ok else 1
+    if args.command == "export":
+        from .tools.export import export_checkpoint
+
+        files = export_checkpoint(args.dir, args.out, args.format, args.keys, args.force,
+                                  int(args.max_shard_size * 2**30), progress=_progress("export"),
+                                  storage_options=options)
+        for f in files:
+            print(f)
+        return 0
+    if args.command == "convert":
+        from .tools.convert import convert_checkpoint
+
+        result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"),
+                                    storage_options=options)
+        print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
+              f"{result.objects} objects written in layout {args.layout}")
+        return 0
+    if args.command == "convert-local":
+        from .manager import convert_local_checkpoint
+
+        done = convert_local_checkpoint(args.node_dirs, args.out, args.step, storage_options=options,
+                                        root=args.root)
+        print(f"{args.out}: step {done.step} of {done.world} ranks: {done.tensors} tensor chunks "
+              f"({human_size(done.nbytes)}) and {done.objects} objects written")
+        return 0
+    from .tools.importing import import_checkpoint
+
+    count = import_checkpoint(args.source, args.out, args.force, storage_options=options)
+    print(f"{args.out}: {count} tensors imported")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line; returns the exit status (0 success, 1 failure, 2 usage)."""
     parser = _parser()
@@ -176,52 +242,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command not in _READ_ONLY:
+        # what writes a checkpoint writes DCP's own metadata classes: import DCP before the
+        # library (strategies/dcp_types.py takes DCP's classes when DCP is already imported)
+        import torch.distributed.checkpoint  # noqa: F401
+    from .core import CheckpointingException
+    from .tools.output import OutputExistsError
+
     try:
-        options = _storage_options(getattr(args, "storage_options", None))
-        if args.command == "inspect":
-            info = inspect_checkpoint(args.dir, options)
-            print(json.dumps(info.as_dict(), indent=2) if args.json else format_info(info))
-            return 0
-        if args.command == "validate":
-            if not args.json and open_storage(args.dir, options).kind() is None:  # (--json reports it as a problem)
-                raise CheckpointingException(f"Checkpoint directory {args.dir} does not exist")
-            report = validate_checkpoint(args.dir, progress=_progress("validate"), storage_options=options)
-            if args.json:
-                print(json.dumps(vars(report) | {"ok": report.ok}, indent=2))
-            else:
-                print(f"{report.path}: {'OK' if report.ok else 'DAMAGED'} — {report.checked_tensors} tensors "
-                      f"({human_size(report.checked_bytes)}) and {report.checked_objects} objects checked")
-                for problem in report.problems:
-                    print(f"  problem: {problem}")
-                for note in report.notes:
-                    print(f"  note: {note}")
-            return 0 if report.ok else 1
-        if args.command == "export":
-            files = export_checkpoint(args.dir, args.out, args.format, args.keys, args.force,
-                                      int(args.max_shard_size * 2**30), progress=_progress("export"),
-                                      storage_options=options)
-            for f in files:
-                print(f)
-            return 0
-        if args.command == "convert":
-            from .tools.convert import convert_checkpoint
-
-            result = convert_checkpoint(args.dir, args.out, args.layout, args.force, progress=_progress("convert"),
-                                        storage_options=options)
-            print(f"{args.out}: {result.tensors} tensors ({result.flattened} were flattened) and "
-                  f"{result.objects} objects written in layout {args.layout}")
-            return 0
-        if args.command == "convert-local":
-            from .manager import convert_local_checkpoint
-
-            done = convert_local_checkpoint(args.node_dirs, args.out, args.step, storage_options=options,
-                                            root=args.root)
-            print(f"{args.out}: step {done.step} of {done.world} ranks: {done.tensors} tensor chunks "
-                  f"({human_size(done.nbytes)}) and {done.objects} objects written")
-            return 0
-        count = import_checkpoint(args.source, args.out, args.force, storage_options=options)
-        print(f"{args.out}: {count} tensors imported")
-        return 0
+        return _run(args, _storage_options(getattr(args, "storage_options", None)))
     except OutputExistsError as e:
         print(f"error: {e.out} already exists (pass --force to replace it)", file=sys.stderr)
         return 1

@@ -6,12 +6,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .storage import Storage, StorageOptions, storage_for, url_scheme
 
@@ -24,11 +23,17 @@ _MAX_CONFIG_BYTES = 1 << 16
 _checkpoint_file_checks: List[Callable[[str], bool]] = []
 
 
-class CheckpointingException(Exception, CheckpointException):
+# PyTorch DCP's exception, a base of ours whenever DCP is imported: always, except in the dist-ckpt
+# command's read-only subcommands, which do not import it (see dist_checkpointing/__init__.py)
+_DCP_API = sys.modules.get("torch.distributed.checkpoint.api")
+
+
+class CheckpointingException(Exception, *((_DCP_API.CheckpointException,) if _DCP_API else ())):
     """Raised for any user-facing checkpointing error (bad input, bad checkpoint, I/O).
 
     Also a ``torch.distributed.checkpoint.api.CheckpointException``, which Megatron-Core
-    lets propagate from PyTorch's reader and writer: code catching either catches it.
+    lets propagate from PyTorch's reader and writer: code catching either catches it (in
+    every process that imports DCP; the ``dist-ckpt`` command's read-only subcommands do not).
     Constructed as ``CheckpointingException(msg)`` (``failures``, the per-rank
     ``(exception, traceback)`` pairs PyTorch's class carries, defaults to none); ``str()``
     is the message, and it is an ``Exception`` (PyTorch's class is only a

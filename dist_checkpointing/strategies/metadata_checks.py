@@ -16,12 +16,12 @@ import os
 from typing import Any, Dict, Iterable, Optional
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+from .dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo as _StorageInfo,
     TensorProperties,
     TensorStorageMetadata,
 )

@@ -17,10 +17,8 @@ import pickle
 from typing import IO, Any, Union
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint import metadata as dcp_md
-from torch.distributed.checkpoint import planner as dcp_planner
 
+from . import dcp_types
 from ..core import CheckpointingException, Location, open_storage
 from ..integrity.checksums import read_file_verified
 from .safe_globals import safe_globals_context
@@ -66,26 +64,17 @@ def _blocked_globals(f: IO[bytes]) -> str:
         return ""
 
 
-class MCoreMetadata(dcp_md.Metadata):
+class MCoreMetadata(dcp_types.Metadata):
     """Stand-in for Megatron-Core 0.15's ``MCoreMetadata`` (adds ``mcore_data``)."""
 
 
-class MCoreSavePlan(dcp_planner.SavePlan):
+class MCoreSavePlan(dcp_types.SavePlan):
     """Stand-in for Megatron-Core's ``MCoreSavePlan`` (pickled inside 0.15 metadata)."""
 
 
-_ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-}
+# DCP's metadata classes (their light stand-ins where DCP is not imported: see dcp_types)
+_ALLOWED = dict(dcp_types.CLASSES)
 _ALLOWED.update({
-    ("torch.distributed.checkpoint.planner", name): getattr(dcp_planner, name)
-    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
-                 "ReadItem", "LoadItemType")
-})
-_ALLOWED.update({
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
@@ -121,7 +110,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(checkpoint_dir: Location, name: str = ".metadata",
-                      verify_checksum: bool = True) -> dcp_md.Metadata:
+                      verify_checksum: bool = True) -> dcp_types.Metadata:
     """Unpickle a checkpoint's DCP ``.metadata`` file safely (checking its checksum sidecar if any)."""
     storage = open_storage(checkpoint_dir)
     path = storage.describe(name)
@@ -132,6 +121,6 @@ def load_dcp_metadata(checkpoint_dir: Location, name: str = ".metadata",
         raise
     except Exception as e:  # noqa: BLE001 - truncated or corrupted pickle
         raise CheckpointingException(f"Cannot read checkpoint metadata {path}: {e}") from e
-    if not isinstance(metadata, dcp_md.Metadata):
+    if not isinstance(metadata, dcp_types.Metadata):
         raise CheckpointingException(f"{path} does not hold DCP metadata")
     return metadata

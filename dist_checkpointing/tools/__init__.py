@@ -10,13 +10,28 @@ One module per tool: :mod:`.info` (inspect), :mod:`.validate`, :mod:`.export`,
 :mod:`.importing` (import); :mod:`.output` writes their outputs safely.
 """
 
-from .export import export_checkpoint
-from .importing import import_checkpoint
-from .info import CheckpointInfo, TensorInfo, format_info, human_size, inspect_checkpoint
-from .output import OutputExistsError, PathLike, Progress, staging_dir
-from .validate import ValidationReport, validate_checkpoint
+from importlib import import_module
+from typing import Any, List
 
-__all__ = [
-    "CheckpointInfo", "OutputExistsError", "PathLike", "Progress", "TensorInfo", "ValidationReport", "export_checkpoint",
-    "format_info", "human_size", "import_checkpoint", "inspect_checkpoint", "staging_dir", "validate_checkpoint",
-]
+# public name -> the module that defines it, imported on first use (the command line imports
+# only the tool it runs)
+_EXPORTS = {
+    "export_checkpoint": ".export", "import_checkpoint": ".importing",
+    **{name: ".info" for name in ("CheckpointInfo", "TensorInfo", "format_info", "human_size", "inspect_checkpoint")},
+    **{name: ".output" for name in ("OutputExistsError", "PathLike", "Progress", "staging_dir")},
+    "ValidationReport": ".validate", "validate_checkpoint": ".validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -14,7 +14,7 @@ import torch
 
 from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException, Location, malformed, open_storage
-from ..serialization import get_default_load_sharded_strategy, load_tensors_metadata
+from ..readers import get_default_load_sharded_strategy, load_tensors_metadata
 from ..strategies.base import StoredItems
 
 

@@ -19,17 +19,41 @@ read and write; the machinery is this library's own. One concept per module:
 ``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names.
 """
 
+from importlib import import_module
+from typing import Any, List
+
 from ..registry import StrategyAction, register_default_strategy
-from .dcp_interop import MCoreLoadPlanner, MCoreSavePlanner, mcore_to_pyt_state_dict, sharded_tensor_to_torch_sharded_tensor
-from .format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_path, original_global_shape
-from .load import TorchDistLoadShardedStrategy, get_reformulation_metadata
-from .metadata import read_metadata
-from .save import TorchDistSaveShardedStrategy
+
+# public name -> its module, imported on first use (reading metadata needs neither the save
+# strategy nor the DCP bridges, which import all of torch.distributed.checkpoint)
+_EXPORTS = {
+    **{name: ".dcp_interop" for name in ("MCoreLoadPlanner", "MCoreSavePlanner", "mcore_to_pyt_state_dict",
+                                         "sharded_tensor_to_torch_sharded_tensor")},
+    **{name: ".format" for name in ("COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "data_file_path",
+                                    "original_global_shape")},
+    "TorchDistLoadShardedStrategy": ".load", "get_reformulation_metadata": ".load",
+    "read_metadata": ".metadata", "TorchDistSaveShardedStrategy": ".save",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 def register_default_torch_strategies() -> None:
     """Register the torch_dist strategies. Not needed: the registry resolves the built-in
     strategies on their first lookup (kept for Megatron-Core compatibility)."""
+    from .load import TorchDistLoadShardedStrategy
+    from .save import TorchDistSaveShardedStrategy
+
     register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
     register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy())
 

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from torch.distributed.checkpoint.metadata import Metadata
+from ..dcp_types import Metadata
 
 from ...exchange.collectives import (
     all_reduce_max_uint8,

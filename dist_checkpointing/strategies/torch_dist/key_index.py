@@ -18,12 +18,12 @@ import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+from ..dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo as _StorageInfo,
     TensorProperties,
     TensorStorageMetadata,
 )

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from ..dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...exchange.collectives import run_agreed
 from ...core import CheckpointingException, open_storage

@@ -11,8 +11,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from ..dcp_types import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo as _StorageInfo,
+    TensorStorageMetadata,
+)
 
 from ...core import CheckpointingException
 from ...dict_utils import nested_values

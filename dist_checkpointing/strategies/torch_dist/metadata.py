@@ -12,12 +12,12 @@ import uuid
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+from ..dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo as _StorageInfo,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,

@@ -11,7 +11,7 @@ import threading
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from ..dcp_types import StorageInfo as _StorageInfo
 
 from ...core import CheckpointingException
 from ...tensors.fp8 import dequantize, is_float8tensor
