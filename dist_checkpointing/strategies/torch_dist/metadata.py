@@ -34,7 +34,6 @@ from ..metadata_checks import check_dcp_metadata
 from ..safe_pickle import load_dcp_metadata
 from .key_index import encode_index, encode_table_index
 from .location_table import ChecksumColumns, Location, LocationTable
-from .metadata_writer import metadata_bytes
 from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
@@ -162,6 +161,8 @@ def write_table(table: LocationTable, checks: ChecksumColumns, storage: Storage)
     """:func:`write_metadata` of the ``Metadata`` that :func:`build_metadata` would build from
     ``table``'s locations with this save's item checksums ``checks``, streamed from the
     columns (:mod:`.metadata_writer`, :func:`.key_index.encode_table_index`)."""
+    from .metadata_writer import metadata_bytes  # writers only: it imports DCP's classes
+
     table.storage_meta = storage_meta(storage)
     _write_both(storage, metadata_bytes(table, checks, table.storage_meta),
                 lambda metadata_checksum: encode_table_index(table, checks, metadata_checksum))
@@ -169,6 +170,8 @@ def write_table(table: LocationTable, checks: ChecksumColumns, storage: Storage)
 
 def table_metadata(table: LocationTable) -> Metadata:
     """The ``Metadata`` last written from ``table`` (by :func:`write_table`), as objects."""
+    from .metadata_writer import metadata_bytes
+
     return pickle.loads(metadata_bytes(table, table.checksums, table.storage_meta))
 
 
