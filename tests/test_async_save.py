@@ -37,7 +37,7 @@ from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, re
 
 from .conftest import get_pool
 from .faulty_storage import FaultyStorage
-from .helpers import assert_all_raise, slow_writes
+from .helpers import assert_all_raise, slack, slow_writes
 
 ASYNC_THREAD = "dist_checkpointing-async"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -938,7 +938,7 @@ def _script(ckpt, mode):
 def test_no_writer_left_after_exit_without_finalize(tmp_path):
     ckpt = tmp_path / "exit"
     with _script(ckpt, "exit") as (proc, pid):
-        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert proc.wait(timeout=slack(30)) == 0, proc.stderr.read()
         assert _wait_gone(pid, 5.0), f"writer {pid} outlived its parent"
     assert not dc.check_is_distributed_checkpoint(ckpt) and not (ckpt / CONFIG_FNAME).exists()
 
@@ -948,7 +948,7 @@ def test_writer_dies_with_sigkilled_parent(tmp_path):
     with _script(ckpt, "sigkill") as (proc, pid):
         assert not _proc_gone(pid)  # busy writing (for a minute)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait(timeout=slack(10))
         assert _wait_gone(pid, 5.0), f"writer {pid} outlived its SIGKILLed parent"
     assert not dc.check_is_distributed_checkpoint(ckpt)
 
@@ -959,7 +959,7 @@ def test_exit_kills_a_busy_writer(tmp_path):
     ckpt = tmp_path / "busy"
     with _script(ckpt, "slow_exit") as (proc, pid):
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=slack(5))
         except subprocess.TimeoutExpired:
             pytest.fail(f"the interpreter did not exit within 5 s: it waits for the busy writer {pid}")
         assert _wait_gone(pid, 5.0), f"writer {pid} outlived its parent"

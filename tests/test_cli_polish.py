@@ -5,6 +5,7 @@ arguments in the API), one way of printing sizes, positive shard sizes."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.cli import main
 from dist_checkpointing.tools import export_checkpoint, human_size, inspect_checkpoint
+
+from .helpers import slack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,14 +34,14 @@ def ckpt(tmp_path_factory) -> Path:
 def _cli(*args: str, stdin=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "dist_checkpointing", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=env, timeout=slack(120))
 
 
 def test_closed_pipe_exits_quietly(ckpt):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(f"{sys.executable} -m dist_checkpointing inspect --json {ckpt} | head -c 100 >/dev/null; "
                           "echo status=${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=env, timeout=slack(120))
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert "status=141" in proc.stdout, proc.stdout  # the output really was cut short
 
@@ -79,7 +82,12 @@ def test_every_positional_argument_has_help(capsys, command):
     assert positionals and all(a.help for a in positionals), [a.dest for a in positionals if not a.help]
 
 
-@pytest.mark.parametrize("content", [b"hello, world\n", os.urandom(300), b"PK\x03\x04" + os.urandom(100)])
+# fixed bytes (a seeded generator): every pytest-xdist worker must collect the same parameters
+_NOISE = random.Random(33).randbytes(400)
+
+
+@pytest.mark.parametrize("content", [b"hello, world\n", _NOISE[:300], b"PK\x03\x04" + _NOISE[300:]],
+                         ids=["text", "random_bytes", "zip_magic"])
 def test_import_of_something_else_is_one_line(tmp_path, content):
     source = tmp_path / "thing.pt"
     source.write_bytes(content)

@@ -28,6 +28,7 @@ from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.torch import original_global_shape, read_metadata
 
 from .conftest import FIXTURES, get_pool
+from .helpers import slack
 from .peers import require
 
 DISTOPT_015 = FIXTURES / "mcore_v0_15" / "distopt_flat"
@@ -113,7 +114,7 @@ def peer(ckpts, tmp_path_factory):
     torch.save(spec, spec_file)
     env = {**os.environ, "PYTHONPATH": site, "MASTER_PORT": str(29500 + os.getpid() % 500)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron19_peer_load.py")), str(spec_file)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=slack(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout, proc.stderr
 
@@ -204,7 +205,7 @@ def test_memory_stays_near_the_largest_tensor(tmp_path):
     del sd
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "src"), str(tmp_path / "dst")],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=slack(120))
     assert proc.returncode == 0, proc.stderr[-4000:]
     total, growth = map(int, proc.stdout.split())
     print(f"convert of {total >> 20} MiB: peak RSS +{growth >> 20} MiB")

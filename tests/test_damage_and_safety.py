@@ -34,7 +34,7 @@ from dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .conftest import get_pool
-from .helpers import assert_all_raise
+from .helpers import assert_all_raise, slack
 
 _ROOT = Path(__file__).resolve().parents[1]
 _TIMEOUT = 60.0  # per pool call: a hang fails the test instead of blocking the suite
@@ -417,7 +417,7 @@ def _kill_save_midway(script: Path, ckpt: Path, n_tensors: int, mib: int) -> boo
                 break
             if _distcp_bytes(ckpt) > 0:
                 os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+                proc.wait(timeout=slack(30))
                 return True
             time.sleep(0.002)
         else:
@@ -428,7 +428,7 @@ def _kill_save_midway(script: Path, ckpt: Path, n_tensors: int, mib: int) -> boo
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=30)
+            proc.wait(timeout=slack(30))
         proc.stderr.close()
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-from .helpers import free_port
+from .helpers import free_port, slack
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "gpt_demo.py"
@@ -20,7 +20,7 @@ TIMEOUT_S = 180  # a hang is a failure; a normal run takes seconds
 
 
 def _run(cmd: List[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=slack(TIMEOUT_S))
 
 
 def _assert_ok(proc: subprocess.CompletedProcess, phases: List[str]) -> None:

@@ -33,7 +33,7 @@ from typing import List, Tuple
 
 import pytest
 
-from .helpers import free_port
+from .helpers import free_port, slack
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ EXIT_ABORT = "terminate called without an active exception"
 
 
 def _run(cmd: List[str], cwd: Path, timeout: float, what: str) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=slack(timeout))
     hint = ""
     if EXIT_ABORT in proc.stderr:
         hint = ("\n(a rank aborted at exit: the known problem of importing torch.distributed.checkpoint "

@@ -12,6 +12,8 @@ import pytest
 import dist_checkpointing
 from dist_checkpointing.compat.moved import MOVED
 
+from .helpers import slack
+
 ROOT = Path(dist_checkpointing.__file__).resolve().parent
 
 # Megatron-Core 0.15's modules, this library's entry points, and its packages (one concept each)
@@ -41,6 +43,6 @@ def test_old_paths_in_a_fresh_interpreter():
             "import dist_checkpointing.save_claim as claim, dist_checkpointing.integrity.save_claim as new\n"
             "assert claim is new and convert_checkpoint.__module__ == 'dist_checkpointing.tools.convert'\n"
             "print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=slack(120),
                           cwd=ROOT.parent)
     assert proc.stdout.strip() == "ok", proc.stderr

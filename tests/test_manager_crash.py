@@ -76,9 +76,11 @@ def _launch(world: int, mode: str, root: Path, async_save: bool, crash: str = ""
 def _crash_run(world: int, root: Path, async_save: bool, crash: str) -> None:
     """Run the job until rank 0 kills itself at the crash point; then kill the other ranks
     (blocked in a collective, or done)."""
+    from .helpers import slack
+
     procs = _launch(world, "train", root, async_save, crash)
     try:
-        procs[0].wait(timeout=120)
+        procs[0].wait(timeout=slack(120))
         assert procs[0].returncode == -signal.SIGKILL, (procs[0].returncode, procs[0].communicate())
     finally:
         for proc in procs:
@@ -88,11 +90,13 @@ def _crash_run(world: int, root: Path, async_save: bool, crash: str) -> None:
 
 
 def _resume(world: int, root: Path, async_save: bool) -> dict:
+    from .helpers import slack
+
     procs = _launch(world, "resume", root, async_save)
     outs = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=slack(120))
             assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
             outs.append(json.loads(out.strip().splitlines()[-1]))
     finally:

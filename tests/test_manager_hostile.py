@@ -34,7 +34,7 @@ from dist_checkpointing.manager.lock import LOCK_FNAME, RootLock
 from dist_checkpointing.storage import PosixStorage, storage_for
 
 from .conftest import get_pool
-from .helpers import assert_all_raise
+from .helpers import assert_all_raise, slack
 from .locations import _export_env
 from .test_manager import _check_loaded, _save_steps, _state
 
@@ -331,9 +331,9 @@ def test_stale_lock_takeover_race_processes(tmp_path, racers):
         procs = [ctx.Process(target=_race_in_process, args=(str(root), barrier, results)) for _ in range(racers)]
         for p in procs:
             p.start()
-        answers = [results.get(timeout=TIMEOUT) for _ in procs]
+        answers = [results.get(timeout=slack(TIMEOUT)) for _ in procs]
         for p in procs:
-            p.join(TIMEOUT)
+            p.join(slack(TIMEOUT))
             assert p.exitcode == 0
         assert answers.count("won") == 1, answers
         assert all("used by another CheckpointManager" in a for a in answers if a != "won"), answers

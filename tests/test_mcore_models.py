@@ -59,6 +59,8 @@ def mcore_pools():
 
     yield site, get
     for p in _POOLS.values():
+        p.shutdown()
+    for p in _POOLS.values():
         p.close()
     _POOLS.clear()
 

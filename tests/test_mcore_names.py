@@ -32,6 +32,8 @@ from dist_checkpointing.validation import (
     validate_sharded_objects_handling,
 )
 
+from .helpers import slack
+
 
 ROOT = Path(__file__).resolve().parents[1]
 MCORE_SITE = os.environ.get("MCORE_SITE", str(ROOT / ".ci" / "mcore_site"))
@@ -123,7 +125,7 @@ def test_switch_runner_runs_a_script_with_the_switch(tmp_path):
                       "assert m is dist_checkpointing\nprint('ARGS', sys.argv[1:])\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "dist_checkpointing.megatron", str(script), "--ckpt-format",
-                           "torch_dist"], env=env, capture_output=True, text=True, timeout=300)
+                           "torch_dist"], env=env, capture_output=True, text=True, timeout=slack(300))
     assert proc.returncode == 0 and "ARGS ['--ckpt-format', 'torch_dist']" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -133,7 +135,7 @@ def test_switch_without_megatron_installed():
             "assert u is sys.modules['dist_checkpointing.utils']\n"
             "try:\n    import megatron.core.dist_checkpointing.no_such_module\nexcept ImportError: print('NOMOD OK')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=slack(120))
     # without Megatron the parents megatron / megatron.core do not exist: the import fails cleanly
     assert proc.returncode == 0 or "No module named 'megatron'" in proc.stderr, proc.stderr[-2000:]
 

@@ -20,6 +20,7 @@ from dist_checkpointing import ShardedObject, ShardedTensor
 
 from .conftest import get_pool
 
+from .helpers import slack
 from .peers import require
 
 
@@ -47,5 +48,5 @@ def test_megatron_core_015_loads_our_checkpoint(world, tmp_path):
     get_pool(world).run(_save, str(ckpt))
     env = {**os.environ, "PYTHONPATH": require("MCORE_SITE"), "MASTER_PORT": str(29000 + os.getpid() % 1000 + world)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_peer_load.py")), str(ckpt), str(world)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=slack(300))
     assert proc.returncode == 0 and "MEGATRON LOAD OK" in proc.stdout, proc.stderr[-4000:]

@@ -21,6 +21,7 @@ from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTen
 from dist_checkpointing.storage import storage_for
 
 from .conftest import get_pool
+from .helpers import slack
 from .s3_server import FaultProxy
 from .test_storage import check_storage_contract
 
@@ -40,7 +41,7 @@ def _unfinished_uploads(s3_server) -> list:
     in its filer)."""
     req = urllib.request.Request(f"http://127.0.0.1:{s3_server.ports['filer']}/buckets/{s3_server.bucket}/.uploads/",
                                  headers={"Accept": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    with urllib.request.urlopen(req, timeout=slack(10)) as resp:
         return json.loads(resp.read())["Entries"] or []
 
 
@@ -159,7 +160,7 @@ def test_a_range_announced_by_one_thread_is_fetched_concurrently(s3_server, s3_e
     storage = S3Storage(_url(s3_server))
     data = torch.randint(0, 255, (3 * PART_BYTES + 12345,), dtype=torch.uint8).numpy().tobytes()
     storage.write_atomic("big", data)
-    obstore, gets, both_in_flight = s3_reader._obstore(), [], threading.Barrier(2, timeout=20)
+    obstore, gets, both_in_flight = s3_reader._obstore(), [], threading.Barrier(2, timeout=slack(20))
 
     class CountingObstore:
         def __getattr__(self, name):

@@ -25,6 +25,7 @@ from dist_checkpointing.strategies import (
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 from .conftest import get_pool
+from .helpers import slack
 
 
 class _WholeTensorSave(SaveShardedStrategy):
@@ -379,7 +380,7 @@ def test_builtin_strategies_created_on_first_lookup_and_overridable():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _FRESH_REGISTRY], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", _FRESH_REGISTRY], capture_output=True, text=True, timeout=slack(120),
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

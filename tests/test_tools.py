@@ -43,7 +43,7 @@ from dist_checkpointing.tools import (
 )
 
 from .conftest import FIXTURES, get_pool
-from .helpers import flip_byte
+from .helpers import flip_byte, slack
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -151,7 +151,7 @@ def _run_cli(capsys, *argv) -> tuple:
 def _subprocess(*argv, exe=None) -> subprocess.CompletedProcess:
     cmd = [exe] if exe else [sys.executable, "-m", "dist_checkpointing"]
     env = dict(os.environ, PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True, timeout=120,
+    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True, timeout=slack(120),
                           env=env, cwd=str(_ROOT))
 
 

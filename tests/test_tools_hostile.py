@@ -38,6 +38,8 @@ from dist_checkpointing.tools import export_checkpoint, import_checkpoint, inspe
 safetensors = pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
+from .helpers import slack
+
 _ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {"w": torch.arange(8, dtype=torch.float32), "v": torch.arange(6, dtype=torch.float32).reshape(3, 2) * 0.5}
 HUGE = 2**40
@@ -287,7 +289,7 @@ def test_bind_mounted_aliases_are_refused(base, tmp_path):
               f"mount --bind {root / 'hf'} {aliases[2]} && exec {sys.executable} -c \"$0\" \"$@\"")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script, _BIND_SCRIPT, str(src), str(aliases[0]),
                            str(aliases[1]), str(root / "hf"), str(aliases[2])],
-                          capture_output=True, text=True, timeout=120, env=_ENV)
+                          capture_output=True, text=True, timeout=slack(120), env=_ENV)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 5
@@ -437,7 +439,7 @@ def test_hostile_sizes_allocate_nothing(base, tmp_path):
     dirs = [_craft(base, tmp_path / a, a) for a in SIZE_ATTACKS]
     intact = shutil.copytree(base / "ckpt", tmp_path / "intact")
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(intact)] + [str(d) for d in dirs],
-                          capture_output=True, text=True, timeout=120, env=_ENV)
+                          capture_output=True, text=True, timeout=slack(120), env=_ENV)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results.pop(str(intact)) == {"validate": True, "safetensors": "done", "torch": "done", "cli": 0}

@@ -38,7 +38,7 @@ from dist_checkpointing.transport import PGTransport, recover_from_peer
 
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
-from .helpers import free_port
+from .helpers import free_port, slack
 
 T = timedelta(seconds=60)  # transfers that must succeed
 ERR_T = timedelta(seconds=2)  # transfers expected to fail: a refusal needs milliseconds, not a timeout
@@ -914,11 +914,11 @@ class _PeerFailureLaunch:
         outputs = [""] * 4
         try:
             try:
-                outputs[0] = self.procs[0].communicate(timeout=90)[0]
+                outputs[0] = self.procs[0].communicate(timeout=slack(90))[0]
             finally:
                 self.done.touch()
             for r in (1, 2, 3):
-                outputs[r] = self.procs[r].communicate(timeout=30)[0]
+                outputs[r] = self.procs[r].communicate(timeout=slack(30))[0]
         finally:
             self.kill()
         for out in outputs:

@@ -14,7 +14,7 @@ from typing import Dict, List
 
 from dist_checkpointing.manager.crash import CRASH_ENV
 
-from .helpers import free_port
+from .helpers import free_port, slack
 
 WORKER = Path(__file__).resolve().parent / "two_tier_torchrun_worker.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def _launch(tmp: Path, mode: str, steps: int, crash_node1: str = "") -> List[Dic
     logs = []
     try:
         for agent in agents:
-            logs.append(agent.communicate(timeout=240)[0])
+            logs.append(agent.communicate(timeout=slack(240))[0])
     finally:
         for agent in agents:
             if agent.poll() is None:
