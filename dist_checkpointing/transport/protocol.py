@@ -20,8 +20,9 @@ from ..core import CheckpointingException, gc_paused
 from ..tensors.fp8 import float8_dtype, is_float8tensor
 from . import wire
 from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _wire_view
-from .leaves import DTensor, _Columns, _kind, _LeafError, _local_tensor
-from .plan import _alone, _plan_messages
+from .leaves import DTensor, _Columns, _LeafError
+from .own_state import _OwnState
+from .plan import _alone
 from .wire import (
     _MAGIC,
     _TAG_ACK,
@@ -37,7 +38,6 @@ from .wire import (
     _head,
     _read_head,
     _Meta,
-    _pickle_treespec,
     _segments,
 )
 
@@ -288,7 +288,7 @@ class PGTransport:
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
         return out
 
-    def _destinations(self, meta: _Meta, own: Optional["_OwnState"]) -> List[Optional[torch.Tensor]]:
+    def _destinations(self, meta: _Meta, own: Optional[_OwnState]) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
         against the sender's metadata."""
         if own is None:
@@ -433,41 +433,6 @@ def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
             values.append(result)
     return tree_unflatten(values, meta.treespec)
 
-
-class _OwnState:
-    """A receiver's own state, flattened (while the sender encodes its metadata): the local
-    tensor of every leaf, and the kinds, shapes and dtypes to compare with the sender's."""
-
-    def __init__(self, state: Any):
-        self.state = state
-        self.values, self.spec = tree_flatten(state)
-        self.kinds = [_kind(v) for v in self.values]
-        self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
-        try:
-            self.spec_pickle: Optional[bytes] = _pickle_treespec(self.spec)
-        except Exception:  # noqa: BLE001 - e.g. a local class in the structure: compared as objects
-            self.spec_pickle = None
-        self.shapes = [None if t is None else tuple(t.shape) for t in self.locals]
-        self.dtypes = [None if t is None else t.dtype for t in self.locals]
-        # The data messages the sender plans for a state like this one, with this process's
-        # sizes (planned here while the sender describes its state; see plan_into).
-        self.sizes = (wire.BUCKET_BYTES, wire.ALONE_BYTES)
-        self.planned: Optional[Tuple[List[Tuple[int, List[int]]], List[int]]] = None
-        if all(t is None or type(t) is torch.Tensor for t in self.locals):
-            self.nbytes = [0 if t is None else t.nbytes for t in self.locals]
-            n = len(self.locals)
-            self.planned = _plan_messages(
-                _Columns(self.kinds, self.shapes, self.dtypes, self.nbytes, [], [None] * n, []), *self.sizes)
-
-    def plan_into(self, meta: _Meta) -> bool:
-        """Give ``meta`` the plan made for this state, if it is the sender's: the plan is
-        a function of the leaves' sizes and wire dtypes and the two sizes alone
-        (:func:`.plan._plan_messages`). False: ``meta`` must be planned."""
-        if (self.planned is None or (meta.bucket_bytes, meta.alone_bytes) != self.sizes or meta.fp8_leaves
-                or meta.columns.nbytes != self.nbytes or meta.wire != self.dtypes):
-            return False
-        meta.messages, meta.offsets = self.planned
-        return True
 
 def _paths(state: Any) -> List[str]:
     """The key path of every leaf of ``state`` (for messages)."""
