@@ -50,6 +50,6 @@ from .plan import _plan_messages
 from .protocol import PGTransport, recover_from_peer
 from .wire import _TAG_DATA, _TAG_GO, _TAG_HEADER, PROTOCOL_VERSION, _decode_meta, _encode_meta, _Meta, _segments
 
-__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "PROTOCOL_VERSION", "PGTransport", "recover_from_peer"]
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "HOST_STAGING", "PROTOCOL_VERSION", "STAGING_BYTES", "PGTransport", "recover_from_peer"]
 
-forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES"))
+forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES", "HOST_STAGING", "STAGING_BYTES"))

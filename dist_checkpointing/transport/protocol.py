@@ -23,6 +23,7 @@ from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _w
 from .leaves import DTensor, _Columns, _LeafError
 from .own_state import _OwnState
 from .plan import _alone
+from .staging import receive_staged, send_staged
 from .wire import (
     _MAGIC,
     _TAG_ACK,
@@ -89,6 +90,12 @@ class PGTransport:
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
         self._wait([self._post_recv(tensor, src, tag, what)], what, src)
+
+    def _through_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a wire source or destination) is an accelerator tensor while the
+        wire is host memory (gloo): with ``HOST_STAGING`` its messages go through host
+        staging buffers (:mod:`.staging`)."""
+        return self._device.type == "cpu" and not t.is_cpu
 
     def _send_text(self, dsts: Sequence[int], status: int, text: str, tags: Tuple[int, int], what: str) -> None:
         body = text.encode()
@@ -187,6 +194,9 @@ class PGTransport:
         at once, so they stream back to back; copies of the others are bounded to two
         buckets' worth in flight). Buckets are packed into two reused buffers, one
         ``torch.cat`` per dtype run."""
+        if wire.HOST_STAGING and any(s is not None and self._through_host(s) for s in sources):
+            send_staged(self, dsts, meta, sources)
+            return
         device, c = self._device, meta.columns
 
         def wait_all(works: List[Tuple[Any, int]]) -> None:
@@ -337,7 +347,7 @@ class PGTransport:
         that need a copy or a conversion) go through two reused buffers, each unpacked
         before it is posted again: one typed copy call per dtype run of a bucket."""
         c = meta.columns
-        count, device, wire = len(c.kinds), self._device, meta.wire
+        count, device, wire_dtypes = len(c.kinds), self._device, meta.wire
         inplace = self._state_dict is not None
         results: List[Optional[torch.Tensor]] = list(dests)
         # targets[i]: the tensor that leaf i's wire values are copied into (its dtype and
@@ -354,7 +364,7 @@ class PGTransport:
         def allocate(leaves: List[int]) -> None:
             for i in leaves:
                 if results[i] is None:
-                    results[i] = targets[i] = torch.empty(c.shapes[i], dtype=wire[i], device=device)
+                    results[i] = targets[i] = torch.empty(c.shapes[i], dtype=wire_dtypes[i], device=device)
 
         def unpack(m: int, buf: torch.Tensor) -> None:
             with torch.no_grad():
@@ -371,6 +381,12 @@ class PGTransport:
                         if t is None:
                             _convert(p, meta.leaves[i].tensor, results[i])
 
+        if wire.HOST_STAGING and inplace and not converted and any(
+                t is not None and self._through_host(t) for t in targets):
+            receive_staged(self, meta, targets, src, ready)
+            for i in meta.fp8_leaves:
+                results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
+            return assemble(results)
         what = "receiving tensor data"
         buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
