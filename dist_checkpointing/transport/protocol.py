@@ -193,7 +193,8 @@ class PGTransport:
         their own memory when it is contiguous and on the transport's device (all posted
         at once, so they stream back to back; copies of the others are bounded to two
         buckets' worth in flight). Buckets are packed into two reused buffers, one
-        ``torch.cat`` per dtype run."""
+        ``torch.cat`` per dtype run. (Accelerator tensors on a host wire with
+        ``HOST_STAGING``: :func:`.staging.send_staged`.)"""
         if wire.HOST_STAGING and any(s is not None and self._through_host(s) for s in sources):
             send_staged(self, dsts, meta, sources)
             return
@@ -345,7 +346,9 @@ class PGTransport:
         A tensor travelling alone lands straight in its destination when that is
         contiguous; all those messages are posted at once. The others (buckets, and tensors
         that need a copy or a conversion) go through two reused buffers, each unpacked
-        before it is posted again: one typed copy call per dtype run of a bucket."""
+        before it is posted again: one typed copy call per dtype run of a bucket. (In place
+        into accelerator tensors on a host wire with ``HOST_STAGING``:
+        :func:`.staging.receive_staged`.)"""
         c = meta.columns
         count, device, wire_dtypes = len(c.kinds), self._device, meta.wire
         inplace = self._state_dict is not None
