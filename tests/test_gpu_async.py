@@ -446,3 +446,78 @@ def _world2(rank: int, world: int, root: str, device: str) -> List[str]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_world2_gloo_async_and_local_tier(tmp_path, device):
     assert get_pool(2).run(_world2, str(tmp_path), device, timeout=300) == [[], []]
+
+
+# ----------------------------------------------------------------------------- transport of CUDA state over gloo (one GPU)
+
+
+def _transport_state(device: str) -> Dict[str, object]:
+    """Every dtype and layout (:func:`_all_dtypes`), many small tensors (buckets), large ones
+    (alone), and two host tensors among them (a bucket that mixes devices)."""
+    g = torch.Generator().manual_seed(11)
+    sizes = torch.randint(1, 4000, (300,), generator=g).tolist()
+    every = {}
+    for k, v in _all_dtypes(device).items():  # the views, each on its own base (no aliasing)
+        if not v.is_contiguous():
+            base = torch.zeros(*v.shape[:-1], 2 * v.shape[-1], dtype=v.dtype, device=device)
+            v = base[..., ::2].copy_(v)
+        every[k] = v.clone() if v.is_contiguous() else v
+    return {"all": every,
+            "small": [torch.randn(n, generator=g).to(device) for n in sizes],
+            "big": _big_state(device, 16, seed=3),
+            "host": {"step": torch.tensor(7), "rng": torch.arange(5, dtype=torch.int64)},
+            "lr": 0.1}
+
+
+def _tensors(state: Dict[str, object]) -> List[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+    return [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+
+
+def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List[str]:
+    """Rank 0 sends its state (CUDA tensors: both ranks on the one GPU) with work still
+    queued on its current stream that changes every tensor; rank 1 receives in place into
+    its own tensors (non-contiguous ones included). The leaves that differ."""
+    from datetime import timedelta
+
+    from dist_checkpointing import transport
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    old = transport.HOST_STAGING, transport.BUCKET_BYTES
+    transport.HOST_STAGING, transport.BUCKET_BYTES = staging, 256 << 10  # several buckets
+    try:
+        state = _transport_state(device)
+        expected = [t.clone() for t in _tensors(state)]
+        for t in expected:  # what the sender's queued work makes of them
+            _change(t)
+        tp = transport.PGTransport(None, timedelta(seconds=120), torch.device("cpu"))
+        if rank == 0:
+            if device == "cuda":
+                _busy(0.3)  # the changes below run after it: the transport must send their result
+            for t in _tensors(state):
+                _change(t)
+            tp.send_checkpoint([1], state)
+            return []
+        mine = _transport_state(device)
+        for t in _tensors(mine):
+            t.zero_()
+        mine["all"]["transposed"] = torch.zeros(48, 40, device=device).t()  # a non-contiguous destination
+        own = _tensors(mine)
+        tp = transport.PGTransport(None, timedelta(seconds=120), torch.device("cpu"), state_dict=lambda: mine)
+        got = _tensors(tp.recv_checkpoint(0))
+        bad = [f"leaf {i}: not in place" for i, (a, b) in enumerate(zip(got, own)) if a is not b]
+        bad += [f"leaf {i} ({t.dtype}, {tuple(t.shape)})" for i, (t, want) in enumerate(zip(own, expected))
+                if t.device != want.device or not _same_bytes(t, want)]
+        return bad
+    finally:
+        transport.HOST_STAGING, transport.BUCKET_BYTES = old
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("staging", [False, True], ids=["pageable", "host_staging"])
+def test_transport_world2_gloo_every_dtype_bit_exact(device, staging):
+    """Transport over gloo at world 2 (CUDA: both ranks on the one GPU), with and without
+    ``HOST_STAGING``: every dtype and layout arrives bit-exact in the receiver's own tensors,
+    and the sender sends its tensors as its queued work leaves them."""
+    assert get_pool(2).run(_transport_world2, device, staging, timeout=300) == [[], []]

@@ -36,11 +36,18 @@ tensors arrive with the right values. Every wait is bounded by the transport's t
 peer that dies or stops answering raises :class:`CheckpointingException` on the surviving
 side. (After a timeout the process group may be unusable: recreate it.)
 
+Accelerator tensors over a host-memory wire (CUDA state over gloo): with ``HOST_STAGING``
+on they travel through pinned host buffers, packed and unpacked on the device, the copies
+pipelined with the messages (:mod:`.staging`); off (the default until measured on a GPU),
+each is copied to or from pageable host memory where it is packed or sent.
+
 The package: :mod:`.leaves` (describing leaves), :mod:`.plan` (the data messages),
 :mod:`.wire` (header, tags, tuning sizes, the metadata message), :mod:`.copies` (packing
-and unpacking tensor bytes), :mod:`.protocol` (:class:`PGTransport`,
-:func:`recover_from_peer`). The tuning sizes are set here as before
-(``dist_checkpointing.transport.BUCKET_BYTES = ...``) and take effect in :mod:`.wire`.
+and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.staging`,
+:mod:`.protocol` (:class:`PGTransport`,
+:func:`recover_from_peer`). The tuning settings are set here as before
+(``dist_checkpointing.transport.BUCKET_BYTES = ...``, also ``ALONE_BYTES``, ``HOST_STAGING``,
+``STAGING_BYTES``) and take effect in :mod:`.wire`.
 """
 
 from . import wire
@@ -50,6 +57,6 @@ from .plan import _plan_messages
 from .protocol import PGTransport, recover_from_peer
 from .wire import _TAG_DATA, _TAG_GO, _TAG_HEADER, PROTOCOL_VERSION, _decode_meta, _encode_meta, _Meta, _segments
 
-__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "PROTOCOL_VERSION", "PGTransport", "recover_from_peer"]
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "HOST_STAGING", "PROTOCOL_VERSION", "STAGING_BYTES", "PGTransport", "recover_from_peer"]
 
-forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES"))
+forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES", "HOST_STAGING", "STAGING_BYTES"))

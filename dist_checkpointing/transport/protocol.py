@@ -20,8 +20,10 @@ from ..core import CheckpointingException, gc_paused
 from ..tensors.fp8 import float8_dtype, is_float8tensor
 from . import wire
 from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _wire_view
-from .leaves import DTensor, _Columns, _kind, _LeafError, _local_tensor
-from .plan import _alone, _plan_messages
+from .leaves import DTensor, _Columns, _LeafError
+from .own_state import _OwnState
+from .plan import _alone
+from .staging import receive_staged, send_staged
 from .wire import (
     _MAGIC,
     _TAG_ACK,
@@ -37,7 +39,6 @@ from .wire import (
     _head,
     _read_head,
     _Meta,
-    _pickle_treespec,
     _segments,
 )
 
@@ -89,6 +90,12 @@ class PGTransport:
 
     def _recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> None:
         self._wait([self._post_recv(tensor, src, tag, what)], what, src)
+
+    def _through_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a wire source or destination) is an accelerator tensor while the
+        wire is host memory (gloo): with ``HOST_STAGING`` its messages go through host
+        staging buffers (:mod:`.staging`)."""
+        return self._device.type == "cpu" and not t.is_cpu
 
     def _send_text(self, dsts: Sequence[int], status: int, text: str, tags: Tuple[int, int], what: str) -> None:
         body = text.encode()
@@ -186,7 +193,11 @@ class PGTransport:
         their own memory when it is contiguous and on the transport's device (all posted
         at once, so they stream back to back; copies of the others are bounded to two
         buckets' worth in flight). Buckets are packed into two reused buffers, one
-        ``torch.cat`` per dtype run."""
+        ``torch.cat`` per dtype run. (Accelerator tensors on a host wire with
+        ``HOST_STAGING``: :func:`.staging.send_staged`.)"""
+        if wire.HOST_STAGING and any(s is not None and self._through_host(s) for s in sources):
+            send_staged(self, dsts, meta, sources)
+            return
         device, c = self._device, meta.columns
 
         def wait_all(works: List[Tuple[Any, int]]) -> None:
@@ -288,7 +299,7 @@ class PGTransport:
                     len(meta.leaves), total / 2**20, len(meta.messages), src_rank, time.perf_counter() - start)
         return out
 
-    def _destinations(self, meta: _Meta, own: Optional["_OwnState"]) -> List[Optional[torch.Tensor]]:
+    def _destinations(self, meta: _Meta, own: Optional[_OwnState]) -> List[Optional[torch.Tensor]]:
         """The receiver's own tensor for every tensor leaf (``None``: allocate), checked
         against the sender's metadata."""
         if own is None:
@@ -335,9 +346,11 @@ class PGTransport:
         A tensor travelling alone lands straight in its destination when that is
         contiguous; all those messages are posted at once. The others (buckets, and tensors
         that need a copy or a conversion) go through two reused buffers, each unpacked
-        before it is posted again: one typed copy call per dtype run of a bucket."""
+        before it is posted again: one typed copy call per dtype run of a bucket. (In place
+        into accelerator tensors on a host wire with ``HOST_STAGING``:
+        :func:`.staging.receive_staged`.)"""
         c = meta.columns
-        count, device, wire = len(c.kinds), self._device, meta.wire
+        count, device, wire_dtypes = len(c.kinds), self._device, meta.wire
         inplace = self._state_dict is not None
         results: List[Optional[torch.Tensor]] = list(dests)
         # targets[i]: the tensor that leaf i's wire values are copied into (its dtype and
@@ -354,7 +367,7 @@ class PGTransport:
         def allocate(leaves: List[int]) -> None:
             for i in leaves:
                 if results[i] is None:
-                    results[i] = targets[i] = torch.empty(c.shapes[i], dtype=wire[i], device=device)
+                    results[i] = targets[i] = torch.empty(c.shapes[i], dtype=wire_dtypes[i], device=device)
 
         def unpack(m: int, buf: torch.Tensor) -> None:
             with torch.no_grad():
@@ -371,6 +384,12 @@ class PGTransport:
                         if t is None:
                             _convert(p, meta.leaves[i].tensor, results[i])
 
+        if wire.HOST_STAGING and inplace and not converted and any(
+                t is not None and self._through_host(t) for t in targets):
+            receive_staged(self, meta, targets, src, ready)
+            for i in meta.fp8_leaves:
+                results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
+            return assemble(results)
         what = "receiving tensor data"
         buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         pending: List[Optional[Tuple[Any, int, torch.Tensor]]] = [None, None]  # (work, message, buffer) per buffer
@@ -433,41 +452,6 @@ def _assemble(meta: _Meta, results: List[Optional[torch.Tensor]]) -> Any:
             values.append(result)
     return tree_unflatten(values, meta.treespec)
 
-
-class _OwnState:
-    """A receiver's own state, flattened (while the sender encodes its metadata): the local
-    tensor of every leaf, and the kinds, shapes and dtypes to compare with the sender's."""
-
-    def __init__(self, state: Any):
-        self.state = state
-        self.values, self.spec = tree_flatten(state)
-        self.kinds = [_kind(v) for v in self.values]
-        self.locals = [_local_tensor(k, v) for k, v in zip(self.kinds, self.values)]
-        try:
-            self.spec_pickle: Optional[bytes] = _pickle_treespec(self.spec)
-        except Exception:  # noqa: BLE001 - e.g. a local class in the structure: compared as objects
-            self.spec_pickle = None
-        self.shapes = [None if t is None else tuple(t.shape) for t in self.locals]
-        self.dtypes = [None if t is None else t.dtype for t in self.locals]
-        # The data messages the sender plans for a state like this one, with this process's
-        # sizes (planned here while the sender describes its state; see plan_into).
-        self.sizes = (wire.BUCKET_BYTES, wire.ALONE_BYTES)
-        self.planned: Optional[Tuple[List[Tuple[int, List[int]]], List[int]]] = None
-        if all(t is None or type(t) is torch.Tensor for t in self.locals):
-            self.nbytes = [0 if t is None else t.nbytes for t in self.locals]
-            n = len(self.locals)
-            self.planned = _plan_messages(
-                _Columns(self.kinds, self.shapes, self.dtypes, self.nbytes, [], [None] * n, []), *self.sizes)
-
-    def plan_into(self, meta: _Meta) -> bool:
-        """Give ``meta`` the plan made for this state, if it is the sender's: the plan is
-        a function of the leaves' sizes and wire dtypes and the two sizes alone
-        (:func:`.plan._plan_messages`). False: ``meta`` must be planned."""
-        if (self.planned is None or (meta.bucket_bytes, meta.alone_bytes) != self.sizes or meta.fp8_leaves
-                or meta.columns.nbytes != self.nbytes or meta.wire != self.dtypes):
-            return False
-        meta.messages, meta.offsets = self.planned
-        return True
 
 def _paths(state: Any) -> List[str]:
     """The key path of every leaf of ``state`` (for messages)."""

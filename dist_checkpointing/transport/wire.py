@@ -1,5 +1,6 @@
 """The transport's wire format: the header constants and message tags, the tuning sizes
-(``BUCKET_BYTES``, ``ALONE_BYTES``), and the metadata message (:class:`_Meta`), its
+(``BUCKET_BYTES``, ``ALONE_BYTES``, and ``HOST_STAGING`` / ``STAGING_BYTES`` for
+accelerator tensors over a host-memory wire), and the metadata message (:class:`_Meta`), its
 encoding, and the byte runs of a planned data message."""
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from .plan import _plan_messages
 PROTOCOL_VERSION = 3
 BUCKET_BYTES = 16 << 20
 ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
+# Accelerator tensors over a host-memory wire (CUDA state over gloo): False: each tensor is
+# copied to (or from) pageable host memory where it is packed or sent, synchronously (the
+# path measured first on a GPU); True: pipelined through pinned host buffers, buckets packed
+# on the device (:mod:`.staging`). Unmeasured on a GPU: to be chosen by bench_gpu_transport.py.
+HOST_STAGING = False
+STAGING_BYTES = 64 << 20  # host staging buffers in flight per side (at least two messages)
 HEAD_BYTES = 256 << 10  # the first message's fixed size: the header and, when it fits, the metadata
 _HEADER_BYTES = 24  # magic, version, length: three int64 at the start of the first message
 _MAGIC = 0x44435054
