@@ -65,7 +65,13 @@ def _is_command_line() -> bool:
     return False
 
 
-if not _is_command_line():
+def _is_writer_process() -> bool:
+    """Whether this process is a persistent writer (:mod:`.strategies.persistent_worker`,
+    whose parent sets this variable): it imports only what its calls need."""
+    return "DIST_CKPT_WORKER_FDS" in os.environ
+
+
+if not _is_command_line() and not _is_writer_process():
     # Import torch's distributed checkpointing now rather than on the first save/load: importing
     # it after init_process_group can make the process abort at exit (torch 2.13, gloo).
     import torch.distributed.checkpoint  # noqa: F401
