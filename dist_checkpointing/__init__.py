@@ -11,10 +11,9 @@ there each is imported on first use, so that a subcommand imports only what it n
 
 import os
 import sys
-from importlib import import_module
-from typing import Any, List
 
 from .compat import moved as _moved
+from .compat.lazy import lazy_exports
 
 _moved.install()  # module paths of earlier versions (e.g. dist_checkpointing.convert) still import
 
@@ -37,17 +36,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    """A public name imported on first use (the command line's process only)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def _is_command_line() -> bool:

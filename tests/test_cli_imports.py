@@ -64,7 +64,8 @@ def test_help_and_version_import_neither_torch_nor_the_library(args):
     assert "dist-ckpt" in proc.stdout
     assert "torch" not in modules and "numpy" not in modules
     ours = {m for m in modules if m.startswith("dist_checkpointing.")}
-    assert ours <= {"dist_checkpointing.cli", "dist_checkpointing.compat", "dist_checkpointing.compat.moved"}, ours
+    assert ours <= {"dist_checkpointing.cli", "dist_checkpointing.compat", "dist_checkpointing.compat.moved",
+                    "dist_checkpointing.compat.lazy"}, ours
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate", "export"])

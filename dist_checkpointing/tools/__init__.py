@@ -10,8 +10,7 @@ One module per tool: :mod:`.info` (inspect), :mod:`.validate`, :mod:`.export`,
 :mod:`.importing` (import); :mod:`.output` writes their outputs safely.
 """
 
-from importlib import import_module
-from typing import Any, List
+from ..compat.lazy import lazy_exports
 
 # public name -> the module that defines it, imported on first use (the command line imports
 # only the tool it runs)
@@ -25,13 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -19,9 +19,7 @@ read and write; the machinery is this library's own. One concept per module:
 ``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names.
 """
 
-from importlib import import_module
-from typing import Any, List
-
+from ...compat.lazy import lazy_exports
 from ..registry import StrategyAction, register_default_strategy
 
 # public name -> its module, imported on first use (reading metadata needs neither the save
@@ -36,16 +34,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def register_default_torch_strategies() -> None:
