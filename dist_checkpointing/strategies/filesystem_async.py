@@ -8,7 +8,6 @@ Megatron-Core's name.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,60 +26,32 @@ _results_queue = None
 
 
 class HostStaging:
-    """Host (CPU) copies of tensors for async saves, kept for the next save of the same
-    structure: a slot whose tensor keeps its shape and dtype reuses its buffer (already
-    touched, so the copy runs at memory speed) unless that buffer is still in use by a
-    write in flight (see :meth:`hold`), which gets a new one."""
+    """Host (CPU) copies of the tensors a fork-mode async save cannot leave to copy-on-write,
+    kept for the next save of the same structure: a slot whose tensor keeps its shape and
+    dtype reuses its buffer (already touched, so the copy runs at memory speed). Reuse is
+    safe while an earlier writer runs: a forked writer has its own copy of the pages."""
 
     def __init__(self) -> None:
         self._buffers: Dict[Hashable, torch.Tensor] = {}
-        self._held: Dict[int, int] = {}  # id(buffer) -> number of writes using it
-        self._lock = threading.Lock()
 
-    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]], pin: bool = False) -> List[torch.Tensor]:
+    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
         """Copy each ``(slot, tensor)`` into its slot's buffer; buffers of slots not in this
-        call are dropped. ``pin``: new buffers for non-CPU tensors in pinned memory."""
+        call are dropped."""
         buffers: Dict[Hashable, torch.Tensor] = {}
         out = []
         for slot, t in tensors:
             buf = self._buffers.get(slot)
-            with self._lock:
-                busy = buf is not None and id(buf) in self._held
-            if buf is None or busy or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type != "cpu" and _can_pin())
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype)
             buf.copy_(t.detach())
             buffers[slot] = buf
             out.append(buf)
         self._buffers = buffers
         return out
 
-    def hold(self, buffers: Sequence[torch.Tensor]) -> Callable[[], None]:
-        """Mark ``buffers`` in use by a write in flight; returns the call that ends it."""
-        ids = [id(b) for b in buffers]
-        with self._lock:
-            for i in ids:
-                self._held[i] = self._held.get(i, 0) + 1
-
-        def done() -> None:
-            with self._lock:
-                for i in ids:
-                    self._held[i] -= 1
-                    if not self._held[i]:
-                        del self._held[i]
-        return done
-
     def release(self) -> None:
-        """Free every buffer (those of writes in flight once the writes are done)."""
+        """Free every buffer."""
         self._buffers = {}
-
-
-def _can_pin() -> bool:
-    """Whether pinned host memory can be had (it needs an accelerator runtime)."""
-    try:
-        accelerator = getattr(torch, "accelerator", None)
-        return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - a broken accelerator runtime: pageable memory
-        return False
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
