@@ -53,6 +53,9 @@ def pool4() -> DistPool:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from .launch import kill_all
+
+    kill_all()  # scripts a failed test left running
     for p in _POOLS.values():  # every rank of every pool leaves at once, then each pool is reaped
         p.shutdown()
     for p in _POOLS.values():

@@ -18,6 +18,7 @@ from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.cli import main
 from dist_checkpointing.tools import export_checkpoint, human_size, inspect_checkpoint
 
+from . import launch
 from .helpers import slack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +32,10 @@ def ckpt(tmp_path_factory) -> Path:
     return path
 
 
-def _cli(*args: str, stdin=None) -> subprocess.CompletedProcess:
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m dist_checkpointing ARGS``, forked from the preloaded server (``launch.py``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "dist_checkpointing", *args], capture_output=True, text=True,
-                          env=env, timeout=slack(120))
+    return launch.run(["-m", "dist_checkpointing", *args], env=env, timeout=slack(120))
 
 
 def test_closed_pipe_exits_quietly(ckpt):

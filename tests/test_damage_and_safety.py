@@ -15,8 +15,6 @@ import pickle
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .conftest import get_pool
 from .helpers import assert_all_raise, slack
+from .launch import Launched
 
 _ROOT = Path(__file__).resolve().parents[1]
 _TIMEOUT = 60.0  # per pool call: a hang fails the test instead of blocking the suite
@@ -408,8 +407,7 @@ def _kill_save_midway(script: Path, ckpt: Path, n_tensors: int, mib: int) -> boo
     """Start a save of ``n_tensors x mib`` MiB into ``ckpt`` and SIGKILL it as soon as
     data bytes appear. False if the save finished before it could be killed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_ROOT))
-    proc = subprocess.Popen([sys.executable, str(script), str(ckpt), str(n_tensors), str(mib)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = Launched([str(script), str(ckpt), str(n_tensors), str(mib)], env=env)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -422,14 +420,13 @@ def _kill_save_midway(script: Path, ckpt: Path, n_tensors: int, mib: int) -> boo
             time.sleep(0.002)
         else:
             pytest.fail("the saver subprocess wrote no data within 60 s")
-        err = proc.stderr.read().decode(errors="replace")
+        err = proc.output()[1]
         assert proc.returncode == 0, f"saver failed on its own (rc {proc.returncode}):\n{err}"
         return False
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=slack(30))
-        proc.stderr.close()
 
 
 def test_killed_save_is_not_a_checkpoint_and_earlier_one_survives(tmp_path):

@@ -1,26 +1,27 @@
 """The documentation's examples run as written.
 
-What is executed:
+What is executed ("one process" below: a process that runs the page's script as a fresh
+``python script.py`` would, forked from the test session's torch-preloaded server —
+``launch.run`` —, which saves the ~3 s of CPU a new interpreter spends importing torch):
 
 * ``docs/user_guide.md``: every ```python block that is not a torchrun script, in order,
-  in ONE fresh interpreter (the guide promises that its examples run one after the other
-  in one process and share names such as ``root``, ``TinyGPT``, ``model``);
+  in ONE process (the guide promises that its examples run one after the other in one
+  process and share names such as ``root``, ``TinyGPT``, ``model``);
 * ``docs/user_guide.md``: every torchrun script (a block whose first line is
   ``# <name>.py — run with: torchrun --nproc-per-node N <name>.py ...``), with
-  ``my_model.py`` = the guide's block that defines ``class TinyGPT``, under
-  ``python -m torch.distributed.run --nproc-per-node N`` (N gloo ranks on CPU);
+  ``my_model.py`` = the guide's block that defines ``class TinyGPT``, on N gloo ranks on
+  CPU given the variables torchrun gives them (``launch.Torchrun``, forked as above);
 * ``docs/first_day.md``: every ```python block that is not a torchrun script, in order, in
-  one fresh interpreter; then its torchrun scripts, in the page's order, in ONE shared
-  directory (each step goes on from the previous one's checkpoints), with ``my_model.py`` =
-  the page's block that defines ``class ToyModel``;
-* ``docs/coming_from_megatron.md``: every ```python block, in order, in one fresh
-  interpreter;
-* ``README.md``: every ```python block, in order, in one fresh interpreter (the "Use"
-  example is a complete program).
+  one process; then its torchrun scripts, in the page's order, in ONE shared directory
+  (each step goes on from the previous one's checkpoints), with ``my_model.py`` = the
+  page's block that defines ``class ToyModel``: the first under
+  ``python -m torch.distributed.run --nproc-per-node N`` itself, the others as above;
+* ``docs/coming_from_megatron.md``: every ```python block, in order, in one process;
+* ``README.md``: every ```python block, in order, in one process (the "Use" example is a
+  complete program).
 
-Each interpreter runs a script in which line N is line N of the Markdown file (the text
-around the code blocks is blanked out), so a traceback points at the page's line.
-"""
+Each process runs a script in which line N is line N of the Markdown file (the text
+around the code blocks is blanked out), so a traceback points at the page's line."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from typing import List, Tuple
 import pytest
 
 from .helpers import free_port, slack
+from . import launch
+from .launch import Torchrun
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,8 +130,11 @@ def _run_page(page: Path, tmp_path: Path) -> None:
     script.write_text(_script(page, blocks))
     work = tmp_path / "cwd"
     work.mkdir()
-    # line N of the script is line N of the page
-    _run([sys.executable, str(script)], work, 180, f"the Python examples of {page.relative_to(ROOT)} ({script})")
+    # line N of the script is line N of the page; run as `python script` would, forked (launch.py)
+    proc = launch.run([str(script)], _env(), work, timeout=slack(180))
+    assert proc.returncode == 0, (
+        f"the Python examples of {page.relative_to(ROOT)} ({script}) exited with {proc.returncode}"
+        f"\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-10000:]}")
 
 
 def test_user_guide_examples_run_in_one_process(tmp_path):
@@ -152,12 +158,18 @@ def _write_model(page: Path, class_name: str, where: Path) -> None:
     (where / "my_model.py").write_text(model.code)
 
 
-def _run_script(page: Path, block: Block, where: Path, shared: Path) -> None:
+def _run_script(page: Path, block: Block, where: Path, shared: Path, real_torchrun: bool = False) -> None:
     name, nproc = block.torchrun
     (where / name).write_text(block.code)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), name, str(shared)]
-    _run(cmd, where, 240, f"{name} ({page.relative_to(ROOT)} line {block.start}) under torchrun with {nproc} ranks")
+    what = f"{name} ({page.relative_to(ROOT)} line {block.start}) under torchrun with {nproc} ranks"
+    if real_torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), name, str(shared)]
+        _run(cmd, where, 240, what)
+        return
+    job = Torchrun([name, str(shared)], nproc, where, [_env()])
+    [code] = job.wait(slack(240))
+    assert code == 0, f"{what} exited with {code}\n{job.output()[-12000:]}"
 
 
 @pytest.mark.parametrize("block", _guide_scripts(), ids=lambda b: b.torchrun[0])
@@ -178,8 +190,8 @@ def test_first_day_torchrun_scripts_run_in_order(tmp_path):
     _write_model(FIRST_DAY, "ToyModel", tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir()
-    for block in scripts:                 # one directory: resume.py resumes what train.py saved
-        _run_script(FIRST_DAY, block, tmp_path, shared)
+    for i, block in enumerate(scripts):   # one directory: resume.py resumes what train.py saved
+        _run_script(FIRST_DAY, block, tmp_path, shared, real_torchrun=i == 0)
 
 
 def test_coming_from_megatron_examples_run_in_one_process(tmp_path):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,8 @@ from dist_checkpointing.manager.retention import RetentionPolicy
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 
 from .conftest import get_pool
-from .helpers import assert_all_raise
+from .helpers import assert_all_raise, slack
+from .launch import Launched
 
 
 @pytest.fixture(params=[1, 2], ids=lambda w: f"world{w}")
@@ -245,10 +244,10 @@ def test_second_process_refused_while_first_holds_the_root(tmp_path):
     """A manager in another live process holds the root: refused; once it is gone, taken over."""
     script = ("import sys, time; import dist_checkpointing as dc; m = dc.CheckpointManager(sys.argv[1]); "
               "print('held', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    proc = Launched(["-c", script, str(tmp_path)],
+                    env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     try:
-        assert proc.stdout.readline().strip() == "held"
+        assert proc.wait_for_output("held\n", slack(60)), proc.output()
         with pytest.raises(CheckpointingException, match=f"pid {proc.pid}"):
             CheckpointManager(str(tmp_path))
     finally:

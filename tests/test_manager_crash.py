@@ -2,7 +2,7 @@
 or mid-deletion leaves a root from which the next run resumes at the newest complete step.
 
 Each run is real processes (one per rank, a gloo group): this file, run as a script, is
-the training job. The crash points are the manager's test hook (``DIST_CKPT_MANAGER_CRASH``,
+the training job (forked from the test session's torch-preloaded server, ``launch.py``). The crash points are the manager's test hook (``DIST_CKPT_MANAGER_CRASH``,
 ``dist_checkpointing/manager/crash.py``): the process SIGKILLs itself there.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import List
@@ -60,16 +59,16 @@ def _job(mode: str, root: str, async_save: bool) -> None:
     dist.destroy_process_group()
 
 
-def _launch(world: int, mode: str, root: Path, async_save: bool, crash: str = "") -> List[subprocess.Popen]:
+def _launch(world: int, mode: str, root: Path, async_save: bool, crash: str = "") -> list:
     from .helpers import free_port
+    from .launch import Launched
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world)}
     env.pop(CRASH_ENV, None)
     if crash:
         env[CRASH_ENV] = crash
-    return [subprocess.Popen([sys.executable, __file__, mode, str(root), str(int(async_save))],
-                             env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return [Launched([__file__, mode, str(root), str(int(async_save))], env={**env, "RANK": str(rank)})
             for rank in range(world)]
 
 

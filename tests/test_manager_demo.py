@@ -4,10 +4,9 @@ ranks under the manager with async saves, SIGKILLs its ranks mid-run, resumes an
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+from . import launch
 from .helpers import slack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,8 +14,9 @@ DEMO = ROOT / "examples" / "manager_demo.py"
 
 
 def test_manager_demo_resumes_bit_exactly(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "120", "--interval", "20", "--kill-at", "90",
-                           "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=slack(180))
+    # run as `python examples/manager_demo.py ...` would, forked from the preloaded server (launch.py)
+    proc = launch.run([str(DEMO), "--steps", "120", "--interval", "20", "--kill-at", "90", "--dir", str(tmp_path)],
+                      cwd=ROOT, timeout=slack(180))
     report = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert proc.returncode == 0, report
     assert "manager demo OK" in proc.stdout, report

@@ -6,8 +6,6 @@ the same inputs, in a subprocess with ``MCORE_SITE`` on the path, where it is in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from dist_checkpointing.validation import (
     validate_sharded_objects_handling,
 )
 
+from . import launch
 from .helpers import slack
 
 
@@ -42,9 +41,10 @@ needs_mcore = pytest.mark.skipif(not (Path(MCORE_SITE) / "megatron" / "core").is
 
 
 def _run_with_mcore(code: str, timeout: int = 300) -> str:
+    """``python -c code`` with Megatron-Core importable, forked from the preloaded server
+    (``launch.py``: Megatron-Core is imported afresh, torch and the library are not)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(ROOT))
+    proc = launch.run(["-c", textwrap.dedent(code)], env=env, cwd=ROOT, timeout=slack(timeout))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -124,8 +124,8 @@ def test_switch_runner_runs_a_script_with_the_switch(tmp_path):
     script.write_text("import sys, megatron.core.dist_checkpointing as m, dist_checkpointing\n"
                       "assert m is dist_checkpointing\nprint('ARGS', sys.argv[1:])\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "dist_checkpointing.megatron", str(script), "--ckpt-format",
-                           "torch_dist"], env=env, capture_output=True, text=True, timeout=slack(300))
+    proc = launch.run(["-m", "dist_checkpointing.megatron", str(script), "--ckpt-format", "torch_dist"], env=env,
+                      timeout=slack(300))
     assert proc.returncode == 0 and "ARGS ['--ckpt-format', 'torch_dist']" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -135,7 +135,7 @@ def test_switch_without_megatron_installed():
             "assert u is sys.modules['dist_checkpointing.utils']\n"
             "try:\n    import megatron.core.dist_checkpointing.no_such_module\nexcept ImportError: print('NOMOD OK')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=slack(120))
+    proc = launch.run(["-c", code], env=env, timeout=slack(120))
     # without Megatron the parents megatron / megatron.core do not exist: the import fails cleanly
     assert proc.returncode == 0 or "No module named 'megatron'" in proc.stderr, proc.stderr[-2000:]
 

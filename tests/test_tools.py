@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict
@@ -43,6 +42,7 @@ from dist_checkpointing.tools import (
 )
 
 from .conftest import FIXTURES, get_pool
+from . import launch
 from .helpers import flip_byte, slack
 
 safetensors = pytest.importorskip("safetensors")
@@ -149,9 +149,12 @@ def _run_cli(capsys, *argv) -> tuple:
 
 
 def _subprocess(*argv, exe=None) -> subprocess.CompletedProcess:
-    cmd = [exe] if exe else [sys.executable, "-m", "dist_checkpointing"]
+    """The installed ``exe`` as a subprocess, or ``python -m dist_checkpointing`` forked from
+    the preloaded server (``launch.py``)."""
     env = dict(os.environ, PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(cmd + [str(a) for a in argv], capture_output=True, text=True, timeout=slack(120),
+    if exe is None:
+        return launch.run(["-m", "dist_checkpointing", *map(str, argv)], env=env, cwd=_ROOT, timeout=slack(120))
+    return subprocess.run([exe] + [str(a) for a in argv], capture_output=True, text=True, timeout=slack(120),
                           env=env, cwd=str(_ROOT))
 
 

@@ -20,8 +20,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from datetime import timedelta
@@ -39,6 +37,7 @@ from dist_checkpointing.transport import PGTransport, recover_from_peer
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor, quantize_bytes
 from .helpers import free_port, slack
+from .launch import Launched
 
 T = timedelta(seconds=60)  # transfers that must succeed
 ERR_T = timedelta(seconds=2)  # transfers expected to fail: a refusal needs milliseconds, not a timeout
@@ -903,9 +902,7 @@ class _PeerFailureLaunch:
         self.script.write_text(_CHILD)
         port = free_port()
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.procs = [subprocess.Popen([sys.executable, str(self.script), str(r), str(port), str(self.done)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-                      for r in range(4)]
+        self.procs = [Launched([str(self.script), str(r), str(port), str(self.done)], env=env) for r in range(4)]
         self.results: Dict[str, Dict[str, Any]] = {}
 
     def collect(self) -> Dict[str, Dict[str, Any]]:
@@ -914,11 +911,11 @@ class _PeerFailureLaunch:
         outputs = [""] * 4
         try:
             try:
-                outputs[0] = self.procs[0].communicate(timeout=slack(90))[0]
+                outputs[0] = "".join(self.procs[0].communicate(timeout=slack(90)))
             finally:
                 self.done.touch()
             for r in (1, 2, 3):
-                outputs[r] = self.procs[r].communicate(timeout=slack(30))[0]
+                outputs[r] = "".join(self.procs[r].communicate(timeout=slack(30)))
         finally:
             self.kill()
         for out in outputs:
@@ -948,7 +945,7 @@ def _peer_failure_launch(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def peer_failures(_peer_failure_launch) -> Dict[str, Dict[str, Any]]:
-    """One world-4 launch of fresh processes: rank 1 sends to rank 0 and exits after 5 data
+    """One world-4 launch of new processes (launch.py): rank 1 sends to rank 0 and exits after 5 data
     messages; rank 3 sends to rank 2 and exits right after the metadata; then rank 0 sends to
     rank 2, which never receives. Returns each scenario's result (exception type, message,
     seconds) as seen by the surviving rank."""
