@@ -31,6 +31,7 @@ from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.integrity.liveness import start_time
 from dist_checkpointing.manager.layout import INDEX_FNAME, TRACKER_FNAME
 from dist_checkpointing.manager.lock import LOCK_FNAME, RootLock
+from dist_checkpointing.manager.ownership import checkpoint_files
 from dist_checkpointing.storage import PosixStorage, storage_for
 
 from .conftest import get_pool
@@ -171,6 +172,22 @@ def test_only_what_a_save_wrote_is_deleted(where_world):
     assert where.gone("iter_0000002") and where.gone("iter_0000007")
     # the directories kept are never loaded: the newest complete step is still 8
     assert where.run(world, _resume_and_save, where.root, 9)[0] == [8, 9]
+
+
+def test_a_deletion_killed_after_any_file_leaves_a_leftover_the_next_manager_removes(where_world):
+    """Retiring a checkpoint deletes ``metadata.json`` first, then its files in an order that
+    keeps a record of the save to the last; killed after any of them — or after the last,
+    before the directory itself — what is left is removed by the next manager."""
+    where, world = where_world
+    where.run(world, _save_steps, where.root, [1])
+    order = [n for n in checkpoint_files(where.storage("iter_0000001")).ours if n != CONFIG_FNAME]
+    steps = list(range(10, 11 + len(order)))
+    where.run(world, _save_steps, where.root, steps)
+    for done, step in enumerate(steps):  # step 10: killed right after metadata.json; the last: all files
+        storage = where.storage(f"iter_{step:07d}")
+        storage.delete_many([CONFIG_FNAME] + order[:done])
+    assert where.run(world, _resume_and_save, where.root, 99)[0] == [1, 99]
+    assert all(where.gone(f"iter_{step:07d}") for step in steps), where.listing()
 
 
 def _sleeper() -> subprocess.Popen:

@@ -109,7 +109,7 @@ def scan_root(storage: Storage, child: Any) -> RootScan:
             scan.complete[step] = None
         elif storage.kind(name) is None:  # an object store listing a prefix whose objects are gone
             continue
-        elif storage.entry_kind(name) == "dir" and leftover_files(child(name)).ours:
+        elif storage.entry_kind(name) == "dir" and leftover_files(child(name)).removable:
             scan.leftovers.append(name)
         else:
             scan.foreign.append(name)

@@ -19,6 +19,8 @@ until its commit), in the checksum sidecars of ``common.pt`` and ``.metadata``
   it: data files ``*__{rank}_{n}.distcp``, ``common.pt``, ``.metadata``, sidecars,
   ``integrity.json``, write temporaries. Regular files only: a record is never read
   through a link.
+- An empty step directory: a deletion interrupted after its last file (or a save before
+  its first); removed.
 
 Everything else — a user's file or directory (whatever its name), a link, a FIFO — is
 kept, and so is the directory that holds it.
@@ -62,6 +64,11 @@ class StepFiles:
     ours: List[str] = field(default_factory=list)
     kept: List[str] = field(default_factory=list)
     why: str = ""
+
+    @property
+    def removable(self) -> bool:
+        """Whether the manager may delete something here: files of ours, or an empty directory."""
+        return bool(self.ours) or not self.kept
 
 
 def _record(directory: Storage, name: str) -> Optional[Dict[str, Any]]:
@@ -122,6 +129,8 @@ def leftover_files(directory: Storage) -> StepFiles:
     if meta_id is not None:
         ids[METADATA_FNAME] = meta_id
     saves = set(ids.values())
+    if not entries:
+        return StepFiles()  # empty: removable
     if len(saves) != 1:
         why = "no record of a save of this library" if not saves else f"records of several saves {sorted(saves)}"
         return StepFiles([], sorted(entries), why)

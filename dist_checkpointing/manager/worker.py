@@ -200,7 +200,7 @@ class RootWorker:
             return
         else:
             files = leftover_files(directory)
-            if not files.ours:
+            if not files.removable:
                 logger.warning("Not deleting %s: %s", self.storage.describe(name), files.why)
                 return
         directory.delete_many(files.ours, pause=self._wait_for_saves)  # in pieces, held while a save runs
