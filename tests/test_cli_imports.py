@@ -18,6 +18,8 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 
+from . import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 DCP = "torch.distributed.checkpoint"
@@ -51,10 +53,10 @@ def _command_line(*args: str) -> Tuple[subprocess.CompletedProcess, Set[str]]:
 
 
 def _with_dcp(*args: str) -> subprocess.CompletedProcess:
-    """The same command in a process that imported DCP first (DCP's own metadata classes)."""
+    """The same command in a process that imported DCP first (DCP's own metadata classes):
+    forked from the preloaded server (``launch.py``), which did."""
     code = f"import sys, {DCP}; from dist_checkpointing.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=_env(),
-                          timeout=300)
+    return launch.run(["-c", code, *args], env=_env(), timeout=300)
 
 
 @pytest.mark.parametrize("args", [[], ["--help"], ["--version"], ["inspect", "--help"]])
@@ -110,9 +112,11 @@ print(json.dumps({"outputs": out, "dcp_imported": "torch.distributed.checkpoint"
 
 def _run_all(mode: str, commands: List[List[str]]) -> dict:
     """Run each command with :func:`dist_checkpointing.cli.main` in one process that imports DCP
-    first (``mode="dcp"``) or not at all (``"light"``): exit statuses and outputs."""
-    proc = subprocess.run([sys.executable, "-c", _RUN_ALL, mode, json.dumps(commands)], capture_output=True,
-                          text=True, env=_env(), timeout=300)
+    first (``mode="dcp"``: forked from the preloaded server, ``launch.py``) or not at all
+    (``"light"``: a fresh interpreter): exit statuses and outputs."""
+    args = ["-c", _RUN_ALL, mode, json.dumps(commands)]
+    proc = launch.run(args, env=_env(), timeout=300) if mode == "dcp" else \
+        subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
