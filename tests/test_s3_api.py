@@ -25,8 +25,9 @@ from dist_checkpointing.strategies.fully_parallel import (
 )
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
+from . import launch
 from .conftest import get_pool
-from .helpers import assert_all_raise
+from .helpers import assert_all_raise, slack
 
 pytest.importorskip("obstore")
 
@@ -164,6 +165,49 @@ def test_async_save_whose_upload_fails(s3_server, s3_env):
     with pytest.raises(urllib.error.HTTPError):
         s3_server.request("GET", f"/{bucket}")
     assert not dc.check_is_distributed_checkpoint(url)
+
+
+_ENV_SWITCH_SCRIPT = """
+import os, sys, json, torch
+import dist_checkpointing as dc
+from dist_checkpointing import CheckpointingException, ShardedTensor
+from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+right, url, local = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+wrong = dict(right, AWS_SECRET_ACCESS_KEY="not-the-secret")
+
+def async_save(env, where, fill):
+    os.environ.update(env)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((1000,), fill))}
+    queue = AsyncCallsQueue()
+    try:  # "copy": written by this process's persistent writer (started by the first such save)
+        strategy = TorchDistSaveShardedStrategy(async_snapshot="copy")
+        queue.schedule_async_request(dc.save(state, where, sharded_strategy=strategy, async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+        return "saved"
+    except CheckpointingException as e:
+        return "HTTP 403" if "HTTP 403" in str(e) else str(e)
+    finally:
+        queue.close(abort=True)
+
+# the writer starts under wrong credentials (a local save), then the credentials are fixed, then broken
+results = [async_save(wrong, local, 1.0), async_save(right, url + "/b", 2.0), async_save(wrong, url + "/c", 3.0)]
+os.environ.update(right)
+loaded = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1000))}, url + "/b")
+print(json.dumps(results + [float(loaded["w"].sum())]))
+"""
+
+
+def test_async_save_writes_with_the_credentials_of_the_save(s3_server, tmp_path):
+    """An async save's files are written by the persistent writer, started by the process's
+    first such save under the environment of then: each later save is written with the AWS
+    environment it was made under (credentials fixed or broken since), as a synchronous
+    save would be."""
+    args = [json.dumps(s3_server.env()), _url(s3_server), str(tmp_path / "local")]
+    proc = launch.run(["-c", _ENV_SWITCH_SCRIPT, *args], timeout=slack(120))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout) == ["saved", "saved", "HTTP 403", 2000.0], proc.stdout
 
 
 # ----------------------------------------------------------------------------- command line

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import os
 import queue
 import threading
 import time
@@ -241,6 +242,16 @@ class S3WriteStream(WriteStream):
             super().close()
 
 
+def _open_with_aws_env(location: str, storage_options: Optional[Dict[str, Any]],
+                       aws_env: Dict[str, str]) -> "S3Storage":
+    """In a worker process: ``S3Storage(location, storage_options)`` with exactly ``aws_env``
+    as its ``AWS_*`` environment (the worker runs one call at a time)."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        del os.environ[key]
+    os.environ.update(aws_env)
+    return S3Storage(location, storage_options)
+
+
 class S3Storage(Storage):
     """The objects under ``s3://bucket/prefix``; names are the keys below the prefix."""
 
@@ -261,7 +272,10 @@ class S3Storage(Storage):
         self._store = S3Store(self.bucket, prefix=self.prefix or None, **options)
 
     def process_spec(self) -> Tuple[Callable[..., Storage], Tuple[Any, ...]]:
-        return S3Storage, (self._location, self._options)
+        """Opened in the other process with this process's ``AWS_*`` environment of now (the
+        other process may have started under other credentials, endpoint or region)."""
+        aws_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+        return _open_with_aws_env, (self._location, self._options, aws_env)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.describe()!r})"
