@@ -5,10 +5,12 @@ the same inputs, in a subprocess with ``MCORE_SITE`` on the path, where it is in
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 import time
 from pathlib import Path
+from typing import Dict
 
 import pytest
 import torch
@@ -52,29 +54,36 @@ def _run_with_mcore(code: str, timeout: int = 300) -> str:
 # ----------------------------------------------------------------------------- the comparison
 
 
-@needs_mcore
-def test_api_diff_script_finds_nothing_user_code_imports_missing():
+@pytest.fixture(scope="module")
+def api_diff() -> dict:
+    """One Megatron-Core process: the script's ``--user-only --check`` output and exit status,
+    then the problems it finds once a name is hidden and a signature changed."""
     out = _run_with_mcore(f"""
-        import sys; sys.argv = ['x', '--user-only', '--check', '--mcore-site', {MCORE_SITE!r}]
-        sys.path.insert(0, 'benchmarks')
-        import mcore_api_diff
-        raise SystemExit(mcore_api_diff.main())
-    """)
-    assert out.strip().endswith("user-imported names missing or differing: 0"), out
-
-
-@needs_mcore
-def test_api_diff_script_reports_a_missing_name_and_a_signature_change():
-    # the check must be able to fail: hide a name and change a signature, then compare
-    out = _run_with_mcore(f"""
-        import sys; sys.path.insert(0, 'benchmarks')
+        import contextlib, io, json, sys; sys.path.insert(0, 'benchmarks')
         import mcore_api_diff, dist_checkpointing.utils as u
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            status = mcore_api_diff.main(['--user-only', '--check', '--mcore-site', {MCORE_SITE!r}])
+        # the check must be able to fail: hide a name and change a signature, then compare
         del u.replace_prefix_for_sharding
         u.apply_prefix_mapping = lambda sharded_state_dict, mapping: None
         reports = mcore_api_diff.compare(__import__('pathlib').Path({MCORE_SITE!r}))
-        print(sorted(p for r in reports for p in r.user_problems()))
+        print(json.dumps({{"check": buf.getvalue(), "status": status,
+                          "broken": sorted(p for r in reports for p in r.user_problems())}}))
     """)
-    assert "'apply_prefix_mapping'" in out and "'replace_prefix_for_sharding'" in out, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@needs_mcore
+def test_api_diff_script_finds_nothing_user_code_imports_missing(api_diff):
+    assert api_diff["status"] == 0 and api_diff["check"].strip().endswith(
+        "user-imported names missing or differing: 0"), api_diff["check"]
+
+
+@needs_mcore
+def test_api_diff_script_reports_a_missing_name_and_a_signature_change(api_diff):
+    broken = str(api_diff["broken"])
+    assert "'apply_prefix_mapping'" in broken and "'replace_prefix_for_sharding'" in broken, broken
 
 
 # ----------------------------------------------------------------------------- the switch
@@ -196,9 +205,36 @@ _UTILS_COMPARE = """
 """
 
 
+_COMPARE_ALL = """
+import contextlib, io, json, sys, textwrap, traceback
+results = {}
+for name, code in json.loads(sys.argv[1]).items():
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(textwrap.dedent(code), name, "exec"), {"__name__": name})
+    except BaseException:
+        buf.write(traceback.format_exc())
+    results[name] = buf.getvalue()
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compared() -> Dict[str, str]:
+    """The output of each comparison with Megatron-Core's functions (``_UTILS_COMPARE``,
+    ``_REFORM_COMPARE``, ``_CHECKPOINTABLE_COMPARE``), each run in its own namespace in ONE
+    Megatron-Core process; a failed comparison's output ends with its traceback."""
+    snippets = {"utils": _UTILS_COMPARE, "reform": _REFORM_COMPARE, "checkpointable": _CHECKPOINTABLE_COMPARE}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), MCORE_SITE]), "PYTHONWARNINGS": "ignore"}
+    proc = launch.run(["-c", _COMPARE_ALL, json.dumps(snippets)], env=env, cwd=ROOT, timeout=slack(300))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @needs_mcore
-def test_utils_behave_as_megatron_cores():
-    assert "UTILS SAME" in _run_with_mcore(_UTILS_COMPARE)
+def test_utils_behave_as_megatron_cores(compared):
+    assert "UTILS SAME" in compared["utils"], compared["utils"][-4000:]
 
 
 def _sd():
@@ -505,8 +541,8 @@ _REFORM_COMPARE = _REFORM_CASES + """
 
 
 @needs_mcore
-def test_reformulation_helpers_behave_as_megatron_cores():
-    assert "REFORM SAME" in _run_with_mcore(_REFORM_COMPARE)
+def test_reformulation_helpers_behave_as_megatron_cores(compared):
+    assert "REFORM SAME" in compared["reform"], compared["reform"][-4000:]
 
 
 def _reform_namespace():
@@ -608,8 +644,8 @@ _CHECKPOINTABLE_COMPARE = """
 
 
 @needs_mcore
-def test_checkpointable_behaves_as_megatron_cores():
-    assert "CHECKPOINTABLE SAME" in _run_with_mcore(_CHECKPOINTABLE_COMPARE)
+def test_checkpointable_behaves_as_megatron_cores(compared):
+    assert "CHECKPOINTABLE SAME" in compared["checkpointable"], compared["checkpointable"][-4000:]
 
 
 def _dcp_checkpointable_rank(rank, world, ckpt, save):
