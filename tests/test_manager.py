@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from dist_checkpointing.manager.retention import RetentionPolicy
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 
 from .conftest import get_pool
-from .helpers import assert_all_raise, slack
+from .helpers import assert_all_raise, slack, slow_writes
 from .launch import Launched
 
 
@@ -420,4 +421,27 @@ def _abort_on_error(rank, world, root):
 
 def test_exception_in_the_with_block_releases_the_root(pool12, tmp_path):
     assert pool12.run(_abort_on_error, str(tmp_path)) == [[]] * pool12.world_size
+    assert _dirs(tmp_path) == []
+
+
+def _abort_while_writing(rank, world, root):
+    """An error while the writer is still writing (slowed): once the manager has closed,
+    nothing more is written into the dropped save's directory."""
+    step_dir = Path(root) / "iter_0000001"
+    with slow_writes(0.3):
+        try:
+            with CheckpointManager(root, async_save=True) as mgr:
+                mgr.save(1, _state(rank, world, 1))
+                raise RuntimeError("training failed")
+        except RuntimeError:
+            pass
+        after_close = sorted(os.listdir(step_dir))
+        time.sleep(0.6)  # a writer still running would add its next file by now
+        return after_close, sorted(os.listdir(step_dir))
+
+
+def test_an_aborted_save_writes_nothing_after_close(pool12, tmp_path):
+    for after_close, later in pool12.run(_abort_while_writing, str(tmp_path)):
+        assert after_close == later
+    assert pool12.run(_abort_on_error, str(tmp_path)) == [[]] * pool12.world_size  # removed as a leftover
     assert _dirs(tmp_path) == []

@@ -136,14 +136,18 @@ class AsyncCallsQueue:
         """Finalize every scheduled call (blocking), stop the worker and release the
         requests' resources. Further scheduling raises. Collective, like finalization.
         With ``abort`` (not collective) pending calls are dropped unfinalized: their
-        checkpoints stay incomplete."""
+        checkpoints stay incomplete, and nothing writes into them once this returns (their
+        background work is waited for: a manager opened next may delete them)."""
         if self._closed:
             return
+        dropped: List[_Call] = []
         try:
             if abort:
-                self._calls.clear()
+                dropped, self._calls = self._calls, []
             self.maybe_finalize_async_calls(blocking=True)
         finally:
+            for call in dropped:
+                call.done.wait()
             self._closed = True
             if self._worker is not None:
                 self._worker.stop()
