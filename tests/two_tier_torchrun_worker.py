@@ -1,6 +1,6 @@
-"""A rank of the two-tier torchrun test (``tests/test_two_tier_torchrun.py``), launched by
-``torch.distributed.run`` agents, one per simulated node; the node's local directory is
-``$TWO_TIER_NODE_DIR`` (set per agent), nodes come from torchrun's ``LOCAL_WORLD_SIZE``.
+"""A rank of the two-tier torchrun test (``tests/test_two_tier_torchrun.py``), launched with
+torchrun's variables, one set of ranks per simulated node; the node's local directory is
+``$TWO_TIER_NODE_DIR`` (set per node), nodes come from torchrun's ``LOCAL_WORLD_SIZE``.
 
 ``train ROOT STEPS OUT``: save steps 1..STEPS (local every step, persistent every 3);
 ``restore ROOT - OUT``: load and check bit-exactly. Each rank writes ``OUT/rank_{rank}.json``.
