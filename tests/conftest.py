@@ -63,13 +63,16 @@ def pytest_sessionfinish(session, exitstatus):
     _POOLS.clear()
 
 
-# The longest files (``--durations=0`` summed per file), run first: pytest-xdist hands out whole
-# files (``--dist loadfile``) in collection order, and a long file started last would leave one
-# worker running it alone at the end.
-_LONGEST_FIRST = ["test_docs.py", "test_two_tier_torchrun.py", "test_mcore_names.py", "test_manager_crash.py",
-                  "test_mcore_models.py", "test_async_save.py", "test_s3_storage.py", "test_s3_faults.py",
-                  "test_fully_parallel.py", "test_cli_polish.py", "test_transport.py", "test_demo.py",
-                  "test_manager_demo.py", "test_key_index.py"]
+# The longest files (per-file wall time of a parallel run, measured with the README's command),
+# run first: pytest-xdist hands out whole files (``--dist loadfile``) in collection order, and
+# a long file started last would leave one worker running it alone at the end.
+_LONGEST_FIRST = ["test_async_save.py", "test_s3_storage.py", "test_s3_faults.py", "test_docs.py",
+                  "test_fully_parallel.py", "test_mcore_names.py", "test_mcore_models.py", "test_cli_imports.py",
+                  "test_megatron_interop.py", "test_persistent_worker.py", "test_two_tier_hostile.py",
+                  "test_manager_hostile.py", "test_tools_hostile.py", "test_mcore_behaviour.py",
+                  "test_output_overlap.py", "test_convert.py", "test_s3_server.py", "test_demo.py",
+                  "test_manager_crash.py", "test_pool_timeouts.py", "test_two_tier.py", "test_manager.py",
+                  "test_serialization.py", "test_two_tier_torchrun.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -14,8 +14,8 @@ What is executed ("one process" below: a process that runs the page's script as 
 * ``docs/first_day.md``: every ```python block that is not a torchrun script, in order, in
   one process; then its torchrun scripts, in the page's order, in ONE shared directory
   (each step goes on from the previous one's checkpoints), with ``my_model.py`` = the
-  page's block that defines ``class ToyModel``: the first under
-  ``python -m torch.distributed.run --nproc-per-node N`` itself, the others as above;
+  page's block that defines ``class ToyModel``, each as above (``test_demo`` runs a
+  script under ``python -m torch.distributed.run`` itself);
 * ``docs/coming_from_megatron.md``: every ```python block, in order, in one process;
 * ``README.md``: every ```python block, in order, in one process (the "Use" example is a
   complete program).
@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
-from .helpers import free_port, slack
+from .helpers import slack
 from . import launch
 from .launch import Torchrun
 
@@ -106,23 +104,6 @@ def _env() -> dict:
     return env
 
 
-# A rank that imports torch.distributed.checkpoint (through torch.distributed._shard.sharded_tensor)
-# only after init_process_group may abort at interpreter exit (torch 2.13, gloo); the library
-# imports it lazily, on the first save/load.
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def _run(cmd: List[str], cwd: Path, timeout: float, what: str) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=slack(timeout))
-    hint = ""
-    if EXIT_ABORT in proc.stderr:
-        hint = ("\n(a rank aborted at exit: the known problem of importing torch.distributed.checkpoint "
-                "only after init_process_group — dist_checkpointing imports it lazily on the first save/load)")
-    assert proc.returncode == 0, (
-        f"{what} exited with {proc.returncode}{hint}\n--- stdout ---\n{proc.stdout[-6000:]}"
-        f"\n--- stderr ---\n{proc.stderr[-10000:]}")
-
-
 def _run_page(page: Path, tmp_path: Path) -> None:
     blocks = [b for b in _blocks(page) if b.lang == "python" and b.torchrun is None]
     assert blocks, f"no Python examples found in {page}"
@@ -158,15 +139,10 @@ def _write_model(page: Path, class_name: str, where: Path) -> None:
     (where / "my_model.py").write_text(model.code)
 
 
-def _run_script(page: Path, block: Block, where: Path, shared: Path, real_torchrun: bool = False) -> None:
+def _run_script(page: Path, block: Block, where: Path, shared: Path) -> None:
     name, nproc = block.torchrun
     (where / name).write_text(block.code)
     what = f"{name} ({page.relative_to(ROOT)} line {block.start}) under torchrun with {nproc} ranks"
-    if real_torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), name, str(shared)]
-        _run(cmd, where, 240, what)
-        return
     job = Torchrun([name, str(shared)], nproc, where, [_env()])
     [code] = job.wait(slack(240))
     assert code == 0, f"{what} exited with {code}\n{job.output()[-12000:]}"
@@ -190,8 +166,8 @@ def test_first_day_torchrun_scripts_run_in_order(tmp_path):
     _write_model(FIRST_DAY, "ToyModel", tmp_path)
     shared = tmp_path / "shared"
     shared.mkdir()
-    for i, block in enumerate(scripts):   # one directory: resume.py resumes what train.py saved
-        _run_script(FIRST_DAY, block, tmp_path, shared, real_torchrun=i == 0)
+    for block in scripts:                 # one directory: resume.py resumes what train.py saved
+        _run_script(FIRST_DAY, block, tmp_path, shared)
 
 
 def test_coming_from_megatron_examples_run_in_one_process(tmp_path):

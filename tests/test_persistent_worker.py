@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -20,6 +17,7 @@ from dist_checkpointing.strategies import persistent_worker
 from dist_checkpointing.strategies.persistent_worker import PersistentWorker
 from dist_checkpointing.strategies.staging import ALIGN, ArenaPool, StagingArena, arena_layout, stage
 
+from . import launch
 from .helpers import slack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,8 +182,7 @@ if len(sys.argv) > 2:
 def test_a_script_without_main_guard_is_not_run_again(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_NO_MAIN_GUARD.format(root=ROOT))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         timeout=slack(180))
+    out = launch.run([str(script), str(tmp_path / "ckpt")], timeout=slack(180))  # as `python train.py ckpt`
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("module ran") == 1, out.stdout  # multiprocessing's spawn would run it twice
     assert "worker" in out.stdout
@@ -194,16 +191,11 @@ def test_a_script_without_main_guard_is_not_run_again(tmp_path):
 def test_the_worker_dies_with_its_parent(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_NO_MAIN_GUARD.format(root=ROOT))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), "wait"], stdout=subprocess.PIPE,
-                            text=True)
+    proc = launch.Launched([str(script), str(tmp_path / "ckpt"), "wait"])  # as `python train.py ckpt wait`
     try:
-        worker_pid = None
-        deadline = time.monotonic() + slack(180)
-        while worker_pid is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("worker"):
-                worker_pid = int(line.split()[1])
-        assert worker_pid is not None and _alive(worker_pid)
+        assert proc.wait_for_output("worker", slack(180)), proc.output()
+        worker_pid = int(proc.output()[0].split("worker")[1].split()[0])
+        assert _alive(worker_pid)
         proc.kill()  # SIGKILL: no atexit, no goodbye
         proc.wait()
         deadline = time.monotonic() + slack(10)
@@ -212,4 +204,4 @@ def test_the_worker_dies_with_its_parent(tmp_path):
         assert not _alive(worker_pid), "the worker outlived its trainer"
     finally:
         proc.kill()
-        proc.stdout.close()
+        proc.wait()
