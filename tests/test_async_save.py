@@ -9,6 +9,7 @@ it in a child process, and is complete (``metadata.json``) only once an
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -1277,6 +1278,40 @@ def test_idle_worker_does_not_keep_the_last_request_alive():
         assert ref() is None, "the idle worker still holds the finalized request"
     finally:
         queue.close()
+
+
+class _AbortsElsewhere:
+    """Garbage whose finalizer, run in another process, aborts it (as a process group's C++
+    destructor does in a forked child: it joins threads that process does not have)."""
+
+    def __init__(self) -> None:
+        self.pid, self.cycle = os.getpid(), self
+
+    def __del__(self) -> None:
+        if os.getpid() != self.pid:
+            os.abort()
+
+
+def _collect_eagerly() -> int:
+    """In the child: allocate with the collection threshold at 1, as a writer's allocations
+    may cross the parent's threshold."""
+    gc.set_threshold(1)
+    junk = [[i] for i in range(10000)]
+    return len(junk)
+
+
+def test_forked_writer_runs_no_finalizer_of_the_parents_garbage():
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.disable()
+    try:
+        _AbortsElsewhere()  # cyclic garbage, not collected yet at the fork
+        gc.set_threshold(10 ** 9)
+        gc.enable()
+        assert ForkedCall(_collect_eagerly, "test").result() == 10000
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()  # here its finalizer does nothing
+        (gc.enable if enabled else gc.disable)()
 
 
 def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path):

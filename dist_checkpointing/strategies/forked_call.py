@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -116,6 +117,10 @@ def _fork_child(fn: Callable[[], Any]) -> Tuple[int, int]:
 
 
 def _run_child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
+    # no garbage collection here: a collection would run the finalizers of the parent's
+    # garbage (a process group's C++ destructor joins threads this process does not have:
+    # SIGABRT); this process only writes and exits
+    gc.disable()
     status = 0
     try:
         os.write(write_fd, b"S")  # started
@@ -163,8 +168,8 @@ class ForkedCall:
     nothing is copied up front, and pages this process changes afterwards are copied by
     the kernel on first write. (Shared memory — ``share_memory_()`` tensors — is not
     copied: stage such tensors before forking.) The child must only read memory and do file
-    I/O (no process-group collectives, no CUDA); it exits with ``os._exit``, running no
-    atexit handlers. It is killed if this process dies, and at interpreter exit if still
+    I/O (no process-group collectives, no CUDA); it collects no garbage (the parent's
+    garbage is not its to finalize) and exits with ``os._exit``, running no atexit handlers. It is killed if this process dies, and at interpreter exit if still
     running.
     """
 
