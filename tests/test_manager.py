@@ -407,13 +407,18 @@ def test_megatron_lm_root_written_by_hand_is_resumed(pool12, tmp_path):
     assert step == 300 and dc.check_is_distributed_checkpoint(str(root / f"iter_{step:07d}"))
 
 
-def _abort_on_error(rank, world, root):
+def _fail_during_a_save(rank, world, root):
+    """Training fails while step 1's async save is in flight: the manager closes with abort."""
     try:
         with CheckpointManager(root, async_save=True) as mgr:
             mgr.save(1, _state(rank, world, 1))
             raise RuntimeError("training failed")
     except RuntimeError:
         pass
+
+
+def _abort_on_error(rank, world, root):
+    _fail_during_a_save(rank, world, root)
     with CheckpointManager(root) as mgr:  # the lock was released; the unfinalized save is a leftover
         mgr.wait_until_finished()
         return mgr.all_steps()
@@ -429,12 +434,7 @@ def _abort_while_writing(rank, world, root):
     nothing more is written into the dropped save's directory."""
     step_dir = Path(root) / "iter_0000001"
     with slow_writes(0.3):
-        try:
-            with CheckpointManager(root, async_save=True) as mgr:
-                mgr.save(1, _state(rank, world, 1))
-                raise RuntimeError("training failed")
-        except RuntimeError:
-            pass
+        _fail_during_a_save(rank, world, root)
         after_close = sorted(os.listdir(step_dir))
         time.sleep(0.6)  # a writer still running would add its next file by now
         return after_close, sorted(os.listdir(step_dir))
