@@ -117,6 +117,8 @@ def leftover_files(directory: Storage) -> StepFiles:
     """The files of an incomplete step directory that a save of this library wrote, if
     that save is over (see the module docstring)."""
     entries = directory.entries()
+    if not entries:
+        return StepFiles()  # empty: removable
     regular = {n for n, kind in entries.items() if kind == "file"}
     claim = _record(directory, CLAIM_FNAME) if CLAIM_FNAME in regular else None
     ids: Dict[str, str] = {}  # record -> the save id it holds
@@ -129,8 +131,6 @@ def leftover_files(directory: Storage) -> StepFiles:
     if meta_id is not None:
         ids[METADATA_FNAME] = meta_id
     saves = set(ids.values())
-    if not entries:
-        return StepFiles()  # empty: removable
     if len(saves) != 1:
         why = "no record of a save of this library" if not saves else f"records of several saves {sorted(saves)}"
         return StepFiles([], sorted(entries), why)

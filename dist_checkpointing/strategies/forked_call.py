@@ -169,8 +169,8 @@ class ForkedCall:
     the kernel on first write. (Shared memory — ``share_memory_()`` tensors — is not
     copied: stage such tensors before forking.) The child must only read memory and do file
     I/O (no process-group collectives, no CUDA); it collects no garbage (the parent's
-    garbage is not its to finalize) and exits with ``os._exit``, running no atexit handlers. It is killed if this process dies, and at interpreter exit if still
-    running.
+    garbage is not its to finalize) and exits with ``os._exit``, running no atexit
+    handlers. It is killed if this process dies, and at interpreter exit if still running.
     """
 
     def __init__(self, fn: Callable[[], Any], what: str):
