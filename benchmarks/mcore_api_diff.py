@@ -152,7 +152,10 @@ def user_imports(site: Path) -> Dict[str, Set[str]]:
         if is_pkg:
             name = name.rsplit(".", 1)[0]
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            if PKG.rsplit(".", 1)[-1] not in text:  # an import of the package names it: skip parsing
+                continue
+            tree = ast.parse(text)
         except (SyntaxError, UnicodeDecodeError):
             continue
         aliases: Dict[str, str] = {}
