@@ -5,7 +5,8 @@ imported torch (``dist_pool``'s; it also serves the pools' ranks).
 A fresh interpreter spends ~3 s of CPU importing torch and the library; a fork from the
 preloaded server ~0.03 s. The child behaves as ``python ARGV`` run in ``cwd`` with ``env``:
 ``sys.argv``, ``sys.path`` (the script's folder or the working directory, then
-``PYTHONPATH``, then the interpreter's own entries), ``__main__``, stdin from /dev/null,
+``PYTHONPATH``, then the interpreter's own entries), ``PYTHONWARNINGS`` and
+``OMP_NUM_THREADS`` (read at start-up), ``__main__``, stdin from /dev/null,
 stdout/stderr captured, and at the end what an exiting interpreter does (wait for
 non-daemon threads, run ``atexit`` handlers, flush) with the script's exit code; a signal
 that kills it gives ``-signum`` as ``subprocess`` reports it. What it does not reproduce:
@@ -86,6 +87,8 @@ def _child(argv: List[str], env: Dict[str, str], cwd: str, out_path: str, err_pa
     sys.stderr = open(2, "w", closefd=False, buffering=1, errors="backslashreplace")
     if env.get("PYTHONWARNINGS"):
         warnings._processoptions(env["PYTHONWARNINGS"].split(","))
+    if env.get("OMP_NUM_THREADS", "").isdigit() and "torch" in sys.modules:  # read by torch at its import
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     option = argv[0] if argv[0] in ("-m", "-c") else None
     first = "" if option == "-c" else cwd if option else os.path.dirname(os.path.abspath(argv[0]))
     sys.path[:] = [first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + base_path

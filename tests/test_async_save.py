@@ -378,8 +378,11 @@ def _completion(rank, world, ckpt):
 def test_checkpoint_complete_only_after_finalize(pool2, tmp_path):
     ckpt = tmp_path / "c"
     for msg_before, msg_written in pool2.run(_completion, str(ckpt)):
-        assert "incomplete" in msg_before and str(ckpt) in msg_before, msg_before
-        assert "incomplete" in msg_written, msg_written
+        # when save returns, the writers may not have written a data file yet (nor rank 0
+        # common.pt): then the directory is not a checkpoint at all (docs/format.md)
+        assert str(ckpt) in msg_before and ("incomplete checkpoint" in msg_before
+                                            or "metadata.json is missing" in msg_before), msg_before
+        assert "incomplete checkpoint" in msg_written and str(ckpt) in msg_written, msg_written
 
 
 def _gated(gate, finished, log, idx):
