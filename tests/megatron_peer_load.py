@@ -1,11 +1,14 @@
 """Run by test_megatron_interop in a subprocess whose PYTHONPATH has megatron-core 0.15:
-Megatron-Core's own torch_dist loader reads a checkpoint this library wrote (world 1).
+Megatron-Core's own torch_dist loader reads checkpoints this library wrote (world 1).
 
-Usage: python megatron_peer_load.py CHECKPOINT_DIR WORLD_SAVED
+Usage: python megatron_peer_load.py CHECKPOINT_DIR WORLD_SAVED [CHECKPOINT_DIR WORLD_SAVED ...]
+Prints ``MEGATRON LOAD OK <WORLD_SAVED>`` for each checkpoint that loads as expected, else
+its traceback; exits 1 if any did not.
 """
 
 import os
 import sys
+import traceback
 
 import numpy as np
 import torch
@@ -17,9 +20,7 @@ torch.cuda.current_device = lambda: "cpu"
 np.product = np.prod
 
 
-def main(ckpt: str, world_saved: int) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+def check(ckpt: str, world_saved: int) -> None:
     from megatron.core import dist_checkpointing as mdc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
@@ -43,8 +44,21 @@ def main(ckpt: str, world_saved: int) -> None:
     assert torch.equal(out["opt"], full_w.flatten()[rows * 8 - 12:rows * 8 - 3]), out["opt"]
     assert out["step"] == 9 and mdc.load_content_metadata(ckpt) == {"by": "dist_checkpointing"}
     assert set(mdc.load_tensors_metadata(ckpt)) == {"w", "q", "opt"}
-    print("MEGATRON LOAD OK")
+    print(f"MEGATRON LOAD OK {world_saved}", flush=True)
+
+
+def main(pairs) -> int:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    failed = 0
+    for ckpt, world_saved in pairs:
+        try:
+            check(ckpt, int(world_saved))
+        except Exception:  # noqa: BLE001 - reported, the next checkpoint still checked
+            traceback.print_exc()
+            failed += 1
+    return int(failed > 0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    sys.exit(main(zip(sys.argv[1::2], sys.argv[2::2])))

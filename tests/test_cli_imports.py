@@ -70,15 +70,18 @@ def test_help_and_version_import_neither_torch_nor_the_library(args):
                     "dist_checkpointing.compat.lazy"}, ours
 
 
-@pytest.mark.parametrize("command", ["inspect", "validate", "export"])
-def test_read_only_subcommands_do_not_import_dcp(ckpt, tmp_path, command):
-    args = [command, str(ckpt)] + ([str(tmp_path / "out")] if command == "export" else [])
-    proc, modules = _command_line(*args)
-    assert proc.returncode == 0, proc.stderr
-    assert "torch" in modules  # (common.pt is a torch.save archive)
-    heavy = sorted(m for m in modules if m == DCP or m.startswith(DCP + ".") or m.startswith("torch.distributed._shard")
-                   or m == "torch.distributed.tensor")  # (DTensor: most of DCP's import time)
-    assert not heavy, f"dist-ckpt {command} imported {heavy}"
+def _heavy(modules) -> List[str]:
+    """DCP and what importing it costs most (DTensor, the sharded tensor)."""
+    return sorted(m for m in modules if m == DCP or m.startswith(DCP + ".") or m.startswith("torch.distributed._shard")
+                  or m == "torch.distributed.tensor")
+
+
+def test_read_only_subcommands_do_not_import_dcp(light_run):
+    """inspect, validate and export, one after another in one command-line process (fresh):
+    none imports DCP; torch is imported (common.pt is a torch.save archive)."""
+    commands = {args[0] for args, status, _ in light_run["outputs"] if status == 0}
+    assert {"inspect", "validate", "export"} <= commands, light_run["outputs"]
+    assert light_run["torch_imported"] and light_run["heavy"] == [], light_run["heavy"]
 
 
 def test_writing_subcommands_write_dcps_own_classes(ckpt, tmp_path):
@@ -106,7 +109,10 @@ for args in json.loads(sys.argv[2]):
     with contextlib.redirect_stdout(buf):
         status = main(args)
     out.append([args, status, buf.getvalue()])
-print(json.dumps({"outputs": out, "dcp_imported": "torch.distributed.checkpoint" in sys.modules}))
+heavy = sorted(m for m in sys.modules if m.startswith(("torch.distributed.checkpoint", "torch.distributed._shard"))
+               or m == "torch.distributed.tensor")
+print(json.dumps({"outputs": out, "dcp_imported": "torch.distributed.checkpoint" in sys.modules,
+                  "torch_imported": "torch" in sys.modules, "heavy": heavy}))
 """
 
 
@@ -121,25 +127,37 @@ def _run_all(mode: str, commands: List[List[str]]) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_read_only_output_is_the_same_with_and_without_dcp(ckpt):
-    """inspect (table and JSON) and validate of ours and of Megatron-Core 0.15 (its own metadata
-    class) and 0.19 checkpoints print the same from the stand-ins as from DCP's classes."""
+def _compared_commands(ckpt: Path) -> List[List[str]]:
     paths = [ckpt] + [FIXTURES / which / "checkpoint" for which in
                       ("mcore_v0_15/tp1_single", "mcore_v0_15/distopt_flat", "mcore_v0_19/gpt_tp2_dp2")]
-    commands = [[*command, str(path)] for path in paths
-                for command in (["inspect"], ["inspect", "--json"], ["validate", "--json"], ["validate"])]
-    light, full = _run_all("light", commands), _run_all("dcp", commands)
-    assert not light["dcp_imported"] and full["dcp_imported"]
-    for (args, status, out), (_, full_status, full_out) in zip(light["outputs"], full["outputs"]):
+    return [[*command, str(path)] for path in paths
+            for command in (["inspect"], ["inspect", "--json"], ["validate", "--json"], ["validate"])]
+
+
+@pytest.fixture(scope="module")
+def light_run(ckpt, tmp_path_factory) -> dict:
+    """The compared commands, then an export, in one fresh command-line process."""
+    out = tmp_path_factory.mktemp("light_export") / "out"
+    return _run_all("light", _compared_commands(ckpt) + [["export", str(ckpt), str(out)]])
+
+
+def test_read_only_output_is_the_same_with_and_without_dcp(ckpt, light_run):
+    """inspect (table and JSON) and validate of ours and of Megatron-Core 0.15 (its own metadata
+    class) and 0.19 checkpoints print the same from the stand-ins as from DCP's classes."""
+    commands = _compared_commands(ckpt)
+    full = _run_all("dcp", commands)
+    assert not light_run["dcp_imported"] and full["dcp_imported"]
+    for (args, status, out), (_, full_status, full_out) in zip(light_run["outputs"], full["outputs"]):
         assert (status, out) == (full_status, full_out), args
         assert status == 0 and out.strip(), (args, out)
+    assert len(full["outputs"]) == len(commands)
 
 
 def test_export_writes_the_same_bytes_with_and_without_dcp(ckpt, tmp_path):
     light, modules = _command_line("export", str(ckpt), str(tmp_path / "light"))
     full = _with_dcp("export", str(ckpt), str(tmp_path / "full"))
     assert light.returncode == full.returncode == 0, (light.stderr, full.stderr)
-    assert DCP not in modules
+    assert _heavy(modules) == []
     names = sorted(p.name for p in (tmp_path / "light").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "full").iterdir()) and names
     for name in names:

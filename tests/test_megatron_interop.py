@@ -42,11 +42,19 @@ def _save(rank, world, ckpt):
     dc.save(sd, ckpt, content_metadata={"by": "dist_checkpointing"})
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_megatron_core_015_loads_our_checkpoint(world, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    get_pool(world).run(_save, str(ckpt))
-    env = {**os.environ, "PYTHONPATH": require("MCORE_SITE"), "MASTER_PORT": str(29000 + os.getpid() % 1000 + world)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_peer_load.py")), str(ckpt), str(world)],
+@pytest.fixture(scope="module")
+def megatron_loads(tmp_path_factory) -> subprocess.CompletedProcess:
+    """Checkpoints saved at world 1 and 2, then loaded by Megatron-Core in ONE peer process."""
+    args = []
+    for world in (1, 2):
+        ckpt = tmp_path_factory.mktemp(f"world{world}") / "ckpt"
+        get_pool(world).run(_save, str(ckpt))
+        args += [str(ckpt), str(world)]
+    env = {**os.environ, "PYTHONPATH": require("MCORE_SITE"), "MASTER_PORT": str(29000 + os.getpid() % 1000)}
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("megatron_peer_load.py")), *args],
                           env=env, capture_output=True, text=True, timeout=slack(300))
-    assert proc.returncode == 0 and "MEGATRON LOAD OK" in proc.stdout, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_core_015_loads_our_checkpoint(world, megatron_loads):
+    assert f"MEGATRON LOAD OK {world}\n" in megatron_loads.stdout, megatron_loads.stderr[-4000:]
