@@ -194,8 +194,8 @@ class Launched:
 
 def run(argv: Sequence[str], env: Optional[Dict[str, str]] = None, cwd: Optional[os.PathLike] = None,
         timeout: Optional[float] = None) -> subprocess.CompletedProcess:
-    """``subprocess.run(argv[with sys.executable dropped], capture_output=True, text=True)``
-    through a fork: ``argv`` starts with the script or ``-m``; a timeout kills it and raises
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True)`` through a
+    fork: ``argv`` starts with the script, ``-m`` or ``-c``; a timeout kills it and raises
     ``subprocess.TimeoutExpired``."""
     proc = Launched(argv, env, cwd)
     try:
