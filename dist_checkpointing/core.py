@@ -47,6 +47,13 @@ class CheckpointingException(Exception, *((_DCP_API.CheckpointException,) if _DC
     __str__ = Exception.__str__
 
 
+def error_message(e: BaseException) -> str:
+    """The message of ``e`` as it is reported to the other ranks (or by another process)."""
+    if isinstance(e, CheckpointingException):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off within the block: building or unpickling

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..core import CheckpointingException
+from ..core import CheckpointingException, error_message  # noqa: F401 - error_message: imported from here too
 
 T = TypeVar("T")
 
@@ -101,13 +101,6 @@ def raise_if_any(errors: List[Optional[str]], what: str) -> None:
         f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {msg}" for msg, ranks in by_message.items()
     )
     raise CheckpointingException(f"{what} failed on {len(failed)} rank(s): {details}")
-
-
-def error_message(e: BaseException) -> str:
-    """The message of ``e`` as it is reported to the other ranks."""
-    if isinstance(e, CheckpointingException):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
 
 
 def run_agreed(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T:

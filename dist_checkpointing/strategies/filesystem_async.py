@@ -1,9 +1,7 @@
 """Serializing save payloads into storage streams, and the host copies of async saves.
 
 A data file is a sequence of ``torch.save`` blobs (the DCP item format), written by
-:func:`write_file` into one stream of the storage layer (:mod:`..storage`: the staged
-``O_DIRECT`` writer, its buffer pool and the fsync rules live there). This module keeps
-Megatron-Core's name.
+:func:`write_file` (:mod:`.records` writes the bytes). This module keeps Megatron-Core's name.
 """
 
 from __future__ import annotations
@@ -13,10 +11,9 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Un
 import torch
 
 from ..tensors.bytes_view import as_bytes
-from ..core import CheckpointingException
-from ..integrity.checksums import new_hasher
-from ..storage import Storage, WriteStream
-from ..storage.zip_crc import zip_crc_disabled
+from ..storage import Storage
+from .blob_template import blob_parts
+from .records import Record, TensorRecord, write_records
 
 Payload = Union[torch.Tensor, bytes]
 
@@ -65,6 +62,7 @@ def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if type(t) is not torch.Tensor:
         t = t.as_subclass(torch.Tensor)
+    t = t.resolve_conj().resolve_neg()  # the values, not a lazy conjugate or negative view
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
@@ -85,52 +83,23 @@ def payload_nbytes(payload: Payload) -> int:
     return len(payload)
 
 
+def _tensor_record(payload: Payload) -> Record:
+    """A payload as a record: a tensor's blob from its template, bytes as they are."""
+    if isinstance(payload, torch.Tensor):
+        t = _exact_cpu_tensor(payload)
+        prefix, suffix = blob_parts(t.dtype, t.shape, lambda: t)
+        return TensorRecord(prefix, tensor_bytes(t), suffix)
+    return payload
+
+
 def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
                compute_checksums: bool = True,
                on_written: Optional[Callable[[int], None]] = None) -> List[Tuple[int, int, Optional[int]]]:
     """Write ``payloads`` (tensors as ``torch.save`` blobs, bytes as is) into the new file
-    ``name`` of ``storage``, through one :meth:`~..storage.Storage.create_stream`.
-
-    Returns ``(offset, length, checksum)`` of each payload in the file; the checksum
-    (``None`` unless ``compute_checksums``) covers the payload's whole record, the
-    ``length`` bytes at ``offset``. It is computed piece by piece right after each piece
-    is copied into the staging buffer (still in the CPU cache), while the stream's I/O
-    thread writes the previous buffer, so it mostly hides behind the disk. The blobs' zip
-    CRC32 is not computed (see :func:`zip_crc_disabled`). A storage error is a
-    :class:`CheckpointingException` naming the file. ``on_written(nbytes)``, if given, is
-    called after each payload with its :func:`payload_nbytes` (progress reports).
-    """
-    try:
-        stream = storage.create_stream(name)
-    except OSError as e:
-        raise CheckpointingException(f"Cannot create checkpoint file {storage.describe(name)}: {e}") from e
-    try:
-        with zip_crc_disabled():
-            spans = _write_payloads(stream, payloads, compute_checksums, on_written)
-        stream.close()
-    except Exception as e:  # noqa: BLE001 - named below
-        stream.abort()
-        cause = stream.error or e
-        raise CheckpointingException(
-            f"Writing checkpoint file {storage.describe(name)} failed: {type(cause).__name__}: {cause}") from cause
-    except BaseException:
-        stream.abort()
-        raise
-    return spans
-
-
-def _write_payloads(stream: WriteStream, payloads: Sequence[Payload], compute_checksums: bool,
-                    on_written: Optional[Callable[[int], None]]) -> List[Tuple[int, int, Optional[int]]]:
-    spans: List[Tuple[int, int, Optional[int]]] = []
-    for payload in payloads:
-        start = stream.tell()
-        if compute_checksums:
-            stream.start_checksum(new_hasher())
-        if isinstance(payload, torch.Tensor):
-            torch.save(_exact_cpu_tensor(payload), stream)
-        else:
-            stream.write(payload)
-        spans.append((start, stream.tell() - start, stream.take_checksum() if compute_checksums else None))
-        if on_written is not None:
-            on_written(payload_nbytes(payload))
-    return spans
+    ``name`` of ``storage`` (:func:`.records.write_records`): ``(offset, length, checksum)``
+    of each payload in the file. A tensor's blob is what ``torch.save`` writes with the zip
+    CRC off (:mod:`.blob_template`; neither ``torch.load`` nor DCP verifies the CRC), its
+    bytes written from the tensor's memory (a device tensor's host copy is made just
+    before). ``on_written(nbytes)``, if given, is called after each payload with its
+    :func:`payload_nbytes` (progress reports)."""
+    return write_records(storage, name, payloads, compute_checksums, on_written, _tensor_record, payload_nbytes)

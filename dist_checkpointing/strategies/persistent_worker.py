@@ -1,7 +1,7 @@
 """A worker process started once (a new interpreter: never a fork of the trainer, and it
 does not re-run the trainer's main module as ``multiprocessing``'s spawn does) that runs calls
-one after another: async saves' writers (:mod:`.torch_dist.staged_write`) and Megatron-Core's
-:class:`~.async_callers.PersistentAsyncCaller`.
+one after another: async saves' writers (:func:`.records.write_from_arena`; that worker
+imports no torch) and Megatron-Core's :class:`~.async_callers.PersistentAsyncCaller`.
 
 Calls and their results travel pickled through pipes (CPU tensors in their arguments
 through shared memory, as ``torch.multiprocessing`` shares them). Shared host arenas
@@ -26,15 +26,14 @@ from multiprocessing.connection import Connection, Pipe
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..core import CheckpointingException
-from ..exchange.collectives import error_message
+from ..core import CheckpointingException, error_message
 
 logger = logging.getLogger(__name__)
 
 #: in the worker: the arenas handed over, by id (``(mmap, size)``)
 ARENAS: Dict[int, Tuple[mmap.mmap, int]] = {}
 PARENT_POLL_S = 0.2  # how often the worker checks that its parent is alive
-_ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent and log level
+_ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent, log level, whether calls hold tensors
 
 
 def arena_bytes(arena_id: int) -> memoryview:
@@ -54,14 +53,17 @@ def _watch_parent(parent: int) -> None:
 
 def main() -> None:
     """The worker process's entry: its two connections are inherited descriptors."""
-    jobs_fd, results_fd, parent, log_level = map(int, os.environ.pop(_ENV).split(","))
-    _serve(Connection(jobs_fd), Connection(results_fd), parent, log_level)
+    jobs_fd, results_fd, parent, log_level, tensors = map(int, os.environ.pop(_ENV).split(","))
+    _serve(Connection(jobs_fd), Connection(results_fd), parent, log_level, bool(tensors))
 
 
-def _serve(jobs: Any, results: Any, parent: int, log_level: int) -> None:
+def _serve(jobs: Any, results: Any, parent: int, log_level: int, tensors: bool = True) -> None:
     """The worker's loop: ``("call", id, fn, args, kwargs)`` → ``(id, ok, value)``;
-    ``("arena", id, size)`` followed by its file descriptor; ``("forget", id)``; ``None`` ends."""
-    import torch.multiprocessing  # noqa: F401 - registers the reductions that share CPU tensors
+    ``("arena", id, size)`` followed by its file descriptor; ``("forget", id)``; ``None`` ends.
+    ``tensors``: calls and results may hold CPU tensors (torch is imported for them; the
+    writer of async saves has none, and imports no torch)."""
+    if tensors:
+        import torch.multiprocessing  # noqa: F401 - registers the reductions that share CPU tensors
 
     logging.getLogger("dist_checkpointing").setLevel(log_level)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
@@ -126,10 +128,12 @@ class Job:
 
 class PersistentWorker:
     """One ``spawn`` ed worker process, started on the first call and reused until
-    :meth:`close`; calls run in the order they are submitted."""
+    :meth:`close`; calls run in the order they are submitted. ``tensors``: whether calls
+    and results may hold CPU tensors (shared through shared memory; the worker then imports
+    torch at start)."""
 
-    def __init__(self, name: str = "dist_checkpointing-worker"):
-        self.name = name
+    def __init__(self, name: str = "dist_checkpointing-worker", tensors: bool = True):
+        self.name, self.tensors = name, tensors
         self.process: Any = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -149,7 +153,7 @@ class PersistentWorker:
         results, their_results = Pipe(duplex=False)
         level = logging.getLogger("dist_checkpointing").getEffectiveLevel()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   **{_ENV: f"{theirs.fileno()},{their_results.fileno()},{os.getpid()},{level}"})
+                   **{_ENV: f"{theirs.fileno()},{their_results.fileno()},{os.getpid()},{level},{int(self.tensors)}"})
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", "from dist_checkpointing.strategies.persistent_worker import main; main()"],
@@ -245,11 +249,12 @@ _shared_lock = threading.Lock()
 
 
 def shared_worker() -> PersistentWorker:
-    """This process's writer worker (one per process; started on its first call)."""
+    """This process's writer worker (one per process; started on its first call; it runs
+    :func:`.records.write_from_arena` and imports no torch)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = PersistentWorker("dist_checkpointing-writer")
+            _shared = PersistentWorker("dist_checkpointing-writer", tensors=False)  # it writes from arenas
             atexit.register(_shared.close)
         return _shared
 

@@ -42,6 +42,7 @@ from ...storage.buffers import (
 )
 from ..filesystem_async import HostStaging
 from ..persistent_worker import shared_worker
+from ..records import write_from_arena
 from ..staging import ArenaPool, Staged, StagingArena, stage
 from ..memory_maps import not_isolated_by_fork
 from .format import data_file_name
@@ -50,7 +51,7 @@ from .location_table import (
 )
 from .metadata import assemble_table, table_metadata, write_table
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
-from .writing import arena_files, arena_plan, write_files, write_from_arena
+from .writing import arena_files, arena_plan, arena_records, locations, write_files
 
 SNAPSHOT_MODES = ("auto", "stream", "copy", "fork")
 
@@ -215,7 +216,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Copy every tensor of ``files`` into a staging arena (:mod:`..staging`); returns
         the request's ``async_fn`` (wait for the copies, then write from the persistent
         writer, or from this thread where the storage needs it) and the copies' handle."""
-        tensors, offsets, size, sent = arena_plan(files)
+        tensors, offsets, size = arena_plan(files)
         arena = self._arenas.take(size)
         done = written["release"] = self._arenas.hold(arena)
         try:
@@ -232,14 +233,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 staged.wait()
                 if spec is None:
-                    written["locations"] = write_files(arena_files(sent, arena.flat), storage, self.checksums,
-                                                       self.thread_count)
+                    written["locations"] = write_files(arena_files(files, offsets, arena.flat), storage,
+                                                       self.checksums, self.thread_count)
                     return
+                sent, templates = arena_records(files, offsets, arena.flat)
                 worker = shared_worker()
                 worker.share_arena(arena.id, arena.fd, arena.size)
-                job = worker.submit(write_from_arena, (spec, arena.id, sent, self.checksums, self.thread_count),
-                                    what=what)
-                written["locations"] = job.result()
+                job = worker.submit(write_from_arena, (spec, arena.id, sent, templates, self.checksums,
+                                                       self.thread_count), what=what)
+                written["locations"] = locations(files, job.result())
             finally:
                 done()
 
