@@ -238,18 +238,18 @@ class Param:
         return ShardedTensor.from_rank_offsets(self.key, data, (self.tp_axis, rank, world))
 
 
-def hidden_size_for(size_gib: float) -> int:
-    """Hidden size h (multiple of 64) so that the state is about ``size_gib`` GiB.
+def hidden_size_for(size_gib: float, layers: int = NUM_LAYERS) -> int:
+    """Hidden size h (multiple of 64) so that the state of ``layers`` layers is about ``size_gib`` GiB.
 
-    Bytes ~ 2 (bf16) * (2 * vocab*h + layers * 12 h^2) with vocab = 16 h: 256 h^2.
+    Bytes ~ 2 (bf16) * (2 * vocab*h + layers * 12 h^2) with vocab = 16 h.
     """
-    h = math.sqrt(size_gib * (1 << 30) / (2 * (32 + 12 * NUM_LAYERS)))
+    h = math.sqrt(size_gib * (1 << 30) / (2 * (32 + 12 * layers)))
     return max(64, int(round(h / 64)) * 64)
 
 
-def build_params(size_gib: float, rank: int, world: int, seed: int = 0) -> List[Param]:
-    """This rank's local tensors of a GPT-like model (random values)."""
-    h = hidden_size_for(size_gib)
+def build_params(size_gib: float, rank: int, world: int, seed: int = 0, layers: int = NUM_LAYERS) -> List[Param]:
+    """This rank's local tensors of a GPT-like model of ``layers`` layers (random values)."""
+    h = hidden_size_for(size_gib, layers)
     vocab, ffn = 16 * h, 4 * h
     split_gen = torch.Generator().manual_seed(seed + 1 + rank)
     replicated_gen = torch.Generator().manual_seed(seed)  # replicas hold equal values
@@ -263,7 +263,7 @@ def build_params(size_gib: float, rank: int, world: int, seed: int = 0) -> List[
         return [Param(f"{name}.{w}", rand((h,), fp32, replicated=True), None) for w in ("weight", "bias")]
 
     params = [Param("embedding.word_embeddings.weight", rand((vocab // world, h), bf16), 0)]
-    for i in range(NUM_LAYERS):
+    for i in range(layers):
         p = f"decoder.layers.{i}."
         params += [
             *norm(p + "input_layernorm"),

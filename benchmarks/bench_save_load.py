@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from _common import (
+    NUM_LAYERS,
     Param,
     add_scratch_and_output_flags,
     build_params,
@@ -198,7 +199,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        params = build_params(args.size_gib, rank, world)
+        params = build_params(args.size_gib, rank, world, layers=args.layers)
         dest = [torch.zeros_like(p.tensor) for p in params]  # preallocated, pages touched
         methods = Methods(params, dest, rank, world)
         base = Path(args.dir) / f"world{world}"
@@ -215,7 +216,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
         all_bytes = gather_floats(float(local_bytes))
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"world_size": world, "hidden_size": hidden_size_for(args.size_gib),
+                json.dump({"world_size": world, "hidden_size": hidden_size_for(args.size_gib, args.layers),
                            "num_tensors_per_rank": len(params), "local_bytes_per_rank": all_bytes,
                            "rounds": rounds}, f)
         if rank == 0:
@@ -325,6 +326,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (all ranks), GiB")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over them)")
     ap.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes")
+    ap.add_argument("--layers", type=int, default=NUM_LAYERS,
+                    help="transformer layers (12 tensors each): many layers of a small state = many small tensors")
     add_scratch_and_output_flags(ap, REPO_ROOT.parent / "bench_tmp", RESULTS_PATH)
     return ap.parse_args()
 
@@ -333,7 +336,7 @@ def main() -> None:
     """Run every world size, print the tables and write the JSON."""
     args = parse_args()
     run_world_sizes("bench_save_load", args, run_world, summarize, format_table,
-                    {"size_gib": args.size_gib, "rounds": args.rounds})
+                    {"size_gib": args.size_gib, "rounds": args.rounds, "layers": args.layers})
 
 
 if __name__ == "__main__":

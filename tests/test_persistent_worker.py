@@ -13,30 +13,14 @@ import torch
 import xxhash
 
 from dist_checkpointing import CheckpointingException
-from dist_checkpointing.strategies import persistent_worker
 from dist_checkpointing.strategies.persistent_worker import PersistentWorker
 from dist_checkpointing.strategies.staging import ALIGN, ArenaPool, StagingArena, arena_layout, stage
 
 from . import launch
+from .worker_calls import arena_digest, boom, die, has_torch, pid_and_args
 from .helpers import slack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _pid_and_args(*args, **kwargs):
-    return os.getpid(), args, kwargs
-
-
-def _boom(what):
-    raise ValueError(f"boom {what}")
-
-
-def _die():
-    os._exit(7)
-
-
-def _arena_digest(arena_id, n):
-    return xxhash.xxh3_64_intdigest(persistent_worker.arena_bytes(arena_id)[:n])
 
 
 def _alive(pid: int) -> bool:
@@ -54,40 +38,41 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def worker():
-    w = PersistentWorker("test-worker")
+    w = PersistentWorker("test-worker", tensors=False)  # its calls (worker_calls) import no torch
     yield w
     w.close()
 
 
 def test_calls_run_in_order_in_another_process(worker):
-    jobs = [worker.submit(_pid_and_args, (i, "x"), {"k": i}) for i in range(5)]
+    jobs = [worker.submit(pid_and_args, (i, "x"), {"k": i}) for i in range(5)]
     results = [job.result(timeout=slack(60)) for job in jobs]
     pids = {pid for pid, _, _ in results}
     assert pids == {worker.pid} and worker.pid != os.getpid()
+    assert worker.submit(has_torch).result(timeout=slack(60)) is False  # a worker without tensors has no torch
     assert [(args, kwargs) for _, args, kwargs in results] == [((i, "x"), {"k": i}) for i in range(5)]
 
 
 def test_errors_name_the_call_and_the_worker_goes_on(worker):
     with pytest.raises(CheckpointingException, match=r"Writing x failed in the persistent worker: ValueError: boom 3"):
-        worker.submit(_boom, (3,), what="Writing x").result(timeout=slack(60))
+        worker.submit(boom, (3,), what="Writing x").result(timeout=slack(60))
     pid = worker.pid
-    assert worker.submit(_pid_and_args).result(timeout=slack(60))[0] == pid  # the same worker
+    assert worker.submit(pid_and_args).result(timeout=slack(60))[0] == pid  # the same worker
     with pytest.raises(CheckpointingException, match="cannot send it to the persistent worker"):
-        worker.submit(_pid_and_args, (lambda: 0,))  # not picklable: refused here, not in the worker
+        worker.submit(pid_and_args, (lambda: 0,))  # not picklable: refused here, not in the worker
 
 
 def test_a_dead_worker_fails_its_calls_and_a_new_one_starts(worker):
-    old = worker.submit(_pid_and_args).result(timeout=slack(60))[0]
+    old = worker.submit(pid_and_args).result(timeout=slack(60))[0]
     with pytest.raises(CheckpointingException, match=r"died \(exit code 7\)"):
-        worker.submit(_die).result(timeout=slack(60))
+        worker.submit(die).result(timeout=slack(60))
     deadline = time.monotonic() + slack(30)
     while worker.process is not None and time.monotonic() < deadline:
         time.sleep(0.01)  # the result collector notices the exit
-    new = worker.submit(_pid_and_args).result(timeout=slack(60))[0]
+    new = worker.submit(pid_and_args).result(timeout=slack(60))[0]
     assert new != old and not _alive(old)
     os.kill(new, signal.SIGKILL)  # killed from outside: the same
     with pytest.raises(CheckpointingException, match=r"died \(exit code -9\)"):
-        job = worker.submit(_pid_and_args)
+        job = worker.submit(pid_and_args)
         job.result(timeout=slack(60))
         raise AssertionError("the call ran in a killed worker")
 
@@ -99,15 +84,15 @@ def test_arenas_are_handed_over_once_and_read_in_place(worker):
         arena.flat.copy_(data)
         worker.share_arena(arena.id, arena.fd, arena.size)
         expected = xxhash.xxh3_64_intdigest(data.numpy())
-        assert worker.submit(_arena_digest, (arena.id, arena.size)).result(timeout=slack(60)) == expected
+        assert worker.submit(arena_digest, (arena.id, arena.size)).result(timeout=slack(60)) == expected
         arena.flat[:10] = 0  # the worker sees this process's writes: shared, not copied
         data[:10] = 0
         worker.share_arena(arena.id, arena.fd, arena.size)  # already there: nothing sent
-        assert worker.submit(_arena_digest, (arena.id, arena.size)).result(timeout=slack(60)) == \
+        assert worker.submit(arena_digest, (arena.id, arena.size)).result(timeout=slack(60)) == \
             xxhash.xxh3_64_intdigest(data.numpy())
         worker.forget_arena(arena.id)
         with pytest.raises(CheckpointingException, match=f"Staging arena {arena.id} was not handed"):
-            worker.submit(_arena_digest, (arena.id, 1)).result(timeout=slack(60))
+            worker.submit(arena_digest, (arena.id, 1)).result(timeout=slack(60))
     finally:
         arena.release()
 
@@ -188,7 +173,7 @@ def test_a_script_without_main_guard_is_not_run_again(tmp_path):
     assert "worker" in out.stdout
 
 
-def test_the_worker_dies_with_its_parent(tmp_path):
+def test_the_workerdies_with_its_parent(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_NO_MAIN_GUARD.format(root=ROOT))
     proc = launch.Launched([str(script), str(tmp_path / "ckpt"), "wait"])  # as `python train.py ckpt wait`

@@ -24,6 +24,7 @@ from dist_checkpointing.strategies import (
 )
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
+from . import launch
 from .conftest import get_pool
 from .helpers import slack
 
@@ -377,11 +378,9 @@ print("ok")
 
 
 def test_builtin_strategies_created_on_first_lookup_and_overridable():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _FRESH_REGISTRY], capture_output=True, text=True, timeout=slack(120),
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    # in a new process (launch.py: the library imported, nothing looked up yet)
+    out = launch.run(["-c", _FRESH_REGISTRY], env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                     timeout=slack(120))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
