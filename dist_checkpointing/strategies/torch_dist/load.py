@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ..dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
@@ -42,6 +42,33 @@ def requested_regions(sharded_state_dict: ShardedStateDict, regions: bool = True
         elif isinstance(sh, ShardedObject):
             out[sh.unique_key] = None
     return out
+
+
+#: the least bytes one reader thread takes at a time: a run of small items is read by one
+#: thread (items of a few KiB are mostly Python work, and threads taking turns item by item
+#: for the GIL made a load of 4,800 small tensors 3.5x slower than one thread)
+BATCH_MIN_BYTES = 16 << 20
+
+
+def _batches(tasks: List[Tuple[Callable[[Any], None], Any]], thread_count: int) -> List[List[Tuple[Callable[[Any], None], Any]]]:
+    """``tasks`` (in file order) cut into runs for the reader threads: about a quarter of a
+    thread's share each, at least :data:`BATCH_MIN_BYTES` (one run for a small load)."""
+    total = sum(read_nbytes(arg) for _, arg in tasks)
+    target = max(BATCH_MIN_BYTES, total // (4 * thread_count))
+    batches: List[List[Tuple[Callable[[Any], None], Any]]] = [[]]
+    size = 0
+    for task in tasks:
+        if size >= target:
+            batches.append([])
+            size = 0
+        batches[-1].append(task)
+        size += read_nbytes(task[1])
+    return batches if thread_count > 1 else [tasks]
+
+
+def _run(tasks: List[Tuple[Callable[[Any], None], Any]]) -> None:
+    for fn, arg in tasks:
+        fn(arg)
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -154,12 +181,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             meter = byte_meter("read", sum(read_nbytes(arg) for _, arg in tasks))
             if meter is not None:  # counted per item read
                 tasks = [(_counted(fn, meter), arg) for fn, arg in tasks]
-            if self.thread_count == 1 or len(tasks) <= 1:
-                for fn, arg in tasks:
-                    fn(arg)
+            batches = _batches(tasks, self.thread_count)
+            if len(batches) <= 1:
+                _run(tasks)
             else:
-                with ThreadPoolExecutor(self.thread_count) as pool:
-                    for f in [pool.submit(fn, arg) for fn, arg in tasks]:
+                with ThreadPoolExecutor(min(self.thread_count, len(batches))) as pool:
+                    for f in [pool.submit(_run, batch) for batch in batches]:
                         f.result()
             if meter is not None:
                 meter.finish()
