@@ -113,3 +113,21 @@ def test_async_saves_persistent_writer_imports_no_torch(ckpt_location):
     for f in files:
         assert storage_for(sync).read_bytes(f) == storage_for(async_).read_bytes(f), f
     assert "torch" in sys.modules  # this process has it; the writer does not
+
+
+def test_a_reader_parses_each_layout_once_and_never_mixes_two(tmp_path, monkeypatch):
+    """Blobs of one dtype and shape are parsed once per load; a blob of the same length but
+    another shape or dtype (other bytes outside its data) is parsed on its own."""
+    from dist_checkpointing.strategies import torch_blob
+
+    state = {"a": torch.randn(2, 3), "b": torch.randn(3, 2), "c": torch.arange(6, dtype=torch.int32).view(2, 3),
+             **{f"same{i}": torch.randn(2, 3) for i in range(20)}}
+    dc.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}, tmp_path / "c",
+            TorchDistSaveShardedStrategy(thread_count=1))
+    parses = []
+    parse = torch_blob.zipfile.ZipFile
+    monkeypatch.setattr(torch_blob.zipfile, "ZipFile", lambda f: parses.append(1) or parse(f))
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in state.items()}
+    out = dc.load(request, tmp_path / "c")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert len(parses) == 3  # (2, 3) float32, (3, 2) float32, (2, 3) int32: same length, other layouts

@@ -18,7 +18,7 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -153,13 +153,49 @@ def _record_data_offset(file: RangeReader, blob_offset: int, blob_length: int, i
     return start
 
 
-def read_tensor_header(file: RangeReader, offset: int, length: int) -> Optional[TensorHeader]:
+@dataclass(frozen=True)
+class _Layout:
+    """A parsed blob: every byte but its data record's (``head`` before it, ``tail`` after
+    it), and what the parse found."""
+
+    data_start: int  # of the data record, in the blob
+    data_length: int
+    head: bytes
+    tail: bytes
+    dtype: torch.dtype
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    storage_offset_bytes: int
+
+
+#: a reader's parsed blobs by blob length, the latest first (:func:`read_tensor_header`'s ``layouts``)
+Layouts = Dict[int, List[_Layout]]
+_LAYOUTS_PER_LENGTH = 8
+
+
+def _same_layout(file: RangeReader, offset: int, layout: _Layout) -> bool:
+    tail_start = layout.data_start + layout.data_length
+    return (file.read(offset, layout.data_start) == layout.head
+            and file.read(offset + tail_start, len(layout.tail)) == layout.tail)
+
+
+def read_tensor_header(file: RangeReader, offset: int, length: int,
+                       layouts: Optional[Layouts] = None) -> Optional[TensorHeader]:
     """Locate the tensor stored in the blob at ``[offset, offset+length)`` of ``file``.
 
     Returns ``None`` when the blob is not a plain single-tensor ``torch.save`` archive
     (the caller then falls back to ``torch.load``). Raises ``ValueError`` for a damaged
     archive; nothing outside the blob is read, and the tensor's bytes lie inside it.
+
+    ``layouts`` (kept by the caller across blobs) skips the parse of a blob whose bytes
+    outside its data record equal those of a blob parsed before (the blobs of one dtype and
+    shape that our writers write, :mod:`.blob_template`): the parse reads nothing else, so
+    it would find the same.
     """
+    for layout in layouts.get(length, ()) if layouts is not None else ():
+        if _same_layout(file, offset, layout):
+            return TensorHeader(layout.dtype, layout.size, layout.stride,
+                                offset + layout.data_start + layout.storage_offset_bytes)
     blob = FileSlice(file, offset, length)
     try:
         zf = zipfile.ZipFile(blob)  # reads the central directory only
@@ -188,7 +224,13 @@ def read_tensor_header(file: RangeReader, offset: int, length: int) -> Optional[
     data_start = _record_data_offset(file, offset, length, data_info)
     if len(size) != len(stride) or min((storage_offset, *size, *stride)) < 0:
         raise ValueError(f"invalid tensor geometry: size {size}, stride {stride}, storage offset {storage_offset}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if (storage_offset + _span_elements(size, stride)) * itemsize > data_info.file_size:
         raise ValueError("tensor extends past its storage record")
+    if layouts is not None:
+        tail_start = data_start + data_info.file_size
+        layout = _Layout(data_start, data_info.file_size, file.read(offset, data_start),
+                         file.read(offset + tail_start, length - tail_start), dtype, size, stride,
+                         storage_offset * itemsize)
+        layouts[length] = [layout] + layouts.get(length, [])[:_LAYOUTS_PER_LENGTH - 1]
     return TensorHeader(dtype, size, stride, offset + data_start + storage_offset * itemsize)

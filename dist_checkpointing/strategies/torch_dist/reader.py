@@ -20,7 +20,7 @@ from ...storage import RangeReader, Storage
 from ..filesystem_async import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices
 from ..safe_pickle import safe_torch_load
-from ..torch_blob import TensorHeader, read_tensor_header
+from ..torch_blob import Layouts, TensorHeader, read_tensor_header
 from .format import checked_data_file_name
 from .load_plan import ObjectRead, TensorRead
 
@@ -42,6 +42,7 @@ class Reader:
         self.whole_records = whole_records
         self._files: Dict[str, RangeReader] = {}  # relative path -> open file
         self._headers: Dict[Tuple[str, int], Optional[TensorHeader]] = {}
+        self._layouts: Layouts = {}  # blobs parsed, by length: the next of the same layout is not parsed again
         self._planned: Dict[str, List[Tuple[int, int]]] = {}  # relative path -> runs (offset, n) to read
         self._lock = threading.Lock()
 
@@ -113,7 +114,7 @@ class Reader:
         with self._lock:
             if cache_key in self._headers:
                 return self._headers[cache_key]
-        header = read_tensor_header(file, read.storage.offset, read.storage.length)
+        header = read_tensor_header(file, read.storage.offset, read.storage.length, self._layouts)
         if (header is not None and header.dtype == read.dtype and header.size != tuple(read.chunk[1])
                 and header.is_contiguous() and math.prod(header.size) == math.prod(read.chunk[1])):
             header = TensorHeader(header.dtype, tuple(read.chunk[1]), contiguous_strides(read.chunk[1]),
