@@ -155,11 +155,11 @@ def _record_data_offset(file: RangeReader, blob_offset: int, blob_length: int, i
 
 @dataclass(frozen=True)
 class _Layout:
-    """A parsed blob: every byte but its data record's (``head`` before it, ``tail`` after
-    it), and what the parse found."""
+    """A parsed blob: the bytes its parse reads (``head``: everything before the data
+    record; ``tail``: the zip directory, from ``tail_start`` to the end), and what it found."""
 
     data_start: int  # of the data record, in the blob
-    data_length: int
+    tail_start: int
     head: bytes
     tail: bytes
     dtype: torch.dtype
@@ -174,9 +174,8 @@ _LAYOUTS_PER_LENGTH = 8
 
 
 def _same_layout(file: RangeReader, offset: int, layout: _Layout) -> bool:
-    tail_start = layout.data_start + layout.data_length
     return (file.read(offset, layout.data_start) == layout.head
-            and file.read(offset + tail_start, len(layout.tail)) == layout.tail)
+            and file.read(offset + layout.tail_start, len(layout.tail)) == layout.tail)
 
 
 def read_tensor_header(file: RangeReader, offset: int, length: int,
@@ -187,10 +186,12 @@ def read_tensor_header(file: RangeReader, offset: int, length: int,
     (the caller then falls back to ``torch.load``). Raises ``ValueError`` for a damaged
     archive; nothing outside the blob is read, and the tensor's bytes lie inside it.
 
-    ``layouts`` (kept by the caller across blobs) skips the parse of a blob whose bytes
-    outside its data record equal those of a blob parsed before (the blobs of one dtype and
-    shape that our writers write, :mod:`.blob_template`): the parse reads nothing else, so
-    it would find the same.
+    ``layouts`` (kept by the caller across blobs) skips the parse of a blob whose bytes that
+    the parse reads — all before the data record, and the zip directory at the end — equal
+    those of a blob parsed before (as the blobs of one dtype and shape that our writers
+    write do, :mod:`.blob_template`): the parse would find the same. (The records between
+    the data and the directory are not read here: a reader that hashes the whole record
+    reads them once.)
     """
     for layout in layouts.get(length, ()) if layouts is not None else ():
         if _same_layout(file, offset, layout):
@@ -227,9 +228,9 @@ def read_tensor_header(file: RangeReader, offset: int, length: int,
     itemsize = dtype.itemsize
     if (storage_offset + _span_elements(size, stride)) * itemsize > data_info.file_size:
         raise ValueError("tensor extends past its storage record")
-    if layouts is not None:
-        tail_start = data_start + data_info.file_size
-        layout = _Layout(data_start, data_info.file_size, file.read(offset, data_start),
+    tail_start = getattr(zf, "start_dir", None)  # where zipfile found the directory
+    if layouts is not None and isinstance(tail_start, int) and data_start + data_info.file_size <= tail_start <= length:
+        layout = _Layout(data_start, tail_start, file.read(offset, data_start),
                          file.read(offset + tail_start, length - tail_start), dtype, size, stride,
                          storage_offset * itemsize)
         layouts[length] = [layout] + layouts.get(length, [])[:_LAYOUTS_PER_LENGTH - 1]
