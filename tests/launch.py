@@ -10,8 +10,9 @@ preloaded server ~0.03 s. The child behaves as ``python ARGV`` run in ``cwd`` wi
 stdout/stderr captured, and at the end what an exiting interpreter does (wait for
 non-daemon threads, run ``atexit`` handlers, flush) with the script's exit code; a signal
 that kills it gives ``-signum`` as ``subprocess`` reports it. What it does not reproduce:
-the import of torch itself (already done) — tests about what a fresh interpreter imports,
-or how long it takes to start, use ``subprocess``.
+the imports the server made (torch, its compiler stack, the library: ``dist_pool._PRELOAD``)
+— tests about what a fresh interpreter imports, or how long it takes to start, use
+``subprocess``.
 
 :class:`Torchrun` gives the ranks of ``torchrun --nnodes N --nproc-per-node P`` the
 environment torchrun gives them (rank 0 hosts the store instead of an agent) and, like

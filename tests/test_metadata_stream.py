@@ -120,6 +120,7 @@ def test_streamed_metadata_equals_the_built_one_on_varied_layouts(checksums, tmp
 def test_no_locations_and_objects_only(tmp_path):
     _check_equal([[], []], tmp_path)
     _check_equal([[("o/shard_0_1", None, "f", 0, 10, 3)], []], tmp_path)
+    _check_equal([[("o/shard_0_1", None, "f", 0, 0, None)]], tmp_path)  # a file named only by an empty item: 0 bytes
 
 
 @st.composite

@@ -38,8 +38,19 @@ def test_idle_processes_past_the_timeout_are_a_hang(unscaled) -> None:
         proc.kill()
 
 
+# works 20 ms of CPU in every ~220 ms (a process making progress; ~10% of a core, not 100%)
+_WORKING = """
+import time
+while True:
+    t = time.process_time()
+    while time.process_time() - t < 0.02:
+        pass
+    time.sleep(0.2)
+"""
+
+
 def test_working_processes_are_not_a_hang_until_the_hard_cap(unscaled) -> None:
-    proc = _child("while True: pass")
+    proc = _child(_WORKING)
     try:
         start = time.monotonic()
         assert not wait_with_progress(lambda t: time.sleep(t) or False, lambda: [proc.pid], 1.0, quiet=2.0)

@@ -135,7 +135,7 @@ def data_file_sizes(metadata: Metadata) -> Dict[str, int]:
     sizes: Dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
-        if end > sizes.get(info.relative_path, 0):
+        if end > sizes.get(info.relative_path, -1):  # a file named only by empty items: 0 bytes
             sizes[info.relative_path] = end
     return sizes
 
