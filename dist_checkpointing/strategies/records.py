@@ -1,4 +1,4 @@
-"""Writing a rank's data files as records: where every byte of a save is written.
+"""Writing a rank's data files as records: where every byte of a data file is written.
 
 A data file is a sequence of records: a tensor's ``torch.save`` blob (:class:`TensorRecord`:
 the fixed prefix and suffix of :mod:`.blob_template` around the tensor's bytes) or a
