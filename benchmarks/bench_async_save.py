@@ -241,7 +241,7 @@ class Bench:
         """Untimed, what a previous save of the same structure leaves: the copy strategy's
         staging arena (its pages touched, kept across rounds) and its persistent writer
         (started, the arena handed over)."""
-        _, _, size = arena_plan(self.copy_strategy._plan_files(sd))
+        _, _, size, _ = arena_plan(self.copy_strategy._plan_files(sd))
         arena = self.copy_strategy._arenas.take(size)
         if arena.id not in self._warm_arenas:
             arena.flat.fill_(0)

@@ -216,7 +216,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Copy every tensor of ``files`` into a staging arena (:mod:`..staging`); returns
         the request's ``async_fn`` (wait for the copies, then write from the persistent
         writer, or from this thread where the storage needs it) and the copies' handle."""
-        tensors, offsets, size = arena_plan(files)
+        tensors, offsets, size, plan = arena_plan(files)
         arena = self._arenas.take(size)
         done = written["release"] = self._arenas.hold(arena)
         try:
@@ -233,15 +233,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 staged.wait()
                 if spec is None:
-                    written["locations"] = write_files(arena_files(files, offsets, arena.flat), storage,
-                                                       self.checksums, self.thread_count)
+                    written["locations"] = write_files(arena_files(plan, arena.flat), storage, self.checksums,
+                                                       self.thread_count)
                     return
-                sent, templates = arena_records(files, offsets, arena.flat)
+                sent, templates = arena_records(plan, arena.flat)
                 worker = shared_worker()
                 worker.share_arena(arena.id, arena.fd, arena.size)
                 job = worker.submit(write_from_arena, (spec, arena.id, sent, templates, self.checksums,
                                                        self.thread_count), what=what)
-                written["locations"] = locations(files, job.result())
+                written["locations"] = locations(plan, job.result())
             finally:
                 done()
 

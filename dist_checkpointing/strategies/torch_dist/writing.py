@@ -5,7 +5,8 @@ process from a staging arena (:func:`arena_plan`, then :func:`arena_records`, th
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,55 +29,72 @@ def write_files(files: Dict[str, List[SaveItem]], storage: Storage, checksums: b
     every item written. The bytes written are reported to the caller's progress sink, if
     any (:mod:`..progress`)."""
     payloads = {fname: [it.payload for it in items] for fname, items in files.items()}
-    return locations(files, write_record_files(_write_file, payloads, storage, checksums, thread_count,
-                                               payload_nbytes))
+    spans = write_record_files(_write_file, payloads, storage, checksums, thread_count, payload_nbytes)
+    return locations({fname: [(it.key, it.tensor_meta) for it in items] for fname, items in files.items()}, spans)
 
 
-def locations(files: Dict[str, List[SaveItem]], spans: Sequence[Sequence[Span]]) -> List[Location]:
-    """The location of every item of ``files`` from the spans written for each file."""
-    return [(it.key, it.tensor_meta, fname, off, length, cs)
+def locations(files: Dict[str, Sequence[Tuple[Any, ...]]], spans: Sequence[Sequence[Span]]) -> List[Location]:
+    """The location of every item of ``files`` (each item's key and tensor_meta first) from
+    the spans written for each file."""
+    return [(item[0], item[1], fname, off, length, cs)
             for (fname, items), file_spans in zip(files.items(), spans)
-            for it, (off, length, cs) in zip(items, file_spans)]
+            for item, (off, length, cs) in zip(items, file_spans)]
 
 
-def arena_plan(files: Dict[str, List[SaveItem]]) -> Tuple[List[torch.Tensor], List[int], int]:
-    """Where each tensor of ``files`` goes in a staging arena: ``(tensors, offsets, arena size)``."""
+# An item of an arena-mode save once staged: its key, tensor_meta and either the bytes of a
+# ShardedObject or where its tensor lies in the arena (offset, dtype, shape). The plan keeps
+# no reference to the source tensors, so they can be freed once copied.
+ArenaItem = Tuple[str, Optional[tuple], Union[bytes, Tuple[int, torch.dtype, Tuple[int, ...]]]]
+
+
+def arena_plan(files: Dict[str, List[SaveItem]]
+               ) -> Tuple[List[torch.Tensor], List[int], int, Dict[str, List[ArenaItem]]]:
+    """Where each tensor of ``files`` goes in a staging arena: ``(tensors, offsets, arena
+    size, the files as arena items)``."""
     tensors = [it.payload for items in files.values() for it in items if isinstance(it.payload, torch.Tensor)]
     offsets, size = arena_layout(tensors)
-    return tensors, offsets, size
-
-
-def _arena_view(flat: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
-    return flat[offset:offset + payload_nbytes(t)].view(t.dtype).view(t.shape)
-
-
-def arena_files(files: Dict[str, List[SaveItem]], offsets: Sequence[int], flat: torch.Tensor) -> Dict[str, List[SaveItem]]:
-    """``files`` with their tensors replaced by their copies in the arena ``flat`` (at ``offsets``)."""
     where = iter(offsets)
-    return {fname: [SaveItem(it.key, _arena_view(flat, next(where), it.payload), it.nbytes, it.tensor_meta)
-                     if isinstance(it.payload, torch.Tensor) else it for it in items]
+    plan = {fname: [(it.key, it.tensor_meta,
+                     (next(where), it.payload.dtype, tuple(it.payload.shape))
+                     if isinstance(it.payload, torch.Tensor) else it.payload) for it in items]
             for fname, items in files.items()}
+    return tensors, offsets, size, plan
 
 
-def arena_records(files: Dict[str, List[SaveItem]], offsets: Sequence[int], flat: torch.Tensor
+def _arena_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    return flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def arena_files(plan: Dict[str, List[ArenaItem]], flat: torch.Tensor) -> Dict[str, List[SaveItem]]:
+    """The files of :func:`arena_plan` with their tensors as views of the arena ``flat``."""
+    files: Dict[str, List[SaveItem]] = {}
+    for fname, items in plan.items():
+        files[fname] = []
+        for key, meta, payload in items:
+            if isinstance(payload, tuple):
+                payload = _arena_view(flat, *payload)
+            files[fname].append(SaveItem(key, payload, payload_nbytes(payload), meta))
+    return files
+
+
+def arena_records(plan: Dict[str, List[ArenaItem]], flat: torch.Tensor
                   ) -> Tuple[Dict[str, List[ArenaRecord]], List[Tuple[bytes, bytes]]]:
-    """``files`` as the persistent writer receives them (no torch types: it has no torch):
-    each file's records and the blob templates (:mod:`..blob_template`) they refer to."""
-    where = iter(offsets)
+    """The files of :func:`arena_plan` as the persistent writer receives them (no torch
+    types: it has no torch): each file's records and the blob templates
+    (:mod:`..blob_template`) they refer to."""
     index: Dict[Tuple[torch.dtype, Tuple[int, ...]], int] = {}
     templates: List[Tuple[bytes, bytes]] = []
     sent: Dict[str, List[ArenaRecord]] = {}
-    for fname, items in files.items():
+    for fname, items in plan.items():
         records: List[ArenaRecord] = []
-        for it in items:
-            t = it.payload
-            if not isinstance(t, torch.Tensor):
-                records.append(t)
+        for _, _, payload in items:
+            if not isinstance(payload, tuple):
+                records.append(payload)
                 continue
-            offset, key = next(where), (t.dtype, tuple(t.shape))
-            if key not in index:
-                index[key] = len(templates)
-                templates.append(blob_parts(t.dtype, key[1], lambda: _exact_cpu_tensor(_arena_view(flat, offset, t))))
-            records.append((offset, payload_nbytes(t), index[key]))
+            offset, dtype, shape = payload
+            if (dtype, shape) not in index:
+                index[dtype, shape] = len(templates)
+                templates.append(blob_parts(dtype, shape, lambda: _exact_cpu_tensor(_arena_view(flat, *payload))))
+            records.append((offset, math.prod(shape) * dtype.itemsize, index[dtype, shape]))
         sent[fname] = records
     return sent, templates
