@@ -131,3 +131,21 @@ def test_a_reader_parses_each_layout_once_and_never_mixes_two(tmp_path, monkeypa
     out = dc.load(request, tmp_path / "c")
     assert all(torch.equal(out[k], v) for k, v in state.items())
     assert len(parses) == 3  # (2, 3) float32, (3, 2) float32, (2, 3) int32: same length, other layouts
+
+
+def test_an_arena_save_holds_no_source_tensor_once_copied(tmp_path):
+    """Once `save` returns (the copies made), the background write needs only the arena:
+    the request keeps offsets, dtypes and shapes, never the trainer's tensors."""
+    import gc
+    import weakref
+
+    t = torch.randn(1000)
+    ref = weakref.ref(t)
+    sd = {"t": ShardedTensor.from_rank_offsets("t", t)}
+    request = dc.save(sd, tmp_path / "c", TorchDistSaveShardedStrategy(async_snapshot="copy"), async_sharded_save=True)
+    expected = t.clone()
+    del sd, t
+    gc.collect()
+    assert ref() is None
+    request.execute_sync()
+    assert torch.equal(dc.load_plain_tensors(tmp_path / "c")["t"], expected)
