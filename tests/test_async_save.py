@@ -526,14 +526,15 @@ def _big_state(rank, world, mb):
             "o": ShardedObject("o", {"r": rank}, (world,), (rank,))}
 
 
-def _fails_then_saves_again(rank, world, ckpt, state, sabotage, check, good, gen) -> str:
-    """An async save of ``state`` into ``ckpt``, ``sabotage(request)`` before it is
-    scheduled: the call fails (its message returned, after ``check()``), nothing is left
-    unfinalized and ``ckpt`` is no checkpoint; then the same queue saves generation
-    ``gen`` into ``good``, which loads back."""
+def _fails_then_saves_again(rank, world, ckpt, state, sabotage, check, good, gen, slow: float = 0.0) -> str:
+    """An async save of ``state`` into ``ckpt`` (its writer first sleeping ``slow`` s),
+    ``sabotage(request)`` before it is scheduled: the call fails (its message returned,
+    after ``check()``), nothing is left unfinalized and ``ckpt`` is no checkpoint; then the
+    same queue saves generation ``gen`` into ``good``, which loads back."""
     queue = AsyncCallsQueue()
     try:
-        request = dc.save(state, ckpt, async_sharded_save=True)
+        with slow_writes(slow):  # the forked writer keeps it; this process does not
+            request = dc.save(state, ckpt, async_sharded_save=True)
         sabotage(request)
         queue.schedule_async_request(request)
         msg = _error_of(queue.maybe_finalize_async_calls, blocking=True)
@@ -558,7 +559,9 @@ def _killed_writer(rank, world, ckpt, good):
         assert CONFIG_FNAME not in os.listdir(ckpt)
         assert "incomplete" in _incomplete_error(ckpt)
 
-    return _fails_then_saves_again(rank, world, ckpt, _big_state(rank, world, 32), kill, check, good, 5)
+    # rank 1's writer is killed while it waits, never after it has written everything
+    return _fails_then_saves_again(rank, world, ckpt, _big_state(rank, world, 32), kill, check, good, 5,
+                                   slow=600.0 if rank == 1 else 0.0)
 
 
 def test_killed_writer_fails_on_every_rank(pool2, tmp_path):
