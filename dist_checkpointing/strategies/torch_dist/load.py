@@ -58,17 +58,18 @@ def _batches(tasks: List[Tuple[Callable[[Any], None], Any]], thread_count: int) 
     :data:`BATCH_MIN_BYTES`."""
     if thread_count <= 1:
         return [tasks]
-    small = [task for task in tasks if read_nbytes(task[1]) < SMALL_ITEM_BYTES]
-    large = [task for task in tasks if read_nbytes(task[1]) >= SMALL_ITEM_BYTES]
-    target = max(BATCH_MIN_BYTES, sum(read_nbytes(arg) for _, arg in large) // (4 * thread_count))
+    sized = [(read_nbytes(task[1]), task) for task in tasks]
+    small = [task for n, task in sized if n < SMALL_ITEM_BYTES]
+    large = [(n, task) for n, task in sized if n >= SMALL_ITEM_BYTES]
+    target = max(BATCH_MIN_BYTES, sum(n for n, _ in large) // (4 * thread_count))
     runs: List[List[Tuple[Callable[[Any], None], Any]]] = [small] if small else []
     size = target
-    for task in large:
+    for n, task in large:
         if size >= target:
             runs.append([])
             size = 0
         runs[-1].append(task)
-        size += read_nbytes(task[1])
+        size += n
     return runs or [[]]
 
 

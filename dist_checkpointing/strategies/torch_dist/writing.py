@@ -5,12 +5,12 @@ process from a staging arena (:func:`arena_plan`, then :func:`arena_records`, th
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...storage import Storage
+from ...tensors.bytes_view import nbytes
 from ..blob_template import blob_parts
 from ..filesystem_async import _exact_cpu_tensor, payload_nbytes, write_file
 from ..records import ArenaRecord, Span, write_record_files
@@ -62,7 +62,7 @@ def arena_plan(files: Dict[str, List[SaveItem]]
 
 
 def _arena_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-    return flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    return flat[offset:offset + nbytes(shape, dtype)].view(dtype).view(shape)
 
 
 def arena_files(plan: Dict[str, List[ArenaItem]], flat: torch.Tensor) -> Dict[str, List[SaveItem]]:
@@ -95,6 +95,6 @@ def arena_records(plan: Dict[str, List[ArenaItem]], flat: torch.Tensor
             if (dtype, shape) not in index:
                 index[dtype, shape] = len(templates)
                 templates.append(blob_parts(dtype, shape, lambda: _exact_cpu_tensor(_arena_view(flat, *payload))))
-            records.append((offset, math.prod(shape) * dtype.itemsize, index[dtype, shape]))
+            records.append((offset, nbytes(shape, dtype), index[dtype, shape]))
         sent[fname] = records
     return sent, templates
