@@ -6,6 +6,10 @@ Objects (ShardedObjects, ``common.pt``) are read with ``torch.load(weights_only=
 * stdlib and NumPy types found in Megatron-LM training checkpoints (``argparse.Namespace``,
   ``types.SimpleNamespace``, ``pathlib`` paths, ``io.BytesIO``, ``signal.Signals``,
   ``torch.Generator``, NumPy arrays / dtypes / scalars);
+* the plain Python values that ``torch.save``'s pickle (protocol 2) stores by naming a
+  builtin or stdlib global (:data:`_PLAIN_VALUES`: ``b""``, ``frozenset``, ``slice``,
+  ``range``, ``...``, ``datetime`` values, ``Decimal``, ``Fraction``, ``UUID``), each only
+  through constructors that cannot be made to do more than rebuild the value;
 * Megatron-Core and Transformer Engine classes, by name (:mod:`.stand_ins`): the real class
   when the user's process has already imported its module, else an inert stand-in;
 * classes given to :func:`register_safe_globals` (and torch's own ``add_safe_globals``).
@@ -18,12 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import decimal
+import fractions
 import io
 import pathlib
 import signal
 import sys
 import threading
 import types
+import uuid
 from typing import Any, Callable, Iterator, List, Tuple, Union
 
 import numpy as np
@@ -44,7 +52,41 @@ SafeGlobal = Union[Callable[..., Any], Tuple[Callable[..., Any], str]]
 _NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                  np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
 
-_STATIC: List[SafeGlobal] = [
+
+
+class UnsafeCall(CheckpointingException):
+    """A pickle calls an allowed builtin in a way that could do more than rebuild a value."""
+
+
+def _bytes(*args: Any) -> bytes:
+    """``bytes`` as protocol 2 pickles it (``bytes()`` for ``b""``), refusing ``bytes(n)``:
+    that would let a checkpoint allocate any number of bytes."""
+    if args and isinstance(args[0], int):
+        raise UnsafeCall(f"it calls builtins.bytes with a size ({args[0]})")
+    return bytes(*args)
+
+
+_SINGLETON_TYPES = {None: type(None), Ellipsis: type(Ellipsis), NotImplemented: type(NotImplemented)}
+
+
+def _type(*args: Any) -> type:
+    """``type(None)`` and the like, as pickled; no other use of ``type``."""
+    if len(args) == 1 and (args[0] is None or args[0] is Ellipsis or args[0] is NotImplemented):
+        return _SINGLETON_TYPES[args[0]]
+    raise UnsafeCall("it calls builtins.type to read or create a class")
+
+
+# Plain values a protocol-2 pickle stores through a global (torch's own list covers
+# bytes with content, bytearray, set, complex, OrderedDict and Counter). A deque or a
+# non-empty defaultdict cannot be listed: torch's unpickler fills only lists and dicts.
+_PLAIN_VALUES: List[SafeGlobal] = [
+    (_bytes, "builtins.bytes"), (_type, "builtins.type"), frozenset, slice, range,
+    (Ellipsis, "builtins.Ellipsis"), (NotImplemented, "builtins.NotImplemented"),
+    datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,
+    decimal.Decimal, fractions.Fraction, uuid.UUID,
+]
+
+_STATIC: List[SafeGlobal] = _PLAIN_VALUES + [
     argparse.Namespace, types.SimpleNamespace, io.BytesIO, signal.Signals, torch._C.Generator,
     pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
     (pathlib.PureWindowsPath, "pathlib.WindowsPath"),  # cannot be instantiated on POSIX

@@ -21,7 +21,7 @@ import torch
 from . import dcp_types
 from ..core import CheckpointingException, Location, open_storage
 from ..integrity.checksums import read_file_verified
-from .safe_globals import safe_globals_context
+from .safe_globals import UnsafeCall, safe_globals_context
 from .stand_ins import StandInMismatch
 
 
@@ -37,10 +37,11 @@ def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = 
     with safe_globals_context():
         try:
             return torch.load(f, map_location="cpu", weights_only=True)
-        except StandInMismatch as e:
+        except (StandInMismatch, UnsafeCall) as e:
+            hint = "import the real class before loading, or " if isinstance(e, StandInMismatch) else ""
             raise CheckpointingException(
-                f"Refusing to unpickle {what}: {e}. If you trust this checkpoint, import the real "
-                "class before loading, or load it with allow_pickle=True on the load strategy.") from e
+                f"Refusing to unpickle {what}: {e}. If you trust this checkpoint, {hint}load it with "
+                "allow_pickle=True on the load strategy.") from e
         except pickle.UnpicklingError as e:
             blocked = _blocked_globals(f)
             if not blocked:  # nothing unsafe to name: the bytes themselves are broken
