@@ -1063,6 +1063,37 @@ def test_metadata_round_trip():
     assert meta.leaves[-1] is meta.leaves[-1]  # decoded once
 
 
+def test_decoding_metadata_leaves_the_warning_filters_alone():
+    """Decoding warns nothing and changes no warning filter: the filters are the process's,
+    and silencing a warning for the decode (``catch_warnings``) would also silence another
+    thread's warnings meanwhile, or drop a filter it adds."""
+    import threading
+    import warnings
+
+    from torch.utils._pytree import tree_flatten
+
+    values, treespec = tree_flatten({f"layer{i}": {"w": torch.zeros(1), "b": [1, None]} for i in range(200)})
+    payload = transport._encode_meta(transport._Meta(treespec, transport._Columns.describe(values)[0], 1))
+    with warnings.catch_warnings(record=True) as seen:  # the user's setup: every warning counted
+        warnings.simplefilter("always")
+        stop, emitted = threading.Event(), []
+
+        def user_thread():
+            while not stop.is_set():
+                warnings.warn("the user's own", FutureWarning)
+                emitted.append(1)
+
+        thread = threading.Thread(target=user_thread)
+        thread.start()
+        try:
+            for _ in range(50):
+                assert transport._decode_meta(payload).treespec == treespec
+        finally:
+            stop.set()
+            thread.join()
+        assert [str(w.message) for w in seen] == ["the user's own"] * len(emitted)
+
+
 # ----------------------------------------------------------------------------- 8. host staging (accelerator tensors over gloo)
 
 

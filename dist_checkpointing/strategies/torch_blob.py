@@ -14,7 +14,6 @@ import io
 import math
 import pickle
 import struct
-import warnings
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -103,18 +102,9 @@ class _StorageClass:
         self.dtype = dtype
 
 
-def _legacy_storage_dtypes() -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {
-            name: getattr(torch, name).dtype
-            for name in dir(torch)
-            if name.endswith("Storage") and name not in ("TypedStorage", "UntypedStorage")
-            and hasattr(getattr(torch, name), "dtype")
-        }
-
-
-_LEGACY_STORAGE_DTYPES = _legacy_storage_dtypes()
+# ``torch.FloatStorage`` and the like, as pickles name them (the map torch's own safe
+# unpickler uses; reading the deprecated attributes themselves would warn)
+_LEGACY_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
 class _HeaderUnpickler(pickle.Unpickler):

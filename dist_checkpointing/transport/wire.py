@@ -5,12 +5,13 @@ encoding, and the byte runs of a planned data message."""
 
 from __future__ import annotations
 
+import io
 import pickle
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils import _pytree
 
 from .leaves import _Columns, _Leaf, _LeafColumns, _wire_dtypes
 from .plan import _plan_messages
@@ -92,15 +93,29 @@ def _encode_meta(meta: _Meta) -> bytes:
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
+# torch >= 2.10 deprecates the class of pytree's shared leaf spec: creating one (as
+# unpickling it does) warns. The leaf travels as a call of ``treespec_leaf()`` instead, so
+# decoding needs no change of the process's warning filters (which other threads share).
+_LEAF_SPEC_TYPE = type(getattr(_pytree, "_LEAF_SPEC", None))
+_TREESPEC_LEAF = getattr(_pytree, "treespec_leaf", None)
+
+
+class _SpecPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is _LEAF_SPEC_TYPE and _TREESPEC_LEAF is not None:
+            return _TREESPEC_LEAF, ()
+        return NotImplemented
+
+
 def _pickle_treespec(treespec: Any) -> bytes:
-    return pickle.dumps(treespec, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = io.BytesIO()
+    _SpecPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(treespec)
+    return buf.getvalue()
 
 
 def _decode_meta(payload: bytes) -> _Meta:
-    with warnings.catch_warnings():  # pickled TreeSpecs warn about a deprecated leaf class
-        warnings.simplefilter("ignore", FutureWarning)
-        spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = pickle.loads(payload)
-        treespec = pickle.loads(spec_pickle)
+    spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = pickle.loads(payload)
+    treespec = pickle.loads(spec_pickle)
     return _Meta(treespec, _Columns(*fields), receivers, bucket_bytes, alone_bytes, spec_pickle)
 
 def _segments(meta: _Meta, members: List[int]) -> List[Tuple[torch.dtype, int, int, List[int]]]:
