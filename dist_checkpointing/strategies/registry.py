@@ -38,6 +38,7 @@ _PACKAGE = __name__.rsplit(".", 1)[0]
 # (action, backend, version) -> "module:class" of a built-in strategy, instantiated without arguments
 _BUILTINS: Dict[Tuple[StrategyAction, str, int], str] = {
     (StrategyAction.LOAD_SHARDED, "torch_dist", 1): f"{_PACKAGE}.torch_dist.load:TorchDistLoadShardedStrategy",
+    (StrategyAction.LOAD_SHARDED, "zarr", 1): f"{_PACKAGE}.zarr:ZarrLoadShardedStrategy",
     (StrategyAction.SAVE_SHARDED, "torch_dist", 1): f"{_PACKAGE}.torch_dist.save:TorchDistSaveShardedStrategy",
     (StrategyAction.LOAD_COMMON, "torch", 1): f"{_PACKAGE}.common:TorchCommonLoadStrategy",
     (StrategyAction.SAVE_COMMON, "torch", 1): f"{_PACKAGE}.common:TorchCommonSaveStrategy",

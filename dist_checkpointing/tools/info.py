@@ -82,6 +82,7 @@ def _inspect(checkpoint_dir: Union[Path, Storage]) -> CheckpointInfo:
                           config.common_backend, common_keys, common_error)
     info.files = {name: stat.size for name in storage.list() if (stat := storage.info(name)) is not None}
     stored = get_default_load_sharded_strategy(checkpoint_dir).stored_items(checkpoint_dir)
+    info.files.update({name: size for name, size in stored.files.items() if size is not None})  # in subdirectories too
     info.tensors = [TensorInfo(t.key, t.shape, str(t.dtype), len(t.chunks), t.nbytes, t.flattened)
                     for t in stored.tensors]
     info.objects = stored.objects

@@ -78,6 +78,32 @@ def _run(tasks: List[Tuple[Callable[[Any], None], Any]]) -> None:
         fn(arg)
 
 
+def execute_reads(plan: LoadPlan, reader: Reader, thread_count: int) -> None:
+    """Run a load plan's reads with ``reader`` (closed after) on ``thread_count`` threads
+    (:func:`_batches`), the bytes counted for the progress sink if any, then its copies."""
+    tensor_reads, object_reads, post_copies = plan
+    try:
+        tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
+        tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
+        reader.plan(arg.storage for _, arg in tasks)
+        meter = byte_meter("read", sum(read_nbytes(arg) for _, arg in tasks))
+        if meter is not None:  # counted per item read
+            tasks = [(_counted(fn, meter), arg) for fn, arg in tasks]
+        batches = _batches(tasks, thread_count)
+        if len(batches) <= 1:
+            _run(tasks)
+        else:
+            with ThreadPoolExecutor(min(thread_count, len(batches))) as pool:
+                for f in [pool.submit(_run, batch) for batch in batches]:
+                    f.result()
+        if meter is not None:
+            meter.finish()
+    finally:
+        reader.close()
+    for copy in post_copies:  # assembled flattened data into its destination
+        copy()
+
+
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads the torch_dist format (ours, Megatron-Core's and plain DCP's) with resharding.
 
@@ -176,31 +202,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return plan_load(sharded_state_dict, metadata, storage.describe(), self._scratch, self.strict_dtypes)
 
     def _execute(self, plan: LoadPlan, storage: Storage, metadata: Optional[Metadata] = None) -> None:
-        tensor_reads, object_reads, post_copies = plan
         metadata = metadata if metadata is not None else (read_metadata(storage) if self.verify_checksums else None)
         table = getattr(metadata, "checksums", None) if self.verify_checksums else None
         scope = item_checksum_scope(table, storage.describe()) if table is not None else None
-        reader = Reader(storage, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD)
-        try:
-            tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
-            tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
-            reader.plan(arg.storage for _, arg in tasks)
-            meter = byte_meter("read", sum(read_nbytes(arg) for _, arg in tasks))
-            if meter is not None:  # counted per item read
-                tasks = [(_counted(fn, meter), arg) for fn, arg in tasks]
-            batches = _batches(tasks, self.thread_count)
-            if len(batches) <= 1:
-                _run(tasks)
-            else:
-                with ThreadPoolExecutor(min(self.thread_count, len(batches))) as pool:
-                    for f in [pool.submit(_run, batch) for batch in batches]:
-                        f.result()
-            if meter is not None:
-                meter.finish()
-        finally:
-            reader.close()
-        for copy in post_copies:  # assembled flattened data into its destination
-            copy()
+        execute_reads(plan, Reader(storage, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD),
+                      self.thread_count)
         self._scratch.end()
 
     @staticmethod

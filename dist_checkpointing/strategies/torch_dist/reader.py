@@ -34,6 +34,9 @@ class Reader:
     anything is read or allocated for it.
     """
 
+    #: whether an object's record is ``torch.save([obj])`` (DCP's bytes items) or ``torch.save(obj)``
+    objects_in_lists = True
+
     def __init__(self, storage: Storage, allow_pickle: bool, checksums: Optional[Dict[Tuple[str, int], int]],
                  whole_records: bool = True):
         self.storage = storage
@@ -70,7 +73,7 @@ class Reader:
             file = self._files.get(relative_path)
             if file is not None:
                 return file
-            name = checked_data_file_name(self.storage.describe(), relative_path)
+            name = self._data_file_name(relative_path)
             try:
                 file = self._files[relative_path] = self.storage.open_reader(name)
             except OSError as e:
@@ -80,6 +83,11 @@ class Reader:
         if runs:  # (a claim beyond the file fails in its own read)
             file.will_read_ranges(runs, then=lambda: self._open_next(relative_path))
         return file
+
+    def _data_file_name(self, relative_path: str) -> str:
+        """The storage name of the data file a read names, once checked to be one of the
+        checkpoint's own files (a crafted metadata cannot reach others)."""
+        return checked_data_file_name(self.storage.describe(), relative_path)
 
     def _open_next(self, relative_path: str) -> None:
         """Open the planned file after ``relative_path`` (an error is left to its reads)."""
@@ -188,7 +196,9 @@ class Reader:
         expected = self.checksums.get((read.storage.relative_path, read.storage.offset))
         raw = self._read_record(file, read.storage, where, what, expected)
         loaded = safe_torch_load(raw, f"{what} at {where}", self.allow_pickle)
-        if not (isinstance(loaded, list) and len(loaded) == 1):
+        if not self.objects_in_lists:
+            loaded = [loaded]
+        elif not (isinstance(loaded, list) and len(loaded) == 1):
             raise CheckpointingException(f"{what} at {where} has an unexpected layout")
         read.result.append(loaded[0])
 
