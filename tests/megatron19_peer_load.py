@@ -71,7 +71,7 @@ def main(spec_file: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     mdc = _import_dist_checkpointing()
-    for entry in torch.load(spec_file, weights_only=True):
+    for entry in torch.load(spec_file, weights_only=False):  # the test's own file (common states hold Namespaces)
         try:
             _check(mdc, entry)
         except Exception as e:  # noqa: BLE001 - reported per checkpoint

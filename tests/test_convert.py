@@ -32,6 +32,7 @@ from .helpers import slack
 from .peers import require
 
 DISTOPT_015 = FIXTURES / "mcore_v0_15" / "distopt_flat"
+ZARR_015 = FIXTURES / "mcore_v0_15" / "zarr_tp2_dp2"  # Megatron-Core 0.15's zarr backend
 COMMON = {"step": 9, "args": {"lr": 0.1, "name": "tiny"}, "content_metadata": {"by": "dist_checkpointing"}}
 
 
@@ -88,7 +89,8 @@ def ckpts(tmp_path_factory):
     conversion ``converted``; plus Megatron-Core 0.15's own distributed-optimizer fixture
     converted (``mcore015_converted``) when the fixtures are there."""
     root = tmp_path_factory.mktemp("convert")
-    paths = {name: root / name for name in ("ours19", "ours19_async", "flat", "converted", "mcore015_converted")}
+    paths = {name: root / name for name in ("ours19", "ours19_async", "flat", "converted", "mcore015_converted",
+                                            "zarr_converted")}
     pool = get_pool(2)
     pool.run(_save, str(paths["ours19"]), False, True)
     pool.run(_save, str(paths["ours19_async"]), False, True, True)
@@ -96,6 +98,8 @@ def ckpts(tmp_path_factory):
     convert_checkpoint(paths["flat"], paths["converted"])
     if DISTOPT_015.is_dir():
         convert_checkpoint(DISTOPT_015 / "checkpoint", paths["mcore015_converted"])
+    if ZARR_015.is_dir():
+        convert_checkpoint(ZARR_015 / "checkpoint", paths["zarr_converted"])
     return paths
 
 
@@ -110,6 +114,10 @@ def peer(ckpts, tmp_path_factory):
         exp = torch.load(DISTOPT_015 / "expected.pt", weights_only=True)
         spec.append({"dir": str(ckpts["mcore015_converted"]), "tp": 4, "tensors": exp["tensors"],
                      "objects": exp["objects"], "common": exp["common"]})
+    if ZARR_015.is_dir():
+        exp = torch.load(ZARR_015 / "expected.pt", weights_only=False)
+        spec.append({"dir": str(ckpts["zarr_converted"]), "tp": 4, "tensors": exp["tensors"],
+                     "objects": exp["objects"], "common": exp["common"]})
     spec_file = tmp_path_factory.mktemp("peer") / "spec.pt"
     torch.save(spec, spec_file)
     env = {**os.environ, "PYTHONPATH": site, "MASTER_PORT": str(29500 + os.getpid() % 500)}
@@ -119,9 +127,9 @@ def peer(ckpts, tmp_path_factory):
     return proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("name", ["ours19", "ours19_async", "converted", "mcore015_converted"])
+@pytest.mark.parametrize("name", ["ours19", "ours19_async", "converted", "mcore015_converted", "zarr_converted"])
 def test_megatron_core_019_loads_exactly(peer, ckpts, name):
-    if name == "mcore015_converted" and not DISTOPT_015.is_dir():
+    if not {"mcore015_converted": DISTOPT_015, "zarr_converted": ZARR_015}.get(name, FIXTURES).is_dir():
         pytest.skip(f"Megatron-Core fixtures not found in {FIXTURES}")
     stdout, stderr = peer
     assert f"OK {ckpts[name]}\n" in stdout, stdout + stderr[-4000:]
@@ -180,6 +188,19 @@ def test_converts_megatron_015_distributed_optimizer_fixture(ckpts):
     plain = dc.load_plain_tensors(ckpts["mcore015_converted"])
     assert set(plain) == set(exp["tensors"]) and all(torch.equal(plain[k], v) for k, v in exp["tensors"].items())
     assert dc.load_common_state_dict(ckpts["mcore015_converted"]) == exp["common"]
+
+
+def test_converts_megatron_015_zarr_fixture(ckpts):
+    """A zarr checkpoint becomes torch_dist: every tensor, object and the common state."""
+    if not ZARR_015.is_dir():
+        pytest.skip(f"Megatron-Core fixtures not found in {FIXTURES}")
+    exp = torch.load(ZARR_015 / "expected.pt", weights_only=False)
+    assert json.loads((ckpts["zarr_converted"] / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    plain = dc.load_plain_tensors(ckpts["zarr_converted"])
+    assert set(plain) == set(exp["tensors"]) and all(torch.equal(plain[k], v) for k, v in exp["tensors"].items())
+    assert dc.load_common_state_dict(ckpts["zarr_converted"]) == exp["common"]
+    objects = dc.load({k: ShardedObject.empty_from_unique_key(k) for k in exp["objects"]}, ckpts["zarr_converted"])
+    assert {k: objects[k] for k in exp["objects"]} == exp["objects"]
 
 
 _MEASURE = """

@@ -1,4 +1,5 @@
-"""Rewriting a checkpoint into Megatron-Core 0.19's layout (``dist-ckpt convert``).
+"""Rewriting a checkpoint into Megatron-Core 0.19's layout (``dist-ckpt convert``): a
+``torch_dist`` checkpoint, or one of Megatron-Core's earlier ``zarr`` checkpoints.
 
 Megatron-Core 0.19 reads the common state from the ShardedObject ``common_state`` (it
 reads ``common.pt`` only through a deprecated path) and has no code path for tensors
@@ -7,7 +8,8 @@ stored flattened in 0.15's N-D reformulated layout (distributed-optimizer state)
 
 * every tensor is one whole global tensor in its original shape (one chunk, written
   with its checksum), read one at a time: memory stays near the largest tensor;
-* every ShardedObject is copied byte for byte;
+* every ShardedObject is copied byte for byte (a zarr checkpoint's ``torch.save(obj)``
+  files wrapped, without unpickling, into the ``torch.save([obj])`` records of ``torch_dist``);
 * ``common.pt`` becomes the ``common_state`` object, without unpickling it (its pickle is
   wrapped into the one-element list Megatron-Core stores objects as), and
   ``metadata.json`` records no common backend.
@@ -28,28 +30,29 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ..tensors.bytes_view import nbytes
 from ..core import (CONFIG_FNAME, CheckpointingConfig, CheckpointingException, Location, checkpoint_location,
                    load_config, malformed, open_storage, save_config)
 from ..integrity.checksums import read_file_verified, sidecar_name
 from ..integrity.overlap import refuse_overlap
-from ..integrity.stored_names import refuse_unkept_names, verify_stored
+from ..integrity.stored_names import refuse_unkept_names
 from ..integrity.save_claim import CLAIM_FNAME, check_claim, claim_save_dir, current_save_id, release_claim
 from ..strategies.base import StoredItems
 from ..strategies.common import COMMON_STATE_FNAME
 from ..strategies.filesystem_async import write_file
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
-from ..strategies.torch_dist.format import (COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name,
-                                           original_global_shape)
-from ..strategies.torch_dist.metadata import build_metadata, data_file_sizes, read_metadata, stored_items, write_metadata
+from ..readers import get_default_load_sharded_strategy
+from ..strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name
+from ..strategies.torch_dist.metadata import build_metadata, data_file_sizes, write_metadata
 from .output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
 from .whole_tensors import TensorReader
 
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("mcore-0.19",)
+SOURCES = ("torch_dist", "zarr")  # the sharded backends read (zarr: Megatron-Core's earlier format)
 DATA_FNAME = data_file_name(0, 0)
 _WRITTEN = (DATA_FNAME, METADATA_FNAME, sidecar_name(METADATA_FNAME), CONFIG_FNAME, CLAIM_FNAME)
 
@@ -88,9 +91,10 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     refuse_overlap(src, dst, "convert")
     with malformed(f"Cannot convert {src} to {dst}"):
         config = load_config(src)
-        if config.sharded_backend != "torch_dist":
-            raise CheckpointingException(f"{src} is a {config.sharded_backend!r} checkpoint: only torch_dist converts")
-        new_config = CheckpointingConfig(config.sharded_backend, config.sharded_backend_version, None, None)
+        if config.sharded_backend not in SOURCES:
+            raise CheckpointingException(f"{src} is a {config.sharded_backend!r} checkpoint: only "
+                                         f"{' and '.join(SOURCES)} checkpoints convert")
+        new_config = CheckpointingConfig("torch_dist", 1, None, None)
         if to_url:
             return _convert_to_url(src, str(dst), config, new_config, progress, force, storage_options)
         dst = Path(dst)
@@ -122,11 +126,10 @@ def _convert(src: Location, out: Storage, dst: str, config: CheckpointingConfig,
     commit, is the caller's); returns what was written and the files with their sizes
     (``None``: not counted here)."""
     start = time.perf_counter()
-    metadata = read_metadata(src)
-    keys = sorted(k for k, md in metadata.state_dict_metadata.items() if not isinstance(md, BytesStorageMetadata))
-    items = stored_items(src)
-    objects = _object_payloads(src, config, items, sorted(
-        k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)))
+    items = get_default_load_sharded_strategy(src).stored_items(src)
+    keys = sorted(t.key for t in items.tensors)
+    # torch_dist stores an object as torch.save([obj]) (the form written here), zarr as torch.save(obj)
+    objects = _object_payloads(src, config, items, sorted(items.objects), in_lists=config.sharded_backend != "zarr")
     reader = TensorReader(src, keys, items)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     with contextlib.closing(reader):
@@ -148,7 +151,7 @@ def _convert(src: Location, out: Storage, dst: str, config: CheckpointingConfig,
         new_metadata = build_metadata([locations], out)
         new_metadata.storage_meta = StorageMeta(checkpoint_id=dst, save_id=current_save_id(out) or uuid.uuid4().hex)
         write_metadata(new_metadata, out)
-    result = ConvertResult(tensors=len(keys), flattened=sum(original_global_shape(metadata, k) is not None for k in keys),
+    result = ConvertResult(tensors=len(keys), flattened=sum(t.flattened for t in items.tensors),
                            objects=len(objects), nbytes=sum(sizes.values()))
     logger.info("Converted %s to %s (%s) in %.2f s: %d tensors (%d were flattened, %.1f MiB), %d objects",
                 src, dst, LAYOUTS[0], time.perf_counter() - start, result.tensors, result.flattened,
@@ -162,9 +165,10 @@ def _whole_tensor_meta(reader: TensorReader, key: str) -> tuple:
     return shape, reader.meta[key].dtype, (0,) * len(shape), shape, None
 
 
-def _object_payloads(src: Location, config: CheckpointingConfig, items: StoredItems,
-                     keys: List[str]) -> List[Tuple[str, bytes]]:
-    """Every ShardedObject's stored bytes, and the common state as the ``common_state`` object."""
+def _object_payloads(src: Location, config: CheckpointingConfig, items: StoredItems, keys: List[str],
+                     in_lists: bool = True) -> List[Tuple[str, bytes]]:
+    """Every ShardedObject's stored bytes (each ``torch.save(obj)`` file wrapped into
+    ``torch.save([obj])`` unless ``in_lists``), and the common state as the ``common_state`` object."""
     out = []
     for key in keys:
         at = items.object_locations.get(key)
@@ -173,6 +177,9 @@ def _object_payloads(src: Location, config: CheckpointingConfig, items: StoredIt
         problem = items.range_problem(f"item {key!r}", at)
         if problem is not None:
             raise CheckpointingException(f"{src}: {problem}")
+        if not in_lists:
+            out.append((key, _as_object_payload(src, at.file)))
+            continue
         file = open_storage(src).open_reader(at.file)
         try:
             out.append((key, file.read(at.offset, at.length)))
