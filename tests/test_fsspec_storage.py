@@ -17,7 +17,7 @@ from dist_checkpointing.storage import storage_for
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from .conftest import get_pool
-from .test_storage import check_storage_contract
+from .test_storage import check_storage_contract, check_subdirectory
 
 pytest.importorskip("fsspec")
 from dist_checkpointing.storage.fsspec import FsspecStorage  # noqa: E402
@@ -36,6 +36,7 @@ def test_fsspec_storage_contract(scheme, tmp_path):
     assert isinstance(storage, FsspecStorage) and storage.kind() is None and not storage.fork_safe
     check_storage_contract(storage)
     assert storage.list() == ["data", "small"]  # the aborted stream was dropped
+    check_subdirectory(storage)
     assert storage.describe("data") == f"{url}/data"
 
 

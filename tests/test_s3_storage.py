@@ -23,7 +23,7 @@ from dist_checkpointing.storage import storage_for
 from .conftest import get_pool
 from .helpers import slack
 from .s3_server import FaultProxy
-from .test_storage import check_storage_contract
+from .test_storage import check_storage_contract, check_subdirectory
 
 pytest.importorskip("obstore")
 from dist_checkpointing.storage import s3_reader  # noqa: E402
@@ -61,6 +61,7 @@ def test_s3_storage_contract(s3_server, s3_env):
     check_storage_contract(storage)
     assert storage.list() == ["data", "small"] and storage.info("dropped") is None  # the aborted upload left nothing
     assert storage.describe("data") == f"s3://{s3_server.bucket}/{storage.prefix}/data"
+    check_subdirectory(storage)
 
 
 def test_multipart_upload_of_several_parts_and_its_abort(s3_server, s3_env, monkeypatch):

@@ -69,6 +69,17 @@ def check_storage_contract(storage: Storage) -> None:
     stream.abort()  # the implementation's tests check what is left of "dropped"
 
 
+def check_subdirectory(storage: Storage) -> None:
+    """``subdirectory`` opens a directory under the root as the root was opened (run last:
+    it leaves ``sub/a``)."""
+    sub = storage.subdirectory("sub")
+    sub.make_root()
+    sub.write_atomic("a", b"a")
+    again = storage.subdirectory("sub")
+    assert storage.kind("sub") == "dir" and again.describe() == storage.describe("sub") and again.list() == ["a"]
+    assert again.read_bytes("a") == b"a" and storage.read_bytes("sub/a") == b"a"
+
+
 @pytest.mark.parametrize("staged", [True, False])
 def test_posix_storage_contract(staged, tmp_path):
     storage = PosixStorage(tmp_path / "ckpt", staged=staged)
@@ -78,6 +89,8 @@ def test_posix_storage_contract(staged, tmp_path):
     assert reader.map() is not None  # POSIX maps files
     reader.close()
     assert storage.list() == ["data", "dropped", "small"]  # an aborted stream leaves its partial file
+    check_subdirectory(storage)
+    assert storage.subdirectory("sub").durable == storage.durable
 
 
 def test_storage_for_locations(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from typing import Optional, Tuple
 
@@ -246,3 +247,27 @@ def test_offline_tools_inspect_validate_and_export(tmp_path):
     chunk.write_bytes(chunk.read_bytes()[:100])
     report = validate_checkpoint(str(damaged))
     assert not report.ok and any("embedding.word_embeddings.weight/1.0" in p for p in report.problems), report.problems
+
+
+def test_a_zarr_checkpoint_in_an_object_store(s3_server, no_aws_env):
+    """On S3 with explicit client options (no usable environment): loads, strict key checks
+    and the object listing of ``load_sharded_metadata`` (each object prefix opened with
+    the same options)."""
+    pytest.importorskip("obstore")
+    from dist_checkpointing.storage import storage_for
+
+    options = {"endpoint": s3_server.endpoint_url, "access_key_id": s3_server.access_key,
+               "secret_access_key": s3_server.secret_key, "region": s3_server.region,
+               "client_options": {"allow_http": True}}
+    url = f"s3://{s3_server.bucket}/zarr-{os.getpid()}"
+    store = storage_for(url, options)
+    for path in sorted(p for p in CKPT.rglob("*") if p.is_file()):
+        store.write_atomic(path.relative_to(CKPT).as_posix(), path.read_bytes())
+    exp = _expected()
+    assert sorted(dc.load_sharded_metadata(url, storage_options=options)) == sorted([*exp["tensors"], *exp["objects"]])
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in exp["tensors"].items()}
+    request["o"] = ShardedObject("rank_state", None, (4,), (3,))
+    out, missing, unexpected = dc.load(request, url, strict=StrictHandling.RETURN_ALL, storage_options=options)
+    assert (missing, unexpected) == (set(), set())
+    assert all(torch.equal(out[k], t) for k, t in exp["tensors"].items())
+    assert out["o"] == exp["objects"]["rank_state/shard_3_4"] and out["iteration"] == 40

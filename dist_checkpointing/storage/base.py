@@ -203,6 +203,13 @@ class Storage(ABC):
         """Each entry directly under the root with its :meth:`entry_kind`."""
         return {name: self.entry_kind(name) for name in self.list()}
 
+    def subdirectory(self, name: str) -> "Storage":
+        """The storage of the directory ``name`` under the root, opened as this one was
+        (the same client options), to list or read what lies in it."""
+        from . import storage_for  # (the registry of storages imports this module)
+
+        return storage_for(self.describe(name))
+
     def entry_kind(self, name: str) -> Optional[str]:
         """What the entry ``name`` itself is, links not followed: ``"file"`` (a regular
         file), ``"dir"``, ``"link"`` (a symbolic link), ``"other"`` (a FIFO, socket or

@@ -130,6 +130,7 @@ class FsspecStorage(Storage):
             raise ImportError(f"{location.split('://', 1)[0]}:// checkpoint locations need fsspec: "
                               "pip install dist_checkpointing[fsspec]") from e
         self._url = location.rstrip("/")
+        self._options = storage_options
         self.fs, root = url_to_fs(location, **(storage_options or {}))
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
@@ -143,6 +144,9 @@ class FsspecStorage(Storage):
 
     def describe(self, name: str = "") -> str:
         return f"{self._url}/{name}" if name else self._url
+
+    def subdirectory(self, name: str) -> "FsspecStorage":
+        return FsspecStorage(self.describe(name), self._options)
 
     def local_root(self) -> Optional[str]:
         return self.root if self._local else None

@@ -358,6 +358,9 @@ class PosixStorage(Storage):
     def process_spec(self) -> Tuple[Callable[..., Storage], Tuple[Any, ...]]:
         return PosixStorage, (self.root, self._staged, self.durable)
 
+    def subdirectory(self, name: str) -> "PosixStorage":
+        return PosixStorage(self._path(name), self._staged, self.durable)
+
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name) if name else self.root
 

@@ -284,6 +284,9 @@ class S3Storage(Storage):
         path = "/".join(p for p in (self.prefix, name) if p)
         return f"s3://{self.bucket}/{path}"
 
+    def subdirectory(self, name: str) -> "S3Storage":
+        return S3Storage(self.describe(name), self._options)
+
     def name_problem(self, name: str = "") -> Optional[str]:
         return object_key_problem("/".join(p for p in (self.prefix, name) if p))
 

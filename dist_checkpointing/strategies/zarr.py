@@ -286,7 +286,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         for name, kind in storage.entries().items():
             if kind != "dir" or name in result:
                 continue
-            for file in open_storage(storage.describe(name)).list():
+            for file in storage.subdirectory(name).list():
                 if file.startswith("shard_") and file.endswith(".pt"):
                     unique_key = posixpath.join(name, file[:-len(".pt")])
                     try:
