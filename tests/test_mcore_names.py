@@ -439,6 +439,34 @@ def test_disable_gc_restores_state():
     assert f() is False and gc.isenabled()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_overlapping_pauses_of_two_threads(enabled):
+    """The first pause to begin and the last to end decide: another thread's pause ending
+    first does not turn the collector back on under a pause still running."""
+    import gc
+    import threading
+
+    (gc.enable if enabled else gc.disable)()
+    inside, first_ended, seen = threading.Event(), threading.Event(), []
+
+    def other():
+        with _disable_gc():
+            inside.set()
+            first_ended.wait(10)
+            seen.append(gc.isenabled())  # the main thread's pause has ended by now
+
+    thread = threading.Thread(target=other)
+    try:
+        with _disable_gc():
+            thread.start()
+            assert inside.wait(10)
+        first_ended.set()
+        thread.join(10)
+        assert seen == [False] and gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
+
 # ----------------------------------------------------------------------------- N-D reformulation helpers
 
 # A (4, 6) tensor saved split in 2 along axis 0, each chunk flattened into two slices; one
