@@ -206,9 +206,7 @@ class Storage(ABC):
     def subdirectory(self, name: str) -> "Storage":
         """The storage of the directory ``name`` under the root, opened as this one was
         (the same client options), to list or read what lies in it."""
-        from . import storage_for  # (the registry of storages imports this module)
-
-        return storage_for(self.describe(name))
+        raise NotImplementedError(f"{type(self).__name__} cannot open the directory {self.describe(name)}")
 
     def entry_kind(self, name: str) -> Optional[str]:
         """What the entry ``name`` itself is, links not followed: ``"file"`` (a regular
