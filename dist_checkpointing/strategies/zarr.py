@@ -50,6 +50,8 @@ DTYPES: Dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _MAX_ZARRAY_BYTES = 1 << 16
+#: the most chunks an array may have (Megatron-Core writes one per rank holding a part)
+MAX_CHUNKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,10 @@ def _parse(key: str, meta: object, where: str) -> ZarrArray:
     separator = meta.get("dimension_separator") or "."
     if separator not in (".", "/"):
         raise bad(f"dimension_separator {separator!r} is neither '.' nor '/'")
+    count = math.prod(-(-s // c) for s, c in zip(shape, chunks))
+    if count > MAX_CHUNKS:
+        raise bad(f"{count} chunks of {tuple(chunks)} (more than {MAX_CHUNKS}: not one per rank, as Megatron-Core "
+                  "writes them; reading it would take one request per chunk)")
     return ZarrArray(key, tuple(shape), tuple(chunks), dtype, separator)
 
 
@@ -152,23 +158,15 @@ def _object_file(storage: Storage, unique_key: str) -> Tuple[str, Optional[int]]
     return names[0], None
 
 
-_MAX_CHECKED_CHUNKS = 1 << 16
-
-
-def _whole_grid(storage: Storage, array: ZarrArray) -> Iterator[Tuple[int, ...]]:
-    """Every chunk index of ``array``'s grid (refused above :data:`_MAX_CHECKED_CHUNKS`)."""
-    grid = [math.ceil(s / c) for s, c in zip(array.shape, array.chunks)]
-    if math.prod(grid) > _MAX_CHECKED_CHUNKS:
-        raise CheckpointingException(
-            f"Zarr array {array.key!r} in {storage.describe()} claims {math.prod(grid)} chunks; "
-            f"reading it whole is refused above {_MAX_CHECKED_CHUNKS}: request it in parts")
-    return itertools.product(*(range(g) for g in grid))
+def _whole_grid(array: ZarrArray) -> Iterator[Tuple[int, ...]]:
+    """Every chunk index of ``array``'s grid."""
+    return itertools.product(*(range(-(-s // c)) for s, c in zip(array.shape, array.chunks)))
 
 
 def _check_backed(storage: Storage, array: ZarrArray) -> None:
     """Every chunk file of ``array`` holds its bytes, before a tensor of the shape its
     ``.zarray`` claims is allocated (a request without data: the offline readers)."""
-    for index in _whole_grid(storage, array):
+    for index in _whole_grid(array):
         info = storage.info(array.chunk_file(index))
         if info is None or info.size < array.chunk_bytes:
             raise CheckpointingException(
@@ -309,7 +307,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 continue
             array = read_array(storage, key)
             chunks = []
-            for index in _whole_grid(storage, array):
+            for index in _whole_grid(array):
                 offsets = tuple(i * c for i, c in zip(index, array.chunks))
                 sizes = tuple(min(c, n - o) for c, n, o in zip(array.chunks, array.shape, offsets))
                 name = array.chunk_file(index)
