@@ -162,9 +162,15 @@ def test_scalar_array_and_legacy_object_name(tmp_path):
     write_array(tmp_path, "step", torch.tensor(7, dtype=torch.int64), [])
     (tmp_path / "obj").mkdir()
     torch.save({"a": 1}, tmp_path / "obj" / "shard_0.1_2.pt")  # early Megatron-Core: the unique key's last "." part dropped
+    torch.save({"a": 2}, tmp_path / "obj" / "shard_1.1_2.pt")
     out = dc.load({"s": ShardedTensor("step", torch.zeros((), dtype=torch.int64), torch.int64, (), (), (), ()),
-                   "o": ShardedObject("obj", None, (2, 2), (0, 1))}, str(tmp_path))
-    assert out["s"].item() == 7 and out["o"] == {"a": 1}
+                   "o": ShardedObject("obj", None, (2, 2), (0, 1)), "p": ShardedObject("obj", None, (2, 2), (1, 1))},
+                  str(tmp_path))
+    assert out["s"].item() == 7 and out["o"] == {"a": 1} and out["p"] == {"a": 2}
+    # listed as Megatron-Core lists them: the missing last size is one more than the largest offset on it
+    listed = dc.load_sharded_metadata(str(tmp_path))
+    assert sorted(listed) == ["obj/shard_0.1_2.2", "obj/shard_1.1_2.2", "step"]
+    assert dc.load(dict(listed), str(tmp_path), strict=StrictHandling.RAISE_ALL)["obj/shard_1.1_2.2"] == {"a": 2}
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -22,10 +22,10 @@ import itertools
 import json
 import math
 import os
-import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -158,6 +158,23 @@ def _object_file(storage: Storage, unique_key: str) -> Tuple[str, Optional[int]]
     return names[0], None
 
 
+def _stored_objects(key: str, files: List[str]) -> List[ShardedObject]:
+    """The ShardedObjects of ``key`` whose files are ``files`` (other names are skipped). An
+    early save's name lacks the last axis of the global shape (``shard_0.1_2``: two
+    offsets, one size), which is then one more than the largest offset on it, as
+    Megatron-Core reads such names."""
+    found = []
+    for file in files:
+        m = re.fullmatch(r"shard_([\d.]+)_([\d.]+)\.pt", file)
+        if m is None:
+            continue
+        offset, shape = (tuple(int(v) for v in part.split(".") if v) for part in m.groups())
+        if len(shape) in (len(offset), len(offset) - 1):
+            found.append((offset, shape))
+    last = max((o[-1] for o, sh in found if len(sh) < len(o)), default=0)
+    return [ShardedObject(key, None, sh if len(sh) == len(o) else (*sh, last + 1), o) for o, sh in found]
+
+
 def _whole_grid(array: ZarrArray) -> Iterator[Tuple[int, ...]]:
     """Every chunk index of ``array``'s grid."""
     return itertools.product(*(range(-(-s // c)) for s, c in zip(array.shape, array.chunks)))
@@ -282,15 +299,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         storage = open_storage(checkpoint_dir)
         result = self.load_tensors_metadata(storage)
         for name, kind in storage.entries().items():
-            if kind != "dir" or name in result:
-                continue
-            for file in storage.subdirectory(name).list():
-                if file.startswith("shard_") and file.endswith(".pt"):
-                    unique_key = posixpath.join(name, file[:-len(".pt")])
-                    try:
-                        result[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
-                    except CheckpointingException:
-                        continue  # not a name Megatron-Core gives an object
+            if kind == "dir" and name not in result:
+                for obj in _stored_objects(name, storage.subdirectory(name).list()):
+                    result[obj.unique_key] = obj
         return result
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
