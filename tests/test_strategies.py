@@ -468,6 +468,36 @@ def test_strategies_have_no_import_cycle():
             visit(module, [module])
 
 
+def test_files_of_small_records_are_written_by_one_thread(tmp_path, monkeypatch):
+    """A save's files of small records are written one after another on one thread; files
+    of large records each on its own (two threads taking turns for the GIL record by record
+    made 4,800 records of 8 KiB in two files 2.6x slower than one thread)."""
+    import threading
+
+    from dist_checkpointing.strategies import filesystem_async, records
+
+    def save_and_watch(state, name):
+        seen = {}
+        write = filesystem_async.write_records
+        monkeypatch.setattr(filesystem_async, "write_records", lambda storage, fname, *a, **k:
+                            seen.setdefault(fname, threading.get_ident()) and write(storage, fname, *a, **k))
+        dc.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}, tmp_path / name,
+                TorchDistSaveShardedStrategy(thread_count=2))
+        monkeypatch.setattr(filesystem_async, "write_records", write)
+        out = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in state.items()},
+                      tmp_path / name)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+        return seen
+
+    small = save_and_watch({f"s{i}": torch.randn(64) for i in range(200)}, "small")
+    assert len(small) == 2 and len(set(small.values())) == 1, small
+    large = save_and_watch({f"l{i}": torch.randn(records.SMALL_RECORD_BYTES // 2) for i in range(4)}, "large")
+    assert len(large) == 2 and len(set(large.values())) == 2, large
+    mixed = save_and_watch({"big": torch.randn(records.SMALL_RECORD_BYTES), **{f"s{i}": torch.randn(8) for i in range(3)}},
+                           "mixed")
+    assert len(mixed) == 2 and len(set(mixed.values())) == 2, mixed  # the big file has a thread of its own
+
+
 def test_a_run_of_small_items_is_read_by_one_thread(tmp_path, monkeypatch):
     """Small items are read by one thread, larger ones in runs of at least BATCH_MIN_BYTES
     (threads taking turns for the GIL item by item made many small tensors load 3.3x slower)."""
