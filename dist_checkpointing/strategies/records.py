@@ -121,6 +121,8 @@ def write_record_files(write_file: Callable[..., List[Span]], files: Dict[str, S
 
     small = [name for name, items in files.items() if sizes[name] < SMALL_RECORD_BYTES * max(1, len(items))]
     tasks = ([small] if small else []) + [[name] for name in files if name not in small]
+    order = {name: i for i, name in enumerate(files)}
+    tasks.sort(key=lambda task: order[task[0]])  # a failure is reported as the first failing file's
     if thread_count <= 1 or len(tasks) <= 1:
         tasks = [list(files)]
         done = write(tasks[0])
