@@ -30,11 +30,17 @@ CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 def sharded_load_strategy(config: CheckpointingConfig,
                           strategy: Union[None, LoadShardedStrategy, Tuple[str, int]]) -> LoadShardedStrategy:
     """The sharded load strategy for a checkpoint's ``config``: the registered one, or
-    ``strategy`` (an instance or ``(backend, version)``) checked to be compatible."""
+    ``strategy`` (an instance or ``(backend, version)``) checked to be compatible. A
+    ``torch_dist`` strategy given for a ``zarr`` checkpoint reads it with the zarr strategy
+    and the same options (:func:`~.strategies.zarr.zarr_strategy_like`)."""
     if strategy is None:
         return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
     if isinstance(strategy, tuple):  # (backend, version), as Megatron-Core accepts
         strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, *strategy)
+    if config.sharded_backend == "zarr":  # a torch_dist strategy given for Megatron-Core's earlier format
+        from .strategies.zarr import zarr_strategy_like
+
+        strategy = zarr_strategy_like(strategy)
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy

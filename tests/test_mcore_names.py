@@ -15,6 +15,7 @@ from typing import Dict
 import pytest
 import torch
 
+import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, LocalNonpersistentObject, ShardedObject, ShardedTensor
 from dist_checkpointing.mapping import ShardedTensorFactory
 from dist_checkpointing.state_dict_utils import filter_out_empty_flatten_tensor, load_preprocess, save_preprocess
@@ -422,6 +423,18 @@ def test_queue_preload_call_idx_and_default():
     queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
     assert seen == [(1, "staged")]
     queue.close()
+
+
+def test_megatron_core_019_load_strategy_arguments(tmp_path):
+    """Megatron-LM paired with Megatron-Core >= 0.16 builds ``TorchDistLoadShardedStrategy(
+    cache_metadata=...)``; 0.19's other arguments are accepted too."""
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, tmp_path / "c")
+    strategy = TorchDistLoadShardedStrategy(cache_metadata=True, stream_ckpt_dequant=False, checkpoint_name="c")
+    out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c", strategy)
+    assert torch.equal(out["w"], torch.arange(4.0)) and strategy.cached_global_metadata is not None
+    assert (strategy.cache_metadata, strategy.stream_ckpt_dequant, strategy.checkpoint_name) == (True, False, "c")
 
 
 def test_disable_gc_restores_state():

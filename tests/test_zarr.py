@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor, StrictHandling
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.zarr import ZarrLoadShardedStrategy
 
 from .conftest import FIXTURES, get_pool
@@ -99,9 +100,9 @@ def test_metadata_readers_and_dtype_casts():
     key = "decoder.layers.0.mlp.linear_fc2.weight"
     out = dc.load({"w": ShardedTensor.from_rank_offsets(key, torch.zeros(16, 32))}, str(CKPT))
     assert out["w"].dtype == torch.float32 and torch.equal(out["w"], exp["tensors"][key].float())
-    with pytest.raises(CheckpointingException, match=f"Dtype mismatch for key {key!r}"):
-        dc.load({"w": ShardedTensor.from_rank_offsets(key, torch.zeros(16, 32))}, str(CKPT),
-                sharded_strategy=ZarrLoadShardedStrategy(strict_dtypes=True))
+    for strict in (ZarrLoadShardedStrategy(strict_dtypes=True), TorchDistLoadShardedStrategy(strict_dtypes=True)):
+        with pytest.raises(CheckpointingException, match=f"Dtype mismatch for key {key!r}"):
+            dc.load({"w": ShardedTensor.from_rank_offsets(key, torch.zeros(16, 32))}, str(CKPT), sharded_strategy=strict)
 
 
 def test_strict_modes_report_missing_and_unexpected_keys():
@@ -279,18 +280,23 @@ def test_a_zarr_checkpoint_in_an_object_store(s3_server, no_aws_env):
     assert out["o"] == exp["objects"]["rank_state/shard_3_4"] and out["iteration"] == 40
 
 
-def _load_fully_parallel(rank: int, world: int) -> list:
-    """Megatron-LM's ``--ckpt-fully-parallel-load``: the checkpoint's own strategy wrapped."""
+def _load_fully_parallel(rank: int, world: int, base: str) -> list:
+    """``--ckpt-fully-parallel-load``: the checkpoint's own strategy wrapped (Megatron-Core's
+    tools), or a ``torch_dist`` one (Megatron-LM's trainer passes it whatever the backend)."""
     from dist_checkpointing.serialization import get_default_load_sharded_strategy
     from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     exp = _expected()
-    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(CKPT)))
+    strategy = FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(CKPT)) if base == "default" else
+        TorchDistLoadShardedStrategy(cache_metadata=True))
     request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t), replica_id=rank)
                for k, t in exp["tensors"].items()}  # every rank wants everything: the reads are spread
     out = dc.load(request, str(CKPT), sharded_strategy=strategy)
     return [k for k, t in exp["tensors"].items() if not torch.equal(out[k], t)]
 
 
-def test_fully_parallel_load_wraps_the_zarr_strategy():
-    assert get_pool(2).run(_load_fully_parallel) == [[], []]
+@pytest.mark.parametrize("base", ["default", "torch_dist"])
+def test_fully_parallel_load_wraps_the_zarr_strategy(base):
+    assert get_pool(2).run(_load_fully_parallel, base) == [[], []]

@@ -18,6 +18,7 @@ filtered arrays, Fortran order and big-endian dtypes are refused, naming the arr
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -38,7 +39,8 @@ from .dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, Me
                         TensorProperties, TensorStorageMetadata)
 from .resharding import contiguous_strides, grid_chunks_overlapping, intersect
 from .torch_blob import TensorHeader
-from .torch_dist.load import execute_reads
+from .fully_parallel import FullyParallelLoadStrategyWrapper
+from .torch_dist.load import TorchDistLoadShardedStrategy, execute_reads
 from .torch_dist.load_plan import ScratchArena, TensorRead, plan_load
 from .torch_dist.reader import Reader
 
@@ -328,3 +330,20 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             items.tensors.append(StoredTensor(key, array.shape, array.dtype, chunks,
                                               math.prod(array.shape) * array.dtype.itemsize, False))
         return items
+
+
+def zarr_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:
+    """``strategy`` made to read a zarr checkpoint: a ``torch_dist`` load strategy (also
+    inside a fully parallel wrapper) becomes a :class:`ZarrLoadShardedStrategy` with its
+    options (Megatron-LM's trainer passes a ``TorchDistLoadShardedStrategy`` whatever the
+    checkpoint's backend); any other strategy is returned as it is."""
+    if isinstance(strategy, FullyParallelLoadStrategyWrapper):
+        base = zarr_strategy_like(strategy.base_strategy)
+        if base is strategy.base_strategy:
+            return strategy
+        wrapped = copy.copy(strategy)
+        wrapped.base_strategy = base
+        return wrapped
+    if isinstance(strategy, TorchDistLoadShardedStrategy):
+        return ZarrLoadShardedStrategy(strategy.thread_count, strategy.allow_pickle, strategy.strict_dtypes)
+    return strategy

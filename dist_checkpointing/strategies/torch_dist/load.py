@@ -116,6 +116,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         strict_dtypes: refuse a request whose dtype differs from the stored one. By
             default (as Megatron-Core, through PyTorch's reader) the stored values are cast
             into the request's tensor, one stored chunk at a time.
+        cache_metadata, stream_ckpt_dequant, checkpoint_name: Megatron-Core 0.19's
+            arguments, accepted so that its callers (Megatron-LM) run unchanged: ``.metadata``
+            is always cached across loads (per file version), FP8 destinations are always
+            filled one tensor at a time, and the checkpoint is the one ``load`` is given.
 
     Resharding loads of flattened keys assemble through temporary buffers that the
     strategy keeps for its next load (at most 256 MiB; :meth:`release_scratch` frees them).
@@ -125,11 +129,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     supported_versions = (1,)
 
     def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True,
-                 strict_dtypes: bool = False):
+                 strict_dtypes: bool = False, *, cache_metadata: bool = False, stream_ckpt_dequant: bool = True,
+                 checkpoint_name: Optional[str] = None):
         self.thread_count = max(1, int(thread_count))
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
         self.strict_dtypes = strict_dtypes
+        self.cache_metadata, self.stream_ckpt_dequant, self.checkpoint_name = cache_metadata, stream_ckpt_dequant, checkpoint_name
         #: the global metadata read by the last load (Megatron-Core's attribute; Megatron-LM
         #: hands it to its save strategy)
         self.cached_global_metadata: Optional[Metadata] = None
