@@ -60,8 +60,11 @@ def load_common(config: CheckpointingConfig, checkpoint_dir: CkptDir, common_str
     return common_strategy.load_common(checkpoint_dir)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: CkptDir) -> LoadShardedStrategy:
-    """The sharded load strategy that matches the checkpoint's ``metadata.json``."""
+def get_default_load_sharded_strategy(checkpoint_dir: Optional[CkptDir] = None) -> LoadShardedStrategy:
+    """The sharded load strategy that matches the checkpoint's ``metadata.json``; without a
+    checkpoint (as Megatron-Core >= 0.16 allows), the ``torch_dist`` one."""
+    if checkpoint_dir is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     return sharded_load_strategy(load_config(checkpoint_dir), None)
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 
-from .exchange.collectives import broadcast_object, error_message, get_rank, run_agreed
+from .exchange.collectives import broadcast_object, check_whole_world, error_message, get_rank, run_agreed
 from .core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -307,6 +307,10 @@ def _commit(checkpoint_dir: CkptDir, save_id: str, config: CheckpointingConfig, 
         release_claim(checkpoint_dir, save_id)
 
 
+#: Megatron-Core's ``save(async_strategy=...)`` values (which async machinery writes the data there)
+ASYNC_STRATEGIES = ("nvrx", "mcore", None)
+
+
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CkptDir,
@@ -320,6 +324,7 @@ def save(
     verify_integrity: bool = False,
     storage_options: StorageOptions = None,
     progress_bar: Optional[bool] = None,
+    async_strategy: Optional[str] = "nvrx",
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict into ``checkpoint_dir`` (collective).
 
@@ -358,7 +363,13 @@ def save(
     "elapsed"}`` (at most every 0.5 s, and once at the end; not from the background writer
     of an async save). ``progress_bar``: a tqdm bar of those bytes on rank 0's stderr;
     ``None`` (default): only when stderr is a terminal and the write takes over a second.
+
+    ``async_strategy`` (Megatron-Core >= 0.16: ``"nvrx"`` or ``"mcore"``, whose async
+    machinery writes the data) is accepted so that its callers run unchanged; an async
+    save here is always this library's own (:mod:`.strategies.async_utils`).
     """
+    if async_strategy not in ASYNC_STRATEGIES:
+        raise CheckpointingException(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback, progress_bar)
     rank = get_rank()
@@ -448,6 +459,7 @@ def load(
     verify_integrity: Optional[bool] = None,
     storage_options: StorageOptions = None,
     progress_bar: Optional[bool] = None,
+    process_group: Optional[Any] = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -477,7 +489,12 @@ def load(
     missing, a wrong hash or an unlisted file is an error naming the file).
     ``verify_integrity``: ``None`` (default) verifies when there is a manifest, ``True``
     requires one (as Megatron-Core's ``verify_integrity=True``), ``False`` skips it.
+
+    ``process_group`` (Megatron-Core >= 0.16: the ranks that together describe one whole
+    sharded state dict) may be ``None`` or a group of every rank: a load runs over all of
+    them; a group of some ranks only is refused.
     """
+    check_whole_world(process_group, "load")
     strict = parse_strict_flag(strict)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback, progress_bar)

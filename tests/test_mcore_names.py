@@ -34,6 +34,7 @@ from dist_checkpointing.validation import (
 )
 
 from . import launch
+from .conftest import get_pool
 from .helpers import slack
 
 
@@ -435,6 +436,46 @@ def test_megatron_core_019_load_strategy_arguments(tmp_path):
     out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c", strategy)
     assert torch.equal(out["w"], torch.arange(4.0)) and strategy.cached_global_metadata is not None
     assert (strategy.cache_metadata, strategy.stream_ckpt_dequant, strategy.checkpoint_name) == (True, False, "c")
+
+
+def test_megatron_core_019_save_and_load_arguments(tmp_path):
+    """Megatron-LM paired with Megatron-Core >= 0.16 passes ``save(..., async_strategy=...)``
+    and may call ``get_default_load_sharded_strategy()`` or ``load(..., process_group=...)``."""
+    from dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
+    for i, strategy in enumerate(["nvrx", "mcore", None]):
+        dc.save(state, tmp_path / f"c{i}", async_strategy=strategy)
+    with pytest.raises(CheckpointingException, match="async_strategy must be one of"):
+        dc.save(state, tmp_path / "bad", async_strategy="threads")
+    assert not (tmp_path / "bad").exists()
+    assert isinstance(get_default_load_sharded_strategy(), TorchDistLoadShardedStrategy)
+    out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c1", process_group=None)
+    assert torch.equal(out["w"], torch.arange(4.0))
+
+
+def _load_in_group(rank, world, ckpt, whole):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)) if whole else [0])
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}
+    try:
+        return dc.load(request, ckpt, process_group=group)["w"].tolist()
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _save_two(rank, world, ckpt):
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(2.0) + 2 * rank, (0, rank, world))}, ckpt)
+
+
+def test_load_process_group_of_every_rank_or_refused(tmp_path):
+    pool = get_pool(2)
+    pool.run(_save_two, str(tmp_path / "c"))
+    assert pool.run(_load_in_group, str(tmp_path / "c"), True) == [[0.0, 1.0], [2.0, 3.0]]
+    excs = pool.run_expect_error(_load_in_group, str(tmp_path / "c"), False)
+    assert all(isinstance(e, CheckpointingException) and "process_group" in str(e) for e in excs), excs
 
 
 def test_disable_gc_restores_state():

@@ -30,6 +30,14 @@ def get_world_size(group: Optional[Any] = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
+def check_whole_world(group: Optional[Any], what: str) -> None:
+    """Refuse a ``group`` that is not every rank (``None`` is): ``what`` runs over all ranks."""
+    if group is not None and is_distributed() and get_world_size(group) != get_world_size():
+        raise CheckpointingException(
+            f"{what}(process_group=...) with {get_world_size(group)} of {get_world_size()} ranks: this "
+            "library runs it over every rank; pass process_group=None")
+
+
 def all_gather_object(obj: Any, group: Optional[Any] = None) -> List[Any]:
     """Every rank's ``obj``, on every rank."""
     if get_world_size(group) == 1:
