@@ -436,6 +436,11 @@ def test_megatron_core_019_load_strategy_arguments(tmp_path):
     out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "c", strategy)
     assert torch.equal(out["w"], torch.arange(4.0)) and strategy.cached_global_metadata is not None
     assert (strategy.cache_metadata, strategy.stream_ckpt_dequant, strategy.checkpoint_name) == (True, False, "c")
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, tmp_path / "d",
+            TorchDistSaveShardedStrategy(cpu_shm_mode=True))  # Megatron-LM's trainer builds it so
+    assert torch.equal(dc.load_plain_tensors(tmp_path / "d")["w"], torch.arange(4.0))
 
 
 def test_megatron_core_019_save_and_load_arguments(tmp_path):

@@ -93,16 +93,20 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             process spawned on the first such save, :mod:`..persistent_worker`), or from
             the async queue's thread for a storage another process cannot open
             (``memory://``).
+        cpu_shm_mode: Megatron-Core 0.19's argument (copy accelerator tensors into host
+            shared memory before the async writer sees them), accepted for its callers:
+            that is what ``"auto"`` does here for any accelerator tensor.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 checksums: bool = True, async_snapshot: str = "auto"):
+                 checksums: bool = True, async_snapshot: str = "auto", *, cpu_shm_mode: bool = False):
         super().__init__(backend, version)
         if async_snapshot not in SNAPSHOT_MODES:
             raise CheckpointingException(f"async_snapshot must be one of {', '.join(map(repr, SNAPSHOT_MODES))}, "
                                          f"not {async_snapshot!r}")
         self.async_snapshot = async_snapshot
+        self.cpu_shm_mode = cpu_shm_mode
         self.checksums = checksums
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = max(1, int(thread_count))
