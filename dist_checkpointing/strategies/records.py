@@ -5,7 +5,7 @@ the fixed prefix and suffix of :mod:`.blob_template` around the tensor's bytes) 
 ``ShardedObject``'s bytes as they are. :func:`write_records` writes one file through one
 :meth:`~..storage.Storage.create_stream` (the staged ``O_DIRECT`` writer, its buffer pool and
 the fsync rules live in :mod:`..storage`); :func:`write_record_files` writes several, each
-on its own thread. This module imports no torch: the persistent writer
+on its own thread (files of small records one after another on one). This module imports no torch: the persistent writer
 (:mod:`.persistent_worker`) runs :func:`write_from_arena` with it alone.
 """
 
