@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor, StrictHandling
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-from dist_checkpointing.strategies.zarr import ZarrLoadShardedStrategy
+from dist_checkpointing.strategies.zarr import DTYPES, ZarrLoadShardedStrategy
 
 from .conftest import FIXTURES, get_pool
 from .helpers import assert_all_raise
@@ -185,6 +185,7 @@ _BAD = {
     "bad-chunks": ({"chunks": [0, 4]}, None, "not a shape and a chunk shape"),
     "bad-separator": ({"dimension_separator": "-"}, None, "dimension_separator"),
     "not-json": (None, lambda d: (d / ".zarray").write_text("{not json"), "not valid JSON"),
+    "deep-json": (None, lambda d: (d / ".zarray").write_text("[" * 30000 + "]" * 30000), "not valid JSON"),
     "truncated-chunk": (None, lambda d: (d / "1.0").write_bytes((d / "1.0").read_bytes()[:10]), "w/1.0"),
     "missing-chunk": (None, lambda d: (d / "0.0").unlink(), "w/0.0"),
 }
@@ -300,3 +301,31 @@ def _load_fully_parallel(rank: int, world: int, base: str) -> list:
 @pytest.mark.parametrize("base", ["default", "torch_dist"])
 def test_fully_parallel_load_wraps_the_zarr_strategy(base):
     assert get_pool(2).run(_load_fully_parallel, base) == [[], []]
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=8)
+_FIELDS = {"zarr_format": st.just(2) | _JSON, "shape": st.lists(st.integers(-1, 2**40), max_size=3) | _JSON,
+           "chunks": st.lists(st.integers(-1, 2**40), max_size=3) | _JSON, "dtype": st.sampled_from(sorted(DTYPES)) | _JSON,
+           "compressor": st.none() | _JSON, "filters": st.none() | _JSON, "order": st.just("C") | _JSON,
+           "dimension_separator": st.sampled_from([".", "/"]) | _JSON, "fill_value": _JSON}
+
+
+@settings(max_examples=200, deadline=None)
+@given(header=st.fixed_dictionaries({}, optional=_FIELDS) | _JSON)
+def test_any_zarray_header_is_read_or_refused(tmp_path_factory, header):
+    """Whatever a ``.zarray`` holds, reading it gives a checked array or a
+    CheckpointingException naming it: never another error."""
+    from dist_checkpointing.storage import PosixStorage
+    from dist_checkpointing.strategies.zarr import MAX_CHUNKS, read_array
+
+    root = tmp_path_factory.mktemp("hdr")
+    (root / "w").mkdir()
+    (root / "w" / ".zarray").write_text(json.dumps(header))
+    try:
+        array = read_array(PosixStorage(root), "w")
+    except CheckpointingException as e:
+        assert "'w'" in str(e) or "w/.zarray" in str(e)
+        return
+    assert len(array.shape) == len(array.chunks) and all(c > 0 for c in array.chunks)
+    assert math.prod(-(-s // c) for s, c in zip(array.shape, array.chunks)) <= MAX_CHUNKS

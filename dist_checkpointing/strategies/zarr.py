@@ -97,7 +97,7 @@ def read_array(storage: Storage, key: str) -> Optional[ZarrArray]:
         raise CheckpointingException(f"{where} is larger than {_MAX_ZARRAY_BYTES} bytes: not a zarr array header")
     try:
         meta = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: nested deeper than the parser goes)
         raise CheckpointingException(f"{where} is not valid JSON: {e}") from e
     return _parse(key, meta, where)
 
