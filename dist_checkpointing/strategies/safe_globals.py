@@ -53,7 +53,6 @@ _NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.u
                  np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128)
 
 
-
 class UnsafeCall(CheckpointingException):
     """A pickle calls an allowed builtin in a way that could do more than rebuild a value."""
 
