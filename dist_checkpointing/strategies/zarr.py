@@ -26,12 +26,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 
 from ..core import CheckpointingException, open_storage
-from ..dict_utils import dict_list_map_outplace, nested_values
+from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..storage import RangeReader, Storage
 from .base import LoadShardedStrategy, StoredChunk, StoredItems, StoredRange, StoredTensor
@@ -40,7 +40,7 @@ from .dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, Me
 from .resharding import contiguous_strides, grid_chunks_overlapping, intersect
 from .torch_blob import TensorHeader
 from .fully_parallel import FullyParallelLoadStrategyWrapper
-from .torch_dist.load import TorchDistLoadShardedStrategy, execute_reads
+from .torch_dist.load import TorchDistLoadShardedStrategy, execute_reads, loaded_values
 from .torch_dist.load_plan import ScratchArena, TensorRead, plan_load
 from .torch_dist.reader import Reader
 
@@ -65,6 +65,12 @@ class ZarrArray:
     chunks: Tuple[int, ...]
     dtype: torch.dtype
     separator: str  # between a chunk's grid indices in its file name
+
+    def chunk_region(self, index: Tuple[int, ...]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """``(offsets, sizes)`` of the chunk at grid ``index`` inside the global shape (an
+        edge chunk's part inside it; its file holds the whole chunk)."""
+        offsets = tuple(i * c for i, c in zip(index, self.chunks))
+        return offsets, tuple(min(c, s - o) for c, s, o in zip(self.chunks, self.shape, offsets))
 
     def chunk_file(self, index: Tuple[int, ...]) -> str:
         """The storage name of the chunk at grid ``index``."""
@@ -228,8 +234,7 @@ def zarr_metadata(storage: Storage, sharded_state_dict: ShardedStateDict) -> Tup
         for index in grid_chunks_overlapping(region, array.chunks) if region is not None else ():
             if index in chunk_sets[sh.key]:
                 continue
-            offsets = tuple(i * c for i, c in zip(index, array.chunks))
-            sizes = tuple(min(c, s - o) for c, s, o in zip(array.chunks, array.shape, offsets))
+            offsets, sizes = array.chunk_region(index)
             chunk_sets[sh.key][index] = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
             storage_data[MetadataIndex(sh.key, offsets)] = StorageInfo(array.chunk_file(index), 0, array.chunk_bytes)
     for key, chunks in chunk_sets.items():
@@ -272,38 +277,18 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         plan = plan_load(sharded_state_dict, metadata, storage.describe(), scratch, self.strict_dtypes)
         execute_reads(plan, ZarrReader(storage, self.allow_pickle, arrays), self.thread_count)
         scratch.end()
-        objects = plan[1]
-
-        def unwrap(sh: object) -> object:
-            if isinstance(sh, ShardedTensor):
-                return sh.data
-            return objects[id(sh)].result[0] if isinstance(sh, ShardedObject) else sh
-
-        return dict_list_map_outplace(unwrap, sharded_state_dict)
+        return loaded_values(sharded_state_dict, plan)
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
-        """A whole-tensor ShardedTensor for every array directly under the checkpoint (the
-        empty ``.zarray`` lock files of Megatron-Core's ``<key>.sync`` directories are not
-        arrays)."""
-        storage = open_storage(checkpoint_dir)
-        result = {}
-        for name, kind in storage.entries().items():
-            info = storage.info(f"{name}/.zarray") if kind == "dir" else None
-            if info is None or info.size == 0:
-                continue
-            array = read_array(storage, name)
-            result[name] = ShardedTensor(name, None, array.dtype, array.shape, array.shape, (0,) * len(array.shape),
-                                         (1,) * len(array.shape))
-        return result
+        """A whole-tensor ShardedTensor for every array directly under the checkpoint."""
+        return {key: ShardedTensor(key, None, a.dtype, a.shape, a.shape, (0,) * len(a.shape), (1,) * len(a.shape))
+                for key, a in _stored_arrays(open_storage(checkpoint_dir)).items()}
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         """The tensors, and every ShardedObject file ``<key>/shard_*.pt`` (data-less, by unique key)."""
         storage = open_storage(checkpoint_dir)
         result = self.load_tensors_metadata(storage)
-        for name, kind in storage.entries().items():
-            if kind == "dir" and name not in result:
-                for obj in _stored_objects(name, storage.subdirectory(name).list()):
-                    result[obj.unique_key] = obj
+        result.update({obj.unique_key: obj for obj in _all_stored_objects(storage, set(result))})
         return result
 
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
@@ -311,25 +296,39 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         offline tools: ``inspect``, ``validate``); no checksums are recorded."""
         storage = open_storage(checkpoint_dir)
         items = StoredItems(located=True)
-        for key, sh in sorted(self.load_sharded_metadata(storage).items()):
-            if isinstance(sh, ShardedObject):
-                name, size = _object_file(storage, key)
-                items.objects[key] = size or 0
-                items.object_locations[key] = StoredRange(name, 0, size or 0)
-                items.files[name] = size
-                continue
-            array = read_array(storage, key)
+        arrays = _stored_arrays(storage)
+        for key, array in sorted(arrays.items()):
             chunks = []
             for index in _whole_grid(array):
-                offsets = tuple(i * c for i, c in zip(index, array.chunks))
-                sizes = tuple(min(c, n - o) for c, n, o in zip(array.chunks, array.shape, offsets))
                 name = array.chunk_file(index)
                 info = storage.info(name)
                 items.files[name] = info.size if info is not None else None
-                chunks.append(StoredChunk(offsets, sizes, StoredRange(name, 0, array.chunk_bytes)))
+                chunks.append(StoredChunk(*array.chunk_region(index), StoredRange(name, 0, array.chunk_bytes)))
             items.tensors.append(StoredTensor(key, array.shape, array.dtype, chunks,
                                               math.prod(array.shape) * array.dtype.itemsize, False))
+        for obj in sorted(_all_stored_objects(storage, set(arrays)), key=lambda o: o.unique_key):
+            name, size = _object_file(storage, obj.unique_key)
+            items.objects[obj.unique_key] = size or 0
+            items.object_locations[obj.unique_key] = StoredRange(name, 0, size or 0)
+            items.files[name] = size
         return items
+
+
+def _stored_arrays(storage: Storage) -> Dict[str, ZarrArray]:
+    """Every array directly under the checkpoint, by key (the empty ``.zarray`` lock files
+    of Megatron-Core's ``<key>.sync`` directories are not arrays)."""
+    arrays = {}
+    for name, kind in storage.entries().items():
+        info = storage.info(f"{name}/.zarray") if kind == "dir" else None
+        if info is not None and info.size > 0:
+            arrays[name] = read_array(storage, name)
+    return arrays
+
+
+def _all_stored_objects(storage: Storage, arrays: Set[str]) -> List[ShardedObject]:
+    """The ShardedObjects of every directory of the checkpoint that is not an array."""
+    return [obj for name, kind in storage.entries().items() if kind == "dir" and name not in arrays
+            for obj in _stored_objects(name, storage.subdirectory(name).list())]
 
 
 def zarr_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:

@@ -78,6 +78,21 @@ def _run(tasks: List[Tuple[Callable[[Any], None], Any]]) -> None:
         fn(arg)
 
 
+def loaded_values(sharded_state_dict: ShardedStateDict, plan: LoadPlan) -> StateDict:
+    """The request's structure with each ShardedTensor replaced by its (filled) tensor and
+    each ShardedObject by the object read for it, once ``plan`` has been executed."""
+    _, object_reads, _ = plan
+
+    def unwrap(sh: Any) -> Any:
+        if isinstance(sh, ShardedTensor):
+            return sh.data
+        if isinstance(sh, ShardedObject):
+            return object_reads[id(sh)].result[0]
+        return sh
+
+    return dict_list_map_outplace(unwrap, sharded_state_dict)
+
+
 def execute_reads(plan: LoadPlan, reader: Reader, thread_count: int) -> None:
     """Run a load plan's reads with ``reader`` (closed after) on ``thread_count`` threads
     (:func:`_batches`), the bytes counted for the progress sink if any, then its copies."""
@@ -170,7 +185,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         metadata = view.metadata if view is not None else None
         plan = run_agreed(lambda: self._plan(sharded_state_dict, storage, metadata), "Planning the load")
         run_agreed(lambda: self._execute(plan, storage, metadata), "Reading the checkpoint")
-        return self._result(sharded_state_dict, plan)
+        return loaded_values(sharded_state_dict, plan)
 
     def key_mismatch(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
                      need_missing: bool) -> Optional[Tuple[Set[str], Set[str]]]:
@@ -197,7 +212,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                                [k for k in dataless if isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)])
         plan = self._plan(sharded_state_dict, storage, metadata)
         self._execute(plan, storage, metadata)
-        return self._result(sharded_state_dict, plan)
+        return loaded_values(sharded_state_dict, plan)
 
     def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path, Storage],
               metadata: Optional[Metadata] = None) -> LoadPlan:
@@ -214,19 +229,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         execute_reads(plan, Reader(storage, self.allow_pickle, table["items"] if table else None, scope == SCOPE_RECORD),
                       self.thread_count)
         self._scratch.end()
-
-    @staticmethod
-    def _result(sharded_state_dict: ShardedStateDict, plan: LoadPlan) -> StateDict:
-        _, object_reads, _ = plan
-
-        def unwrap(sh: Any) -> Any:
-            if isinstance(sh, ShardedTensor):
-                return sh.data
-            if isinstance(sh, ShardedObject):
-                return object_reads[id(sh)].result[0]
-            return sh
-
-        return dict_list_map_outplace(unwrap, sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         """Whole-tensor ShardedTensors in the original global shape (flattened keys too)."""
