@@ -29,6 +29,7 @@ import inspect
 import os
 import pkgutil
 import sys
+import types
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -59,11 +60,6 @@ MEGATRON_LM_IMPORTS: Dict[str, Set[str]] = {
 # User names deliberately not provided or differing, with the reason (docs/coming_from_megatron.md lists
 # them too): reported as "not provided", not counted as problems.
 NOT_PROVIDED: Dict[str, str] = {
-    f"{PKG}.strategies.filesystem_async.FileSystemWriterAsync":
-        "Megatron-LM uses it only for --ckpt-format torch_dcp with --async-save (plain PyTorch DCP "
-        "files, not this package's format)",
-    f"{PKG}.strategies.state_dict_saver.save_state_dict_async_plan": "the same torch_dcp async path",
-    f"{PKG}.strategies.state_dict_saver.save_state_dict_async_finalize": "the same torch_dcp async path",
     f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.apply_loading_parallelization":
         "an internal step of Megatron-Core's wrapper; ours splits a load into own reads and an exchange its own way",
     f"{PKG}.strategies.fully_parallel.FullyParallelLoadStrategyWrapper.fill_in_deferred_sharded_tensors":
@@ -76,7 +72,42 @@ NOT_PROVIDED: Dict[str, str] = {
     f"{PKG}.strategies.torch.TorchDistLoadShardedStrategy.check_backend_compatibility": "the same parameter name",
     f"{PKG}.strategies.torch.TorchDistLoadShardedStrategy.load_tensors_metadata":
         "no metadata argument: the strategy reads .metadata itself (checked field by field, cached)",
+    **{f"{PKG}.strategies.filesystem_async.FileSystemWriterAsync.{name}":
+       "an internal step of Megatron-Core's writer (its write buckets and worker processes); ours writes with "
+       "the function get_save_function_and_args returns"
+       for name in ("preload_tensors", "write_preloaded_data", "write_preloaded_data_multithread",
+                    "write_preloaded_data_multiproc",
+                    "prepare_decentralized_global_plan")},
 }
+
+# Differences by design against a Megatron-Core newer than the reference (0.15), by its minor version.
+NOT_PROVIDED_SINCE: Dict[Tuple[int, int], Dict[str, str]] = {
+    (0, 16): {
+        **{f"{PKG}{mod}.{fn}": "Megatron-Core 0.16 dropped common_strategy (the 4th parameter in 0.15, the "
+                               "reference, kept here): later parameters differ in position only; Megatron-LM "
+                               "passes them by keyword"
+           for mod in ("", ".serialization") for fn in ("save", "load")},
+        f"{PKG}.strategies.torch.TorchDistSaveShardedStrategy":
+            "thread_count defaults to 2, as in Megatron-Core 0.15 (the reference); Megatron-LM sets it",
+    },
+}
+
+
+def megatron_core_version(site: Path) -> Tuple[int, int]:
+    """``(major, minor)`` of the Megatron-Core installed in ``site`` (its dist-info)."""
+    for info in site.glob("megatron_core-*.dist-info"):
+        major, minor = info.name.split("-")[1].split(".")[:2]
+        return int(major), int(minor)
+    return 0, 15
+
+
+def by_design(site: Path) -> Dict[str, str]:
+    """Every difference by design for the Megatron-Core in ``site``."""
+    found = dict(NOT_PROVIDED)
+    for since, entries in NOT_PROVIDED_SINCE.items():
+        if megatron_core_version(site) >= since:
+            found.update(entries)
+    return found
 
 
 @dataclass
@@ -89,18 +120,30 @@ class ModuleReport:
     missing: List[str] = field(default_factory=list)
     signatures: List[Tuple[str, str]] = field(default_factory=list)  # (name, explanation)
     user: Set[str] = field(default_factory=set)
+    design: Dict[str, str] = field(default_factory=dict)  # differences by design (by_design), by full name
+    megatron_own: bool = False  # not provided: the switch imports Megatron-Core's own module
 
     def user_problems(self) -> List[str]:
-        """The user names of this module that are missing or differ (not those in NOT_PROVIDED)."""
+        """The user names of this module that are missing or differ (not those by design)."""
+        if self.megatron_own:
+            return []
         bad = [n for n in self.missing if n.split(".")[0] in self.user]
         bad += [n for n, _ in self.signatures if n.split(".")[0] in self.user]
-        return [n for n in bad if f"{self.theirs}.{n}" not in NOT_PROVIDED]
+        return [n for n in bad if f"{self.theirs}.{n}" not in self.design]
 
 
 def put_mcore_on_path(site: Path) -> None:
-    """Import Megatron-Core from ``site`` (CPU: nothing to patch for importing 0.15)."""
+    """Make Megatron-Core's package importable from ``site`` without running
+    ``megatron/core/__init__.py`` (0.19's imports triton, which a CPU machine lacks)."""
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
+    for name in ("megatron", "megatron.core"):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [str(site.joinpath(*name.split(".")))]
+            sys.modules[name] = module
+    for name in ("megatron.core.tensor_parallel", "megatron.core.utils", "megatron.core.parallel_state"):
+        importlib.import_module(name)  # in this order, as megatron/core/__init__.py would
 
 
 def _source_tree(module) -> Optional[ast.Module]:
@@ -287,9 +330,12 @@ def compare_object(name: str, theirs, ours, out: ModuleReport) -> None:
 
 def compare(site: Path = DEFAULT_SITE) -> List[ModuleReport]:
     """One ``ModuleReport`` per module of Megatron-Core's package, in import-name order."""
+    from dist_checkpointing.megatron import MEGATRON_OWN
+
     put_mcore_on_path(site)
     theirs_pkg = importlib.import_module(PKG)
     users = user_imports(site)
+    design = by_design(site)
     names = [PKG] + sorted(m.name for m in pkgutil.walk_packages(theirs_pkg.__path__, PKG + "."))
     reports = []
     for mod_name in names:
@@ -299,7 +345,8 @@ def compare(site: Path = DEFAULT_SITE) -> List[ModuleReport]:
             ours = importlib.import_module(ours_name)
         except ImportError:
             ours = None
-        rep = ModuleReport(mod_name, ours_name, ours is not None, user=users.get(mod_name, set()))
+        rep = ModuleReport(mod_name, ours_name, ours is not None, user=users.get(mod_name, set()), design=design,
+                           megatron_own=ours is None and mod_name[len(PKG) + 1:] in MEGATRON_OWN)
         wanted = defined_names(theirs) | (rep.user & set(vars(theirs)))
         if mod_name == PKG or mod_name.endswith(".strategies"):
             wanted |= {n for n, v in vars(theirs).items() if not n.startswith("_") and not inspect.ismodule(v)}
@@ -319,16 +366,19 @@ def format_report(reports: List[ModuleReport], user_only: bool = False) -> str:
         missing = [n for n in rep.missing if not user_only or n.split(".")[0] in rep.user]
         sigs = [(n, w) for n, w in rep.signatures if not user_only or n.split(".")[0] in rep.user]
         head = f"{rep.theirs} -> {rep.ours}" + ("" if rep.ours_exists else "  (module missing here)")
+        if rep.megatron_own:
+            lines.append(f"{rep.theirs}: Megatron-Core's own module, imported by the switch")
+            continue
         if not missing and not sigs:
             lines.append(f"{head}: ok")
             continue
         lines.append(head)
         for n in missing:
-            reason = NOT_PROVIDED.get(f"{rep.theirs}.{n}")
+            reason = rep.design.get(f"{rep.theirs}.{n}")
             tag = "  [user]" if n.split(".")[0] in rep.user else ""
             lines.append(f"  not provided {n}{tag}: {reason}" if reason else f"  missing    {n}{tag}")
         for n, why in sigs:
-            reason = NOT_PROVIDED.get(f"{rep.theirs}.{n}")
+            reason = rep.design.get(f"{rep.theirs}.{n}")
             tag = "  [user]" if n.split(".")[0] in rep.user else ""
             lines.append(f"  differs by design {n}{tag}: {reason}" if reason else f"  signature  {n}{tag}: {why}")
     problems = sum(len(r.user_problems()) for r in reports)

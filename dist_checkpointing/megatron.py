@@ -19,7 +19,9 @@ copied), whether Megatron-Core is installed or not and whether it is imported be
 after. Modules of Megatron-Core's package that were imported before :func:`install` are
 replaced in ``sys.modules`` (names other modules already bound keep the old objects, so
 install first). :func:`install` is idempotent; :func:`uninstall` removes the finder and the
-aliases.
+aliases. The few modules of Megatron-Core's package that are model logic rather than
+checkpointing (:data:`MEGATRON_OWN`) come from the installed Megatron-Core itself, and run
+on this package's types.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import runpy
 import sys
@@ -54,9 +57,36 @@ class MegatronAliasFinder(importlib.abc.MetaPathFinder):
         if name is None:
             return None
         if importlib.util.find_spec(name) is None:
-            return None  # not provided here: the import fails as for any missing module
+            return _megatron_own_spec(fullname)  # else not provided here: the import fails as usual
         ours = importlib.import_module(name)
         return importlib.machinery.ModuleSpec(fullname, SameModuleLoader(name), is_package=hasattr(ours, "__path__"))
+
+
+#: modules of Megatron-Core's package that hold model logic over the mapping layer and no
+#: checkpoint I/O: not provided here; under the switch, Megatron-Core's own file (from the
+#: installed Megatron-Core) is imported, running on this package's types
+MEGATRON_OWN = {
+    "gpt_checkpoint_interop": "Megatron-Core >= 0.19: points a hybrid model's sharded state dict at a GPT "
+                              "checkpoint's keys (it needs megatron.core.models)",
+}
+
+
+_OWN = "dist_checkpointing.megatron: Megatron-Core's own module on this package"
+
+
+def _megatron_own_spec(fullname: str) -> Optional[importlib.machinery.ModuleSpec]:
+    """The spec of Megatron-Core's own file for a module of :data:`MEGATRON_OWN`."""
+    name = fullname[len(ALIAS) + 1:]
+    core = sys.modules.get("megatron.core")
+    if name not in MEGATRON_OWN or core is None:
+        return None
+    for directory in getattr(core, "__path__", ()):
+        path = os.path.join(directory, "dist_checkpointing", name + ".py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location(fullname, path)
+            spec.loader_state = _OWN  # uninstall() drops the module: it was bound to this package
+            return spec
+    return None
 
 
 def _finder() -> Optional[MegatronAliasFinder]:
@@ -72,13 +102,19 @@ def _aliased_names() -> List[str]:
     return [n for n in sys.modules if _target_name(n) is not None]
 
 
+def _resolved_here(name: str) -> bool:
+    """Whether the module ``name`` in ``sys.modules`` is this package's (or Megatron-Core's
+    own file imported by the finder, running on this package)."""
+    module = sys.modules[name]
+    return module is sys.modules.get(_target_name(name)) or getattr(module.__spec__, "loader_state", None) == _OWN
+
+
 def install() -> None:
     """Make ``megatron.core.dist_checkpointing`` and its submodules resolve to this package."""
     if not is_installed():
         sys.meta_path.insert(0, MegatronAliasFinder())
     for name in _aliased_names():  # Megatron-Core's own modules imported before: replace them
-        target = _target_name(name)
-        if sys.modules[name] is sys.modules.get(target):
+        if _resolved_here(name):
             continue
         del sys.modules[name]
         try:
@@ -97,7 +133,7 @@ def uninstall() -> None:
         sys.meta_path.remove(finder)
         finder = _finder()
     for name in _aliased_names():
-        if sys.modules[name] is sys.modules.get(_target_name(name)):
+        if _resolved_here(name):
             del sys.modules[name]
     parent = sys.modules.get("megatron.core")
     if parent is not None and getattr(parent, "dist_checkpointing", None) is sys.modules.get(TARGET):

@@ -67,6 +67,7 @@ from .mapping import (
     is_main_replica,
 )
 from .strategies.async_request import AsyncRequest
+from .strategies.async_strategies import check_async_strategy
 from .strategies.progress import reporting_bytes
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
@@ -307,10 +308,6 @@ def _commit(checkpoint_dir: CkptDir, save_id: str, config: CheckpointingConfig, 
         release_claim(checkpoint_dir, save_id)
 
 
-#: Megatron-Core's ``save(async_strategy=...)`` values (which async machinery writes the data there)
-ASYNC_STRATEGIES = ("nvrx", "mcore", None)
-
-
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: CkptDir,
@@ -368,8 +365,7 @@ def save(
     machinery writes the data) is accepted so that its callers run unchanged; an async
     save here is always this library's own (:mod:`.strategies.async_utils`).
     """
-    if async_strategy not in ASYNC_STRATEGIES:
-        raise CheckpointingException(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
+    check_async_strategy(async_strategy)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback, progress_bar)
     rank = get_rank()

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from .helpers import free_port, wait_with_progress
 
@@ -211,3 +211,23 @@ class DistPool:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+class OwnPools:
+    """A test module's own pools, one per world size, started on first use: for ranks that
+    import something (e.g. Megatron-Core) the shared pools' ranks must never see."""
+
+    def __init__(self) -> None:
+        self._pools: Dict[int, DistPool] = {}
+
+    def get(self, world: int) -> DistPool:
+        if world not in self._pools:
+            self._pools[world] = DistPool(world)
+        return self._pools[world]
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.shutdown()  # every pool asked first: they leave together
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()

@@ -38,10 +38,9 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from .dist_pool import DistPool
+from .dist_pool import OwnPools
 from .peers import require
 
-_POOLS: Dict[int, DistPool] = {}
 _TIMEOUT = 240.0
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ = 64, 2, 4, 128, 32
 
@@ -51,18 +50,9 @@ Piece = Tuple[str, Tuple[int, ...], tuple, torch.Tensor, object]  # key, global 
 @pytest.fixture(scope="module")
 def mcore_pools():
     site = require("MCORE_SITE")
-
-    def get(world: int) -> DistPool:
-        if world not in _POOLS:
-            _POOLS[world] = DistPool(world)
-        return _POOLS[world]
-
-    yield site, get
-    for p in _POOLS.values():
-        p.shutdown()
-    for p in _POOLS.values():
-        p.close()
-    _POOLS.clear()
+    pools = OwnPools()
+    yield site, pools.get
+    pools.close()
 
 
 # ----------------------------------------------------------------------------- rank side

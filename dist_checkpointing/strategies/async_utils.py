@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
 from typing import Any, Dict, List, Optional
@@ -24,8 +25,12 @@ from .async_request import AsyncRequest, _Call, _Chained, _finalize, _preloaded 
 from .forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
 from ..exchange.collectives import all_reduce_max_uint8, is_distributed
 from ..core import CheckpointingException
+from .persistent_worker import shared_worker
+from .process_qos import set_process_qos, set_writer_qos
 
 logger = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_S = 120.0  # starting the writer (a new interpreter) takes well under a second
 
 
 class _Worker:
@@ -62,17 +67,44 @@ class AsyncCallsQueue:
             process per request, or in one spawned worker: :mod:`.async_callers` has those
             callers; our async saves fork their own writer, so a thread is enough here.)
 
+        cpu_shm_mode: NVIDIA Resiliency Extension's argument (copy accelerator tensors into
+            host shared memory for the writer), accepted for Megatron-LM: this library's
+            async saves do that for accelerator tensors anyway.
+
     Scheduling and finalizing are collective: every rank schedules the same requests in
     the same order and calls :meth:`maybe_finalize_async_calls` at the same points.
     """
 
-    def __init__(self, persistent: bool = False):
+    def __init__(self, persistent: bool = False, *, cpu_shm_mode: bool = False):
         self.persistent = persistent
+        self.cpu_shm_mode = cpu_shm_mode
         self._calls: List[_Call] = []
         self._next_idx = 0
         self._worker: Optional[_Worker] = None
         self._resources: Dict[int, Any] = {}
         self._closed = False
+
+    @classmethod
+    def warmup_persistent_caller(cls, rank: int, mp_mode: str = "spawn", cpu_priority: Optional[int] = 10,
+                                 io_priority: Optional[int] = None, *, cpu_shm_mode: bool = False) -> None:
+        """Start this process's background writer now (Megatron-LM calls this at start-up, so
+        the first async save does not wait for it) and set the priorities of its writers: the
+        persistent writer and the forked writers of async saves run at ``nice``
+        ``cpu_priority`` and I/O class ``io_priority`` (:mod:`.process_qos`; never raised
+        above the trainer's). Not collective. ``rank`` is only logged; ``mp_mode`` must be a
+        ``multiprocessing`` start method, but the writer is always a new interpreter (never
+        a fork of the trainer); ``cpu_shm_mode`` is accepted as in the constructor."""
+        if mp_mode not in multiprocessing.get_all_start_methods():
+            raise CheckpointingException(f"mp_mode must be one of {multiprocessing.get_all_start_methods()}, "
+                                         f"not {mp_mode!r}")
+        set_writer_qos(cpu_priority, io_priority)
+        worker = shared_worker()
+        try:
+            worker.submit(set_process_qos, (cpu_priority, io_priority), what="Starting the writer").result(
+                WARMUP_TIMEOUT_S)
+        except CheckpointingException as e:
+            raise CheckpointingException(f"rank {rank}: {e}") from e
+        logger.debug("rank %s: background writer started (pid %s)", rank, worker.pid)
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start ``async_request`` in the background; returns its call index."""
@@ -164,6 +196,7 @@ class AsyncCallsQueue:
 
 # Megatron-Core's names in this module: the async callers, and the forked calls' settings
 from .async_callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc  # noqa: E402,F401
+_set_process_qos = set_process_qos  # Megatron-Core's name (Megatron-LM lowers its deletion worker's priority with it)
 from ..compat.forwarding import forward_settings  # noqa: E402
 
 forward_settings(__name__, forked_call, ["FORK_START_TIMEOUT_S", "_run_child"])

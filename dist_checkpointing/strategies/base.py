@@ -280,5 +280,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A sharded save strategy that can return the writing as an async request."""
 
     @abstractmethod
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
-        """Stage the state and return an ``AsyncRequest`` that writes it."""
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                   async_strategy: Optional[str] = "nvrx") -> Any:
+        """Stage the state and return an ``AsyncRequest`` that writes it (``async_strategy``:
+        Megatron-Core >= 0.16's name of the async machinery, :mod:`.async_strategies`)."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ..core import CheckpointingException
 from ..exchange.collectives import error_message
+from .process_qos import apply_writer_qos
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def _run_child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
         os.close(read_fd)
         _die_with_parent()
         try:
+            apply_writer_qos()  # the priorities Megatron-LM asks of its checkpoint writers
             payload = pickle.dumps((True, fn()))
         except BaseException as e:  # noqa: BLE001 - sent to the parent
             payload = pickle.dumps((False, error_message(e)))

@@ -47,6 +47,7 @@ from ..exchange.plan import ShardPlan, plan_shards
 from ..exchange.tensors import check_exchange_algo, exchange_by_distribution, exchange_point_to_point
 from ..tensors.fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from .async_strategies import check_async_strategy
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy, StoredItems
 
 
@@ -190,12 +191,17 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         parallelization_group: the group to balance over, e.g. the data-parallel group.
         do_cache_distribution: reuse the distribution while the state dict's structure is
             unchanged on every rank (checked with one 2-byte ``all_reduce`` per save).
+        backend, version: Megatron-Core 0.19's; the checkpoint records the wrapped
+            strategy's format, so any other value than it (or these defaults) is refused.
     """
 
     def __init__(self, strategy: SaveShardedStrategy, parallelization_group: Optional[Any] = None,
-                 do_cache_distribution: bool = False):
+                 do_cache_distribution: bool = False, backend: str = "torch_dist", version: int = 1):
         if not isinstance(strategy, SaveShardedStrategy):
             raise CheckpointingException(f"Not a sharded save strategy: {strategy!r}")
+        if (backend, version) not in (("torch_dist", 1), (strategy.backend, strategy.version)):
+            raise CheckpointingException(f"The wrapped strategy saves ({strategy.backend!r}, {strategy.version}), "
+                                         f"not ({backend!r}, {version})")
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
@@ -244,7 +250,9 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.last_timings = {"plan": planned - start, "write": time.perf_counter() - planned}
         self.last_written_bytes = self.base_strategy.last_written_bytes
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> Any:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                   async_strategy: Optional[str] = "nvrx") -> Any:
+        check_async_strategy(async_strategy)
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously")
         request = self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
@@ -362,7 +370,14 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return None
         return plan_shards(summary, group)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    @property
+    def stream_ckpt_dequant(self) -> bool:
+        """The wrapped strategy's ``stream_ckpt_dequant`` (Megatron-Core 0.19's attribute)."""
+        return getattr(self.base_strategy, "stream_ckpt_dequant", False)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+             async_strategy: Optional[str] = "mcore") -> StateDict:
+        check_async_strategy(async_strategy)  # (Megatron-Core 0.19's; the wrapped strategy's default is used)
         if not is_distributed():
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         start = time.perf_counter()

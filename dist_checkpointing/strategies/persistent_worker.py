@@ -27,6 +27,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..core import CheckpointingException, error_message
+from .process_qos import apply_writer_qos, writer_qos
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 ARENAS: Dict[int, Tuple[mmap.mmap, int]] = {}
 PARENT_POLL_S = 0.2  # how often the worker checks that its parent is alive
 _ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent, log level, whether calls hold tensors
+_QOS_ENV = "DIST_CKPT_WORKER_QOS"  # "cpu,io" priorities (:mod:`.process_qos`; empty: unchanged)
 
 
 def arena_bytes(arena_id: int) -> memoryview:
@@ -54,6 +56,9 @@ def _watch_parent(parent: int) -> None:
 def main() -> None:
     """The worker process's entry: its two connections are inherited descriptors."""
     jobs_fd, results_fd, parent, log_level, tensors = map(int, os.environ.pop(_ENV).split(","))
+    qos = os.environ.pop(_QOS_ENV, "")
+    if qos:
+        apply_writer_qos(tuple(int(v) if v else None for v in qos.split(",")))
     _serve(Connection(jobs_fd), Connection(results_fd), parent, log_level, bool(tensors))
 
 
@@ -152,8 +157,10 @@ class PersistentWorker:
         self._jobs, theirs = Pipe(duplex=True)  # a Unix socket: it can carry descriptors
         results, their_results = Pipe(duplex=False)
         level = logging.getLogger("dist_checkpointing").getEffectiveLevel()
+        qos = writer_qos()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   **{_ENV: f"{theirs.fileno()},{their_results.fileno()},{os.getpid()},{level},{int(self.tensors)}"})
+                   **{_ENV: f"{theirs.fileno()},{their_results.fileno()},{os.getpid()},{level},{int(self.tensors)}",
+                      _QOS_ENV: ",".join("" if v is None else str(v) for v in qos) if qos else ""})
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", "from dist_checkpointing.strategies.persistent_worker import main; main()"],

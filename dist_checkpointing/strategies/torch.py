@@ -1,8 +1,10 @@
 """Megatron-Core's module name for the ``torch_dist`` strategy: a re-export of
 :mod:`dist_checkpointing.strategies.torch_dist`, where the code lives (one module per
 concept), so model code written for ``megatron.core.dist_checkpointing.strategies.torch``
-ports by changing the import prefix."""
+ports by changing the import prefix. ``get_async_strategy`` (Megatron-Core >= 0.16) lives in
+:mod:`.async_strategies`."""
 
+from .async_strategies import get_async_strategy
 from .torch_dist import (
     COMMON_STATE_OBJECT_KEY,
     METADATA_FNAME,
@@ -21,7 +23,7 @@ from .torch_dist import (
 
 __all__ = [
     "COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "MCoreLoadPlanner", "MCoreSavePlanner", "TorchDistLoadShardedStrategy",
-    "TorchDistSaveShardedStrategy", "data_file_path", "get_reformulation_metadata", "mcore_to_pyt_state_dict",
+    "TorchDistSaveShardedStrategy", "data_file_path", "get_async_strategy", "get_reformulation_metadata", "mcore_to_pyt_state_dict",
     "original_global_shape", "read_metadata",
     "register_default_torch_strategies", "sharded_tensor_to_torch_sharded_tensor",
 ]

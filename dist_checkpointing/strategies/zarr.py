@@ -34,6 +34,7 @@ from ..core import CheckpointingException, open_storage
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..storage import RangeReader, Storage
+from .async_strategies import check_async_strategy
 from .base import LoadShardedStrategy, StoredChunk, StoredItems, StoredRange, StoredTensor
 from .dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo,
                         TensorProperties, TensorStorageMetadata)
@@ -267,9 +268,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def offline_reader(self) -> "ZarrLoadShardedStrategy":
         return ZarrLoadShardedStrategy(thread_count=1, strict_dtypes=self.strict_dtypes)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+             async_strategy: Optional[str] = "mcore") -> StateDict:
         """Each rank reads the chunks of its own request (no collectives: ``load``'s caller
-        agrees on errors across ranks)."""
+        agrees on errors across ranks). ``async_strategy`` as for ``torch_dist``."""
+        check_async_strategy(async_strategy)
         storage = open_storage(checkpoint_dir)
         metadata, arrays = zarr_metadata(storage, sharded_state_dict)
         scratch = ScratchArena()
@@ -344,5 +347,6 @@ def zarr_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:
         wrapped.base_strategy = base
         return wrapped
     if isinstance(strategy, TorchDistLoadShardedStrategy):
-        return ZarrLoadShardedStrategy(strategy.thread_count, strategy.allow_pickle, strategy.strict_dtypes)
+        return ZarrLoadShardedStrategy(thread_count=strategy.thread_count, allow_pickle=strategy.allow_pickle,
+                                       strict_dtypes=strategy.strict_dtypes)
     return strategy

@@ -18,6 +18,7 @@ from ...dict_utils import dict_list_map_outplace, nested_values
 from ...integrity.checksums import SCOPE_RECORD, item_checksum_scope
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ...storage import Storage
+from ..async_strategies import check_async_strategy
 from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
 from ..resharding import TensorReformulationMetadata, is_nd_flattened_tensor
@@ -132,9 +133,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             default (as Megatron-Core, through PyTorch's reader) the stored values are cast
             into the request's tensor, one stored chunk at a time.
         cache_metadata, stream_ckpt_dequant, checkpoint_name: Megatron-Core 0.19's
-            arguments, accepted so that its callers (Megatron-LM) run unchanged: ``.metadata``
-            is always cached across loads (per file version), FP8 destinations are always
-            filled one tensor at a time, and the checkpoint is the one ``load`` is given.
+            arguments (first, in its order; ours are keyword-only), accepted so that its
+            callers (Megatron-LM) run unchanged: ``.metadata`` is always cached across loads
+            (per file version), FP8 destinations are always filled one tensor at a time, and
+            the checkpoint is the one ``load`` is given.
 
     Resharding loads of flattened keys assemble through temporary buffers that the
     strategy keeps for its next load (at most 256 MiB; :meth:`release_scratch` frees them).
@@ -143,9 +145,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     supported_backends = ("torch_dist",)
     supported_versions = (1,)
 
-    def __init__(self, thread_count: int = 4, allow_pickle: bool = False, verify_checksums: bool = True,
-                 strict_dtypes: bool = False, *, cache_metadata: bool = False, stream_ckpt_dequant: bool = True,
-                 checkpoint_name: Optional[str] = None):
+    def __init__(self, cache_metadata: bool = False, stream_ckpt_dequant: bool = True,
+                 checkpoint_name: Optional[str] = None, *, thread_count: int = 4, allow_pickle: bool = False,
+                 verify_checksums: bool = True, strict_dtypes: bool = False):
         self.thread_count = max(1, int(thread_count))
         self.allow_pickle = allow_pickle
         self.verify_checksums = verify_checksums
@@ -175,11 +177,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+             async_strategy: Optional[str] = "mcore") -> StateDict:
         """Collective load: errors on any rank are raised on every rank. With a per-key
         index (:mod:`.key_index`) each rank learns only the metadata of the keys it
         requests (:func:`.index_view.indexed_view`); without one, every rank reads
-        ``.metadata``."""
+        ``.metadata``. ``async_strategy``: Megatron-Core 0.19's (which metadata reader it
+        uses), checked and otherwise unused."""
+        check_async_strategy(async_strategy)
         storage = open_storage(checkpoint_dir)
         view = indexed_view(storage, lambda: requested_regions(sharded_state_dict))
         metadata = view.metadata if view is not None else None

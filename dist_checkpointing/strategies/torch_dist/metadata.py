@@ -191,17 +191,18 @@ _metadata_cache: Dict[str, Tuple[Hashable, Metadata]] = {}
 _metadata_cache_lock = threading.Lock()
 
 
-def read_metadata(checkpoint_dir: CheckpointLocation) -> Metadata:
-    """The DCP metadata of a checkpoint (cached while the file is unchanged)."""
+def read_metadata(checkpoint_dir: CheckpointLocation, cached: bool = True) -> Metadata:
+    """The DCP metadata of a checkpoint (cached while the file is unchanged; ``cached=False``
+    reads the file again)."""
     storage = open_storage(checkpoint_dir)
     path = storage.describe(METADATA_FNAME)
     info = storage.info(METADATA_FNAME)
     if info is None:
         raise CheckpointingException(f"Checkpoint metadata file {path} is missing")
     with _metadata_cache_lock:
-        cached = _metadata_cache.get(path)
-        if cached is not None and cached[0] == info.version:
-            return cached[1]
+        entry = _metadata_cache.get(path)
+        if cached and entry is not None and entry[0] == info.version:
+            return entry[1]
     with gc_paused():  # millions of small objects in a large checkpoint's metadata
         metadata = load_dcp_metadata(storage, METADATA_FNAME)
         check_dcp_metadata(metadata, path)
@@ -209,6 +210,12 @@ def read_metadata(checkpoint_dir: CheckpointLocation) -> Metadata:
         _metadata_cache.clear()
         _metadata_cache[path] = (info.version, metadata)
     return metadata
+
+
+def clear_metadata_cache() -> None:
+    """Forget the cached metadata (the next :func:`read_metadata` reads the file)."""
+    with _metadata_cache_lock:
+        _metadata_cache.clear()
 
 
 def stored_items(checkpoint_dir: CheckpointLocation) -> StoredItems:

@@ -31,6 +31,7 @@ from ...exchange.collectives import (
 from ...core import CheckpointingException, gc_paused, open_storage
 from ...mapping import ShardedStateDict
 from ..async_request import AsyncRequest
+from ..async_strategies import check_async_strategy
 from ..forked_call import ForkedCall
 from ..base import AsyncSaveShardedStrategy
 from ...storage import Storage
@@ -100,7 +101,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 checksums: bool = True, async_snapshot: str = "auto", *, cpu_shm_mode: bool = False):
+                 cpu_shm_mode: bool = False, checksums: bool = True, async_snapshot: str = "auto"):
         super().__init__(backend, version)
         if async_snapshot not in SNAPSHOT_MODES:
             raise CheckpointingException(f"async_snapshot must be one of {', '.join(map(repr, SNAPSHOT_MODES))}, "
@@ -159,8 +160,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             error = error_message(e)
         self._publish(locations, error, storage)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> AsyncRequest:
-        """Snapshot this rank's items and write them in the background.
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
+                   async_strategy: Optional[str] = "nvrx") -> AsyncRequest:
+        """Snapshot this rank's items and write them in the background (``async_strategy``:
+        Megatron-Core >= 0.16's, checked; both names run on this library's machinery,
+        :mod:`..async_strategies`).
 
         Returns an :class:`AsyncRequest` whose ``async_fn`` writes the data (or waits for
         the writer) and whose finalize step gathers the item locations and writes
@@ -170,6 +174,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         :meth:`release`, which ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed``
         agrees on the preparation.
         """
+        check_async_strategy(async_strategy)
         storage = open_storage(checkpoint_dir)
         written: Dict[str, Any] = {}
 
