@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..core import CheckpointingException
-from .filesystem_async import FileSystemWriterAsync
+from .dcp_async_writer import FileSystemWriterAsync
 
 
 def _as_ours(e: CheckpointException, what: str) -> CheckpointingException:
