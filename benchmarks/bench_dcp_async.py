@@ -7,7 +7,8 @@ a new directory per save. For each method: the **blocking** time (until the trai
 change its tensors: ours, the plan and the host snapshot; DCP's, ``async_save`` returning)
 and the **total** time (until the checkpoint is complete, ``.metadata`` written). Methods
 run interleaved, ``--rounds`` rounds, medians; the page cache is dropped of each checkpoint
-(``fsync``, then deleted) before the next save.
+(``fsync``, then deleted) before the next save; the order of the methods rotates by one
+each round.
 
 * ``ours``: ``save_state_dict_async_plan``, the writer's function in an ``AsyncCallsQueue``
   (one background thread, as Megatron-LM runs it), ``save_state_dict_async_finalize``;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shutil
 import statistics
 import sys
@@ -90,13 +92,16 @@ def main() -> None:
     scratch.mkdir(parents=True)
     queue = AsyncCallsQueue(persistent=True)
     times: Dict[str, list] = {m: [] for m in METHODS}
+    print(f"{nbytes / 2**30:.2f} GiB in {len(state)} tensors; load average before {os.getloadavg()[0]:.2f}")
+    names = list(METHODS)
     for r in range(args.rounds):
-        for name, method in METHODS.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated by one each round
             path = scratch / f"{name}_{r}"
-            times[name].append(method(state, path, queue))
+            times[name].append(METHODS[name](state, path, queue))
             fsync_path(path)
             shutil.rmtree(path)
     queue.close()
+    print(f"load average after {os.getloadavg()[0]:.2f}")
     results = {}
     for name, samples in times.items():
         blocking = statistics.median(b for b, _ in samples)

@@ -134,7 +134,7 @@ class ModuleReport:
 
 def put_mcore_on_path(site: Path) -> None:
     """Make Megatron-Core's package importable from ``site`` without running
-    ``megatron/core/__init__.py`` (0.19's imports triton, which a CPU machine lacks)."""
+    ``megatron/core/__init__.py`` (0.19's imports all of Megatron-Core, triton included)."""
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
     for name in ("megatron", "megatron.core"):

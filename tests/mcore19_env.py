@@ -1,6 +1,6 @@
 """Megatron-Core 0.19.2 (and the Megatron-LM trainer modules its wheel ships) on this package,
 in a test rank or subprocess: the switch, then Megatron's packages without their
-``__init__`` (0.19's ``megatron/core/__init__.py`` imports triton, which a CPU machine lacks).
+``__init__`` (which imports all of Megatron-Core, models and triton kernels: seconds).
 
 Megatron-LM's ``megatron/training/async_utils.py`` is imported unchanged; what it imports
 from the rest of the trainer (``get_args``, ``print_rank_0``, the deletion workers of

@@ -19,12 +19,16 @@ from typing import Dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# env var -> (requirement, extra pip flags, default directory)
+# env var -> (requirements, extra pip flags, default directory); each requirement's top-level
+# package must be in the directory for the peer to count as installed
 PEERS = {
-    "MCORE_SITE": ("megatron-core==0.15.3", [], ROOT / ".ci" / "mcore_site"),
-    # its wheels declare Requires-Python >= 3.12; the cp311 wheel works for what the tests use
-    "MCORE19_SITE": ("megatron-core==0.19.2", ["--ignore-requires-python"], ROOT / ".ci" / "mcore19_site"),
+    "MCORE_SITE": (["megatron-core==0.15.3"], [], ROOT / ".ci" / "mcore_site"),
+    # its wheels declare Requires-Python >= 3.12; the cp311 wheel works for what the tests use.
+    # megatron/core/__init__.py of 0.19 imports triton (its models too), which torch's CPU wheel lacks
+    "MCORE19_SITE": (["megatron-core==0.19.2", "triton==3.9.0"], ["--ignore-requires-python"],
+                     ROOT / ".ci" / "mcore19_site"),
 }
+_PACKAGE_DIRS = {"megatron-core": Path("megatron", "core"), "triton": Path("triton")}
 _ERRORS: Dict[str, str] = {}
 
 
@@ -34,13 +38,13 @@ def peer_site(env: str) -> Path:
 
 
 def installed(env: str) -> bool:
-    return (peer_site(env) / "megatron" / "core").is_dir()
+    return all((peer_site(env) / _PACKAGE_DIRS[r.split("==")[0]]).is_dir() for r in PEERS[env][0])
 
 
 def ensure_peers() -> None:
     """Install every missing peer (once per machine; concurrent sessions wait for each other)
     and export its directory in the environment for the tests and their subprocesses."""
-    for env, (requirement, flags, _) in PEERS.items():
+    for env, (requirements, flags, _) in PEERS.items():
         site = peer_site(env)
         os.environ[env] = str(site)
         if installed(env):
@@ -53,10 +57,11 @@ def ensure_peers() -> None:
             tmp = site.with_name(site.name + ".partial")
             shutil.rmtree(tmp, ignore_errors=True)
             proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *flags,
-                                   "--target", str(tmp), requirement, "packaging", "psutil"],
+                                   "--target", str(tmp), *requirements, "packaging", "psutil"],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
-                _ERRORS[env] = f"`pip install {requirement}` into {site} failed: {proc.stderr.strip()[-600:]}"
+                _ERRORS[env] = (f"`pip install {' '.join(requirements)}` into {site} failed: "
+                                f"{proc.stderr.strip()[-600:]}")
                 continue
             shutil.rmtree(site, ignore_errors=True)
             tmp.rename(site)
@@ -67,5 +72,5 @@ def require(env: str) -> str:
     if not installed(env):
         import pytest
 
-        pytest.fail(_ERRORS.get(env) or f"{PEERS[env][0]} is not installed in {peer_site(env)}")
+        pytest.fail(_ERRORS.get(env) or f"{' '.join(PEERS[env][0])} is not installed in {peer_site(env)}")
     return str(peer_site(env))

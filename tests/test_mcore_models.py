@@ -1,6 +1,8 @@
-"""Megatron-Core 0.15.3's own model and optimizer code on this package, through the switch.
+"""Megatron-Core's own model and optimizer code on this package, through the switch: every
+test runs with Megatron-Core 0.15.3 and again with 0.19.2.
 
-Every rank puts ``MCORE_SITE`` (the test-time peer, tests/peers.py) on ``sys.path`` and calls
+Every rank puts ``MCORE_SITE`` or ``MCORE19_SITE`` (the test-time peers, tests/peers.py) on
+``sys.path`` and calls
 ``dist_checkpointing.megatron.install()`` before importing Megatron, so Megatron-Core's
 ``GPTModel`` (local, non-TE layer spec), its ``FP32Optimizer`` wrapper and Megatron-LM's way of
 calling ``save`` / ``load`` / ``MCoreTensorAwareStateDict`` run unchanged on this package, on
@@ -30,6 +32,7 @@ CPU workarounds (in the test only; Megatron's source is not changed):
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -47,9 +50,10 @@ HIDDEN, LAYERS, HEADS, VOCAB, SEQ = 64, 2, 4, 128, 32
 Piece = Tuple[str, Tuple[int, ...], tuple, torch.Tensor, object]  # key, global shape, index, data, replica id
 
 
-@pytest.fixture(scope="module")
-def mcore_pools():
-    site = require("MCORE_SITE")
+@pytest.fixture(scope="module", params=["MCORE_SITE", "MCORE19_SITE"], ids=["mcore015", "mcore019"])
+def mcore_pools(request):
+    """Each Megatron-Core version in pools of its own (a rank keeps the Megatron it imported)."""
+    site = require(request.param)
     pools = OwnPools()
     yield site, pools.get
     pools.close()
@@ -62,6 +66,9 @@ def _megatron(site: str, tp: int, pp: int):
     """The switch, then Megatron's parallel state for ``tp`` x ``pp`` (data parallel: the rest)."""
     if site not in sys.path:
         sys.path.append(site)
+    import numpy as np
+
+    np.product = np.prod  # removed from NumPy 2, still used by Megatron-Core
     import dist_checkpointing.megatron as dm
 
     dm.install()
@@ -112,13 +119,15 @@ def _fp32_optimizer(model, step: bool):
             self._scale = torch.tensor([1.0], dtype=torch.float)
             self.is_stub_optimizer = optimizer is None
 
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32, clip_grad=0.0)
     # Megatron's parameter groups (weight-decay and no-weight-decay, with their multipliers)
-    groups = _get_param_groups([model], None, None, lr_mult=1.0, lr=1e-2, min_lr=0.0, decoupled_lr=None,
-                               decoupled_min_lr=None)
+    if "lr_mult" in inspect.signature(_get_param_groups).parameters:  # Megatron-Core 0.15
+        groups = _get_param_groups([model], None, None, lr_mult=1.0, lr=1e-2, min_lr=0.0, decoupled_lr=None,
+                                   decoupled_min_lr=None)
+    else:  # 0.19: from the optimizer config
+        groups = _get_param_groups([model], config, None)
     adam = torch.optim.Adam(groups, lr=1e-2)
-    opt = CpuFP32Optimizer(adam, OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32,
-                                                           clip_grad=0.0),
-                           _init_adam_state)
+    opt = CpuFP32Optimizer(adam, config, _init_adam_state)
     if step:
         for p in model.parameters():
             p.grad = torch.sin(3 * p.detach()) + 0.5
