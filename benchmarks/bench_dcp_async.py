@@ -11,7 +11,10 @@ run interleaved, ``--rounds`` rounds, medians; the page cache is dropped of each
 each round.
 
 * ``ours``: ``save_state_dict_async_plan``, the writer's function in an ``AsyncCallsQueue``
-  (one background thread, as Megatron-LM runs it), ``save_state_dict_async_finalize``;
+  (one background thread, as Megatron-LM runs it), ``save_state_dict_async_finalize``; the
+  default snapshot (a forked copy-on-write writer);
+* ``ours_copy``: the same with ``FileSystemWriterAsync(async_snapshot="copy")`` (host copies,
+  written by this process);
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (its default stager), then
   ``.result()``;
 * ``dcp_sync``: ``torch.distributed.checkpoint.save`` (blocking = total).
@@ -47,9 +50,10 @@ from dist_checkpointing.strategies.state_dict_saver import (  # noqa: E402
     save_state_dict_async_finalize, save_state_dict_async_plan)
 
 
-def ours(state: Dict[str, torch.Tensor], path: Path, queue: AsyncCallsQueue) -> Tuple[float, float]:
+def ours(state: Dict[str, torch.Tensor], path: Path, queue: AsyncCallsQueue,
+         snapshot: str = "auto") -> Tuple[float, float]:
     start = time.perf_counter()
-    writer = FileSystemWriterAsync(path, thread_count=2)
+    writer = FileSystemWriterAsync(path, thread_count=2, async_snapshot=snapshot)
     planned = save_state_dict_async_plan(state, writer)
     fn, _, args = writer.get_save_function_and_args()
     queue.schedule_async_request(AsyncRequest(fn, args, [lambda: save_state_dict_async_finalize(*planned)]))
@@ -73,7 +77,9 @@ def dcp_sync(state: Dict[str, torch.Tensor], path: Path, _queue: object) -> Tupl
     return total, total
 
 
-METHODS: Dict[str, Callable[..., Tuple[float, float]]] = {"ours": ours, "dcp_async": dcp_async, "dcp_sync": dcp_sync}
+METHODS: Dict[str, Callable[..., Tuple[float, float]]] = {
+    "ours": ours, "ours_copy": lambda state, path, queue: ours(state, path, queue, "copy"),
+    "dcp_async": dcp_async, "dcp_sync": dcp_sync}
 
 
 def main() -> None:

@@ -228,19 +228,20 @@ def test_cached_metadata_reader_reads_with_plain_dcp(tmp_path):
 # ----------------------------------------------------------------------------- async save of plain DCP checkpoints
 
 
-def _dcp_async_rank(rank: int, world: int, root: str, fail_rank: int, hint):
+def _dcp_async_rank(rank: int, world: int, root: str, fail_rank: int, hint, snapshot: str = "auto"):
     state = {f"w{rank}": torch.randn(40, 17), "opt.shared": torch.arange(9, dtype=torch.float64),
-             "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}, "step": 11}
+             "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}, "step": 11,
+             f"shm{rank}": torch.arange(6.0).share_memory_()}  # not isolated by a fork: copied
     expected = {k: v.clone() for k, v in state.items() if torch.is_tensor(v)}
     expected["nested.b"] = state["nested"]["b"].clone()
-    writer = FileSystemWriterAsync(root, thread_count=3, separation_hint=hint)
+    writer = FileSystemWriterAsync(root, thread_count=3, separation_hint=hint, async_snapshot=snapshot)
     with pytest.raises(CheckpointingException, match="prepare_write_data"):
         writer.get_save_function_and_args()
     planned = save_state_dict_async_plan(state, writer, None, 0)
     fn, preload, args = writer.get_save_function_and_args()
     assert preload is None
     with torch.no_grad():
-        for v in (state[f"w{rank}"], state["opt.shared"], state["nested"]["b"]):
+        for v in (state[f"w{rank}"], state["opt.shared"], state["nested"]["b"], state[f"shm{rank}"]):
             v.add_(5)  # after the plan: not in the checkpoint
     if rank == fail_rank:
         os.makedirs(f"{root}/__{rank}_0.distcp")
@@ -254,7 +255,7 @@ def _dcp_async_rank(rank: int, world: int, root: str, fail_rank: int, hint):
         queue.close()
     files = sorted(os.listdir(root))
     out = {f"w{rank}": torch.zeros(40, 17), "opt.shared": torch.zeros(9, dtype=torch.float64),
-           "nested": {"b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0}
+           "nested": {"b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0, f"shm{rank}": torch.zeros(6)}
     dcp.load(out, checkpoint_id=root)
     for k, v in expected.items():
         got = out["nested"]["b"] if k == "nested.b" else out[k]
@@ -264,17 +265,18 @@ def _dcp_async_rank(rank: int, world: int, root: str, fail_rank: int, hint):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("hint", [None, "opt."])
-def test_dcp_async_save_round_trip(tmp_path, world, hint):
-    files = get_pool(world).run(_dcp_async_rank, str(tmp_path / "c"), -1, hint, timeout=120)[0]
+@pytest.mark.parametrize("hint,snapshot", [(None, "auto"), ("opt.", "auto"), (None, "copy")])
+def test_dcp_async_save_round_trip(tmp_path, world, hint, snapshot):
+    files = get_pool(world).run(_dcp_async_rank, str(tmp_path / "c"), -1, hint, snapshot, timeout=120)[0]
     assert ".metadata" in files
     data = [f for f in files if f.endswith(".distcp")]
     assert all(f.startswith(("__", "opt.__")) for f in data), data
     assert any(f.startswith("opt.") for f in data) == (hint is not None), data
 
 
-def test_dcp_async_save_failure_is_raised_on_every_rank(tmp_path):
-    outcomes = get_pool(2).run(_dcp_async_rank, str(tmp_path / "c"), 1, None, timeout=120)
+@pytest.mark.parametrize("snapshot", ["auto", "copy"])
+def test_dcp_async_save_failure_is_raised_on_every_rank(tmp_path, snapshot):
+    outcomes = get_pool(2).run(_dcp_async_rank, str(tmp_path / "c"), 1, None, snapshot, timeout=120)
     for error, metadata_written in outcomes:
         assert "rank 1" in error and "__1_0.distcp" in error and not metadata_written, outcomes
 
@@ -282,6 +284,8 @@ def test_dcp_async_save_failure_is_raised_on_every_rank(tmp_path):
 def test_dcp_async_writer_refusals(tmp_path):
     with pytest.raises(CheckpointingException, match="use_msc"):
         FileSystemWriterAsync(tmp_path, use_msc=True)
+    with pytest.raises(CheckpointingException, match="async_snapshot"):
+        FileSystemWriterAsync(tmp_path, async_snapshot="fork")
     with pytest.raises(CheckpointingException, match="needs a FileSystemWriterAsync"):
         save_state_dict_async_plan({"a": torch.ones(2)}, dcp.FileSystemWriter(tmp_path))
     writer = FileSystemWriterAsync(tmp_path / "w")

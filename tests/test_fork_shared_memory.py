@@ -20,9 +20,9 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from dist_checkpointing.strategies import memory_maps
 from dist_checkpointing.strategies.memory_maps import UnisolatedMemory, byte_extent, not_isolated_by_fork
 
 from .conftest import get_pool
@@ -200,7 +200,7 @@ def _save_change_load(rank, world, root, kind):
     expected = torch.arange(N, dtype=torch.float32) + 1000 * rank
     t, rewrite = KINDS[kind](path, expected)
     assert torch.equal(t, expected)
-    assert torch_dist_save._needs_staging([t]) == [kind != "ordinary"]
+    assert memory_maps.needs_host_copy([t]) == [kind != "ordinary"]
     ckpt, gate = os.path.join(root, "ckpt"), os.path.join(root, f"gate_{rank}")
     queue = AsyncCallsQueue()
     try:

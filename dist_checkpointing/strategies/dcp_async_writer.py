@@ -18,14 +18,21 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..core import CheckpointingException, open_storage
-from ..exchange.collectives import error_message
+from ..core import CheckpointingException, gc_paused, open_storage
+from ..exchange.collectives import error_message, get_rank
 from .dcp_types import StorageInfo
 from .filesystem_async import Payload, payload_nbytes, write_file
+from .forked_call import ForkedCall
+from .memory_maps import needs_host_copy
+
+DcpFile = Tuple[str, List[Tuple[Any, Payload]]]  # a file's name and its (MetadataIndex, payload) items
 
 
 _written: Dict[str, Any] = {}  # write id -> its WriteResults, or its error
 _written_lock = threading.Lock()
+
+
+SNAPSHOTS = ("auto", "copy")
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -34,60 +41,89 @@ class FileSystemWriterAsync(FileSystemWriter):
     torch_dcp`` / ``fsdp_dtensor`` with ``--async-save``; :mod:`.state_dict_saver` plans
     and finalizes it).
 
-    :meth:`prepare_write_data` takes the snapshot: every tensor is copied to host memory
-    (the caller may change its tensors once it returns); :meth:`get_save_function_and_args`
-    gives the function that writes the files (``__{rank}_{n}.distcp``, DCP's item format,
-    ``thread_count`` files per rank; keys starting with ``separation_hint`` into files of
-    their own) and :meth:`retrieve_write_results` what it wrote, for ``.metadata``.
-    ``use_msc`` (Multi-Storage Client) is not provided; ``use_cpu_shm_for_gpu_tensors`` is
-    what the snapshot does anyway. The write function reports to this process: run it here
-    (a thread, as ``AsyncCallsQueue`` does), not in another process. Also a plain DCP
-    ``StorageWriter`` (:meth:`write_data`).
+    :meth:`prepare_write_data` takes the snapshot; once it returns the caller may change its
+    tensors. ``async_snapshot="auto"`` (default): a forked child process sees the CPU tensors
+    copy-on-write and writes them (the call returns after the fork; tensors a fork does not
+    isolate — other devices, pinned, shared or file-backed memory — are copied to host memory
+    first, :func:`.memory_maps.needs_host_copy`); ``"copy"``: every tensor is copied to host
+    memory and this process writes. :meth:`get_save_function_and_args` gives the function
+    that writes the files (``__{rank}_{n}.distcp``, DCP's item format, ``thread_count``
+    files per rank; keys starting with ``separation_hint`` into files of their own), or waits
+    for the forked writer; :meth:`retrieve_write_results` gives what was written, for
+    ``.metadata``. ``use_msc`` (Multi-Storage Client) is not provided;
+    ``use_cpu_shm_for_gpu_tensors`` is what the snapshot does anyway. The write function
+    reports to this process: run it here (a thread, as ``AsyncCallsQueue`` does), not in
+    another process. Also a plain DCP ``StorageWriter`` (:meth:`write_data`, no snapshot).
     """
 
     def __init__(self, path: Union[str, os.PathLike], *args: Any, separation_hint: Optional[str] = None,
-                 use_msc: bool = False, use_cpu_shm_for_gpu_tensors: bool = False, **kwargs: Any) -> None:
+                 use_msc: bool = False, use_cpu_shm_for_gpu_tensors: bool = False, async_snapshot: str = "auto",
+                 **kwargs: Any) -> None:
         if use_msc:
             raise CheckpointingException(f"{path}: the Multi-Storage Client (use_msc) is not provided by "
                                          "dist_checkpointing")
+        if async_snapshot not in SNAPSHOTS:
+            raise CheckpointingException(f"async_snapshot must be one of {SNAPSHOTS}, not {async_snapshot!r}")
         super().__init__(path, *args, **kwargs)
         self.separation_hint = separation_hint
         self.use_cpu_shm_for_gpu_tensors = use_cpu_shm_for_gpu_tensors
-        self._files: Optional[List[Tuple[str, List[Tuple[Any, Payload]]]]] = None
+        self.async_snapshot = async_snapshot
+        self._write: Optional[Tuple[Callable[..., None], List[Any]]] = None
         self._write_id: Optional[str] = None
 
-    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        """Snapshot the plan's items into host memory and group them into this rank's files."""
+    def _files(self, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> List[DcpFile]:
+        """The plan's items (tensors copied to host memory where a fork would not isolate
+        them, or, with ``async_snapshot="copy"``, all of them; none without ``snapshot``)
+        grouped into this rank's files."""
+        items = [(item.index, planner.resolve_data(item)) for item in plan.items]
+        tensors = [i for i, (_, data) in enumerate(items) if isinstance(data, torch.Tensor)]
+        copy = [snapshot] * len(tensors) if self.async_snapshot == "copy" or not snapshot else \
+            needs_host_copy([items[i][1] for i in tensors])
+        for i, needed in zip(tensors, copy):
+            t = items[i][1].detach()
+            items[i] = (items[i][0], _host_copy(t) if needed else t)
         groups: Dict[str, List[Tuple[Any, Payload]]] = {}
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            payload = data.getvalue() if isinstance(data, io.BytesIO) else _host_copy(data)
-            hinted = self.separation_hint and item.index.fqn.startswith(self.separation_hint)
-            groups.setdefault(self.separation_hint if hinted else "", []).append((item.index, payload))
+        for index, data in items:
+            payload = data.getvalue() if isinstance(data, io.BytesIO) else data
+            hinted = self.separation_hint and index.fqn.startswith(self.separation_hint)
+            groups.setdefault(self.separation_hint if hinted else "", []).append((index, payload))
         prefix = plan.storage_data.prefix
         files, count = [], itertools.count()
-        for hint, items in sorted(groups.items()):
-            bins: List[List[Tuple[Any, Payload]]] = [[] for _ in range(max(1, min(self.thread_count, len(items))))]
+        for hint, entries in sorted(groups.items()):
+            bins: List[List[Tuple[Any, Payload]]] = [[] for _ in range(max(1, min(self.thread_count, len(entries))))]
             sizes = [0] * len(bins)
-            for index, payload in sorted(items, key=lambda x: -payload_nbytes(x[1])):  # largest first, to the emptiest
+            for index, payload in sorted(entries, key=lambda x: -payload_nbytes(x[1])):  # largest first, to the emptiest
                 i = sizes.index(min(sizes))
                 bins[i].append((index, payload))
                 sizes[i] += payload_nbytes(payload)
             files += [(f"{hint}{prefix}{next(count)}.distcp", b) for b in bins if b]
-        self._files, self._write_id = files, uuid.uuid4().hex
+        return files
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Take the snapshot of the plan's items (see the class) and prepare their writing."""
+        files = self._files(plan, planner, snapshot=True)
+        write_id, path = uuid.uuid4().hex, os.fspath(self.path)
+        if self.async_snapshot == "auto" and all(not isinstance(p, torch.Tensor) or p.device.type == "cpu"
+                                                 for _, entries in files for _, p in entries):
+            with gc_paused():
+                child = ForkedCall(lambda: _write(path, files, self.thread_count),
+                                   f"Writing {path} (rank {get_rank()})")
+            self._write = (_collect_forked_write, [child, write_id])
+        else:
+            self._write = (write_dcp_files, [path, files, write_id, self.thread_count])
+        self._write_id = write_id
 
     def get_save_function_and_args(self) -> Tuple[Callable[..., Any], None, List[Any]]:
         """``(write function, preload function (none), its arguments)`` of the writing."""
-        if self._files is None:
+        if self._write is None:
             raise CheckpointingException(f"{self.path}: prepare_write_data was not called before the write")
-        files, self._files = self._files, None
-        return write_dcp_files, None, [os.fspath(self.path), files, self._write_id, self.thread_count]
+        (fn, args), self._write = self._write, None
+        return fn, None, args
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """DCP's synchronous write: snapshot and write now."""
-        self.prepare_write_data(plan, planner)
-        fn, _, args = self.get_save_function_and_args()
-        fn(*args)
+        """DCP's synchronous write: the items as they are, written now."""
+        write_id = self._write_id = uuid.uuid4().hex
+        write_dcp_files(os.fspath(self.path), self._files(plan, planner, snapshot=False), write_id, self.thread_count)
         future: Future = Future()
         future.set_result(self.retrieve_write_results())
         return future
@@ -106,26 +142,27 @@ class FileSystemWriterAsync(FileSystemWriter):
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of ``t`` that later changes to ``t`` do not reach."""
-    t = t.detach()
     return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
 
 
-def write_dcp_files(path: str, files: List[Tuple[str, List[Tuple[Any, Payload]]]], write_id: str,
-                    thread_count: int = 1) -> None:
-    """Write ``files`` into the checkpoint directory ``path`` (the async part of a
-    :class:`FileSystemWriterAsync` save) and record their ``WriteResult`` s, or the error,
-    for ``retrieve_write_results``."""
+def _write(path: str, files: List[DcpFile], thread_count: int) -> List[WriteResult]:
+    """Write ``files`` into the checkpoint directory ``path``; their ``WriteResult`` s."""
+    storage = open_storage(path)
+
+    def write(entry: DcpFile) -> List[WriteResult]:
+        name, items = entry
+        spans = write_file(storage, name, [p for _, p in items], compute_checksums=False)
+        return [WriteResult(index=index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
+                for (index, _), (offset, length, _) in zip(items, spans)]
+
+    with ThreadPoolExecutor(max(1, min(thread_count, len(files)))) as pool:
+        return [r for results in pool.map(write, files) for r in results]
+
+
+def _record(write_id: str, run: Callable[[], Any]) -> None:
+    """Keep what ``run`` returns (or its error, then raised) for ``retrieve_write_results``."""
     try:
-        storage = open_storage(path)
-
-        def write(entry: Tuple[str, List[Tuple[Any, Payload]]]) -> List[WriteResult]:
-            name, items = entry
-            spans = write_file(storage, name, [p for _, p in items], compute_checksums=False)
-            return [WriteResult(index=index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
-                    for (index, _), (offset, length, _) in zip(items, spans)]
-
-        with ThreadPoolExecutor(max(1, min(thread_count, len(files)))) as pool:
-            outcome: Any = [r for results in pool.map(write, files) for r in results]
+        outcome: Any = run()
     except Exception as e:  # noqa: BLE001 - recorded for the finalization, then raised
         outcome = error_message(e)
         raise
@@ -133,3 +170,14 @@ def write_dcp_files(path: str, files: List[Tuple[str, List[Tuple[Any, Payload]]]
         with _written_lock:
             _written[write_id] = outcome
 
+
+def write_dcp_files(path: str, files: List[DcpFile], write_id: str, thread_count: int = 1) -> None:
+    """Write ``files`` into the checkpoint directory ``path`` (the async part of a
+    ``"copy"`` snapshot) and record their ``WriteResult`` s, or the error."""
+    _record(write_id, lambda: _write(path, files, thread_count))
+
+
+def _collect_forked_write(child: ForkedCall, write_id: str) -> None:
+    """Wait for the forked writer (the async part of an ``"auto"`` snapshot) and record its
+    ``WriteResult`` s, or its error."""
+    _record(write_id, child.result)

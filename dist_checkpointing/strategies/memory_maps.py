@@ -84,3 +84,22 @@ def not_isolated_by_fork(tensors: Sequence[torch.Tensor], maps_path: str = MAPS_
     if memory is None:
         return [True] * len(tensors)
     return [memory.overlaps(*byte_extent(t)) for t in tensors]
+
+
+def needs_host_copy(tensors: List[torch.Tensor]) -> List[bool]:
+    """For each tensor, whether a forked writer would not see it as it is now: memory on
+    another device, pinned memory (not inherited reliably), or CPU memory a fork does not
+    isolate (shared or file-backed mappings; every CPU tensor where the process's mappings
+    cannot be read: :func:`not_isolated_by_fork`)."""
+    needed = [True] * len(tensors)
+    cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not _is_pinned(t)]
+    for i, unisolated in zip(cpu, not_isolated_by_fork([tensors[i] for i in cpu])):
+        needed[i] = unisolated
+    return needed
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return t.is_pinned()
+    except RuntimeError:  # no accelerator to ask
+        return False

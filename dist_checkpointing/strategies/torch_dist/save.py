@@ -45,7 +45,7 @@ from ..filesystem_async import HostStaging
 from ..persistent_worker import shared_worker
 from ..records import write_from_arena
 from ..staging import ArenaPool, Staged, StagingArena, stage
-from ..memory_maps import not_isolated_by_fork
+from ..memory_maps import needs_host_copy
 from .format import data_file_name
 from .location_table import (
     ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations, in_file_order,
@@ -86,7 +86,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
               writes them; the call returns after the fork (a fraction of one memcpy), but
               every page the caller writes while the child runs is copied by the kernel on
               its first write; tensors a fork does not isolate are copied into host buffers
-              first (:func:`_needs_staging`: other devices, pinned memory, shared and
+              first (:func:`needs_host_copy`: other devices, pinned memory, shared and
               file-backed mappings; every CPU tensor where ``/proc/self/maps`` cannot be
               read).
 
@@ -262,11 +262,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._arenas.release()
 
     def _stage(self, files: Dict[str, List[SaveItem]]) -> Dict[str, List[SaveItem]]:
-        """The same files with the tensors a fork does not snapshot (:func:`_needs_staging`)
+        """The same files with the tensors a fork does not snapshot (:func:`needs_host_copy`)
         replaced by host copies."""
         tensors = [((fname, i), it.payload) for fname, items in files.items() for i, it in enumerate(items)
                    if isinstance(it.payload, torch.Tensor)]
-        needed = _needs_staging([t for _, t in tensors])
+        needed = needs_host_copy([t for _, t in tensors])
         chosen = [slot_tensor for slot_tensor, need in zip(tensors, needed) if need]
         copies = self._staging.stage(chosen)
         staged = {fname: list(items) for fname, items in files.items()}
@@ -342,25 +342,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[Location]:
         return write_files(files, storage, self.checksums, self.thread_count)
-
-
-def _needs_staging(tensors: List[torch.Tensor]) -> List[bool]:
-    """For each tensor, whether a forked writer would not see it as it is now: memory on
-    another device, pinned memory (not inherited reliably), or CPU memory a fork does not
-    isolate (shared or file-backed mappings; every CPU tensor where the process's mappings
-    cannot be read: :func:`.memory_maps.not_isolated_by_fork`)."""
-    needed = [True] * len(tensors)
-    cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and not _is_pinned(t)]
-    for i, unisolated in zip(cpu, not_isolated_by_fork([tensors[i] for i in cpu])):
-        needed[i] = unisolated
-    return needed
-
-
-def _is_pinned(t: torch.Tensor) -> bool:
-    try:
-        return t.is_pinned()
-    except RuntimeError:  # no accelerator to ask
-        return False
 
 
 def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
