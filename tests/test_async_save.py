@@ -1348,3 +1348,42 @@ def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path
     monkeypatch.setattr(async_utils, "FORK_START_TIMEOUT_S", 0.3)
     with pytest.raises(CheckpointingException, match="No forked writer started"):
         ForkedCall(lambda: 1, "test")
+
+
+# ----------------------------------------------------------------------------- finalize steps that differ by rank
+
+
+def _rank0_steps_rank(rank: int, world: int, root: str, how: str, fail: bool):
+    """Megatron-LM adds finalize steps on rank 0 only (the tracker file, loggers): a queue
+    (or ``execute_sync``) must finalize such a request on every rank, a save's own collective
+    finalization included, and raise a rank-0 step's error on every rank."""
+    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.full((4,), float(rank)), (0, rank, world))}
+    request = dc.save(sd, f"{root}/{how}", async_sharded_save=True)
+    ran = []
+    if rank == 0:
+        request.add_finalize_fn(lambda: ran.append("tracker"))
+        if fail:
+            request.add_finalize_fn(lambda: 1 / 0)
+        request.add_finalize_fn(lambda: ran.append("logger"))
+    try:
+        if how == "queue":
+            queue = AsyncCallsQueue()
+            queue.schedule_async_request(request)
+            try:
+                queue.maybe_finalize_async_calls(blocking=True)
+            finally:
+                queue.close(abort=True)
+        else:
+            request.execute_sync()
+    except CheckpointingException as e:
+        return str(e)
+    out = dc.load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(4), (0, rank, world))}, f"{root}/{how}")
+    assert torch.equal(out["a"], torch.full((4,), float(rank)))
+    return ran
+
+
+@pytest.mark.parametrize("how", ["queue", "execute_sync"])
+def test_finalize_steps_on_rank_0_only(tmp_path, how):
+    assert get_pool(2).run(_rank0_steps_rank, str(tmp_path), how, False, timeout=120) == [["tracker", "logger"], []]
+    errors = get_pool(2).run(_rank0_steps_rank, str(tmp_path / "f"), how, True, timeout=120)
+    assert all("rank 0" in e and "ZeroDivisionError" in e for e in errors), errors

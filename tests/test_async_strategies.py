@@ -237,14 +237,14 @@ def _dcp_async_rank(rank: int, world: int, root: str, fail_rank: int, hint, snap
     writer = FileSystemWriterAsync(root, thread_count=3, separation_hint=hint, async_snapshot=snapshot)
     with pytest.raises(CheckpointingException, match="prepare_write_data"):
         writer.get_save_function_and_args()
+    if rank == fail_rank:  # before the snapshot: a forked writer may start writing at once
+        os.makedirs(f"{root}/__{rank}_0.distcp")
     planned = save_state_dict_async_plan(state, writer, None, 0)
     fn, preload, args = writer.get_save_function_and_args()
     assert preload is None
     with torch.no_grad():
         for v in (state[f"w{rank}"], state["opt.shared"], state["nested"]["b"], state[f"shm{rank}"]):
             v.add_(5)  # after the plan: not in the checkpoint
-    if rank == fail_rank:
-        os.makedirs(f"{root}/__{rank}_0.distcp")
     queue = AsyncCallsQueue()
     queue.schedule_async_request(AsyncRequest(fn, args, [lambda: save_state_dict_async_finalize(*planned)]))
     try:

@@ -7,6 +7,10 @@ async path on this package.
   with the trainer's arguments, ``maybe_finalize_async_save`` and
   ``reset_persistent_async_worker``, for both ``async_strategy`` names; the checkpoints are
   loaded back with the trainer's load strategy and compared with the state at each save.
+* Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (``megatron/training/checkpointing.py``,
+  arguments parsed by its own parser) save a GPTModel, its FP32Optimizer and scheduler at
+  one layout, sync or async, and load them at another, bit-exact (CPU shims:
+  tests/mcore19_env.py).
 * Megatron-Core 0.19's ``gpt_checkpoint_interop`` (Megatron-Core's own module, imported by
   the switch from the installed Megatron-Core) retargets a hybrid model's request at a GPT
   checkpoint this library wrote, and the load fills it.
@@ -136,11 +140,11 @@ def _dcp_rank(rank: int, world: int, site: str, root: str, name: str, fail_rank:
     expected = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
     ckpt = f"{root}/iter_0000003"
     writer = modules["FileSystemWriterAsync"](ckpt, thread_count=2, use_msc=False)
+    if rank == fail_rank:  # before the snapshot (a forked writer may start at once): this rank's first file fails
+        os.makedirs(f"{ckpt}/__{rank}_0.distcp")
     plan = modules["save_state_dict_async_plan"](state, writer, None, 0, planner=dcp.DefaultSavePlanner(),
                                                  enable_cache=False)
     request = au.get_save_and_finalize_callbacks(writer, plan, name)
-    if rank == fail_rank:
-        os.makedirs(f"{ckpt}/__{rank}_0.distcp")  # the write of this rank's first file fails
     au.schedule_async_save(request)
     for v in state.values():
         if torch.is_tensor(v):
@@ -171,6 +175,75 @@ def test_megatron_lm_torch_dcp_async_save_failure_raised_on_every_rank(mcore19, 
     errors = get(2).run(_dcp_rank, site, str(tmp_path), "mcore", 1, timeout=_TIMEOUT)
     for error in errors:
         assert "rank 1" in error and "__1_0.distcp" in error, errors
+
+
+# ----------------------------------------------------------------------------- the trainer's save/load_checkpoint
+
+
+def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: bool, async_save: bool):
+    """Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` of a GPTModel and its
+    FP32Optimizer (Adam) and scheduler, with arguments parsed as ``pretrain_gpt.py`` parses them."""
+    from . import test_mcore_models as tm
+    from .mcore19_env import megatron19, trainer_args
+
+    au, _ = megatron19(site)
+    import megatron.training.checkpointing as ck
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    argv = ["--num-layers", str(tm.LAYERS), "--hidden-size", str(tm.HIDDEN), "--num-attention-heads", str(tm.HEADS),
+            "--seq-length", str(tm.SEQ), "--max-position-embeddings", str(tm.SEQ), "--vocab-size", str(tm.VOCAB),
+            "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1", "--lr", "0.01", "--train-iters", "10",
+            "--save-interval", "5", "--save", root, "--load", root, "--ckpt-format", "torch_dist",
+            "--tensor-model-parallel-size", str(tp), "--use-cpu-initialization", "--transformer-impl", "local",
+            "--no-gradient-accumulation-fusion", "--no-save-rng", "--no-load-rng"]
+    if async_save:
+        argv += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    trainer_args(argv)
+    ps = tm._megatron(site, tp, 1)
+    if async_save:
+        au.init_persistent_async_worker(rank, "forkserver")  # as megatron/training/initialize.py does
+    model = tm._gpt(ps, 1234 if save else 99, tp, 1)
+    opt = tm._fp32_optimizer(model, step=save)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=0.01, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+                                    lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
+                                    wd_incr_style="constant")
+    if save:
+        ck.save_checkpoint(5, [model], opt, sched, 0, checkpointing_context={})
+        model_sd = model.sharded_state_dict()
+        pieces = tm._pieces({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)})
+        if async_save:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # the next training step, while the checkpoint is written
+            au.maybe_finalize_async_save(blocking=True, terminate=True)
+        return pieces
+    before = tm._pieces(model.sharded_state_dict())
+    iteration, _ = ck.load_checkpoint([model], opt, sched, checkpointing_context={})
+    after_sd = model.sharded_state_dict()
+    return before, tm._pieces({"model": after_sd, "optimizer": opt.sharded_state_dict(after_sd)}), iteration, \
+        {int(st["step"]) for st in opt.optimizer.state.values()}
+
+
+@pytest.mark.parametrize("save_layout,load_layout,async_save", [
+    pytest.param((2, 2), (1, 1), False, id="tp2_w2-to-tp1_w1"),
+    pytest.param((1, 2), (2, 2), True, id="dp2_w2-async-to-tp2_w2"),
+])
+def test_megatron_lm_save_and_load_checkpoint(mcore19, tmp_path, save_layout, load_layout, async_save):
+    from . import test_mcore_models as tm
+
+    site, get = mcore19
+    (stp, sworld), (ltp, lworld) = save_layout, load_layout
+    saved = get(sworld).run(_pretrain_rank, site, str(tmp_path), stp, True, async_save, timeout=_TIMEOUT)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert (tmp_path / "iter_0000005" / ".metadata").is_file()
+    globals_ = tm._assemble(saved)
+    results = get(lworld).run(_pretrain_rank, site, str(tmp_path), ltp, False, False, timeout=_TIMEOUT)
+    assert any(not torch.equal(globals_[k][i], d) for r in results for k, _, i, d, _ in r[0]), \
+        "the fresh model already held the saved values: the test could not fail"
+    loaded = [r[1] for r in results]
+    assert tm._check(globals_, loaded) > 0 and {k for pieces in loaded for k, *_ in pieces} == set(globals_)
+    assert all(r[2] == 5 and r[3] == {1} for r in results)
 
 
 # ----------------------------------------------------------------------------- gpt_checkpoint_interop

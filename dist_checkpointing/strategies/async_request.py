@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import CheckpointingException
-from ..exchange.collectives import all_gather_object, error_message, is_distributed, raise_if_any, run_agreed
+from ..exchange.collectives import (
+    all_gather_object, all_reduce_max_uint8, error_message, is_distributed, raise_if_any, run_agreed)
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +126,33 @@ class _Call:
             self.done.set()
 
 
-def _finalize(call: _Call, collective: bool, what: str, failed: Optional[bool] = None) -> None:
-    """Raise on every rank if ``call`` failed on any rank; else run its finalize steps, each
-    agreed over all ranks. ``failed``: whether it failed anywhere, if already agreed."""
+def step_counts(call: _Call) -> List[int]:
+    """Flags whose max over the ranks tells whether every rank has as many finalize steps
+    (:func:`same_step_counts`): two bytes for ``all_reduce_max_uint8``."""
+    n = min(len(call.request.finalize_fns), 255)
+    return [n, 255 - n]
+
+
+def same_step_counts(flags: List[int]) -> bool:
+    """From :func:`step_counts` flags reduced with max: whether the counts are equal."""
+    return flags[0] == 255 - flags[1]
+
+
+def _finalize(call: _Call, collective: bool, what: str, failed: Optional[bool] = None,
+              same_steps: Optional[bool] = None) -> None:
+    """Raise on every rank if ``call`` failed on any rank; else run its finalize steps.
+    Where every rank has as many steps, each is agreed over all ranks (a step that fails on
+    one rank raises on every rank before the next starts); where ranks have different
+    steps (Megatron-LM adds some on rank 0 only), each rank runs its own, then they agree
+    once. ``failed`` / ``same_steps``: already agreed, if given."""
     if collective:
         if failed is None or failed:
             raise_if_any(all_gather_object(call.error), what)
+        if same_steps is None:
+            same_steps = same_step_counts(all_reduce_max_uint8(step_counts(call)))
+        if not same_steps:
+            run_agreed(lambda: [fn() for fn in call.request.finalize_fns], f"Finalizing: {what}")
+            return
         for fn in call.request.finalize_fns:
             run_agreed(fn, f"Finalizing: {what}")
         return

@@ -21,7 +21,8 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from . import forked_call
-from .async_request import AsyncRequest, _Call, _Chained, _finalize, _preloaded  # noqa: F401  (_Chained: tests)
+from .async_request import (  # noqa: F401  (_Chained: tests)
+    AsyncRequest, _Call, _Chained, _finalize, _preloaded, same_step_counts, step_counts)
 from .forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
 from ..exchange.collectives import all_reduce_max_uint8, is_distributed
 from ..core import CheckpointingException
@@ -143,13 +144,14 @@ class AsyncCallsQueue:
             call = self._calls[0]
             if blocking:
                 call.done.wait()
-            flags = [int(not call.done.is_set()), int(call.error is not None)]
+            flags = [int(not call.done.is_set()), int(call.error is not None), *step_counts(call)]
             if collective:
                 flags = all_reduce_max_uint8(flags)
             if flags[0]:
                 break
             self._calls.pop(0)
-            _finalize(call, collective, f"Async call {call.idx}", failed=bool(flags[1]))
+            _finalize(call, collective, f"Async call {call.idx}", failed=bool(flags[1]),
+                      same_steps=same_step_counts(flags[2:]))
             finalized.append(call.idx)
         return finalized
 
