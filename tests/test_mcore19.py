@@ -27,6 +27,7 @@ import os
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 import torch
@@ -180,7 +181,8 @@ def test_megatron_lm_torch_dcp_async_save_failure_raised_on_every_rank(mcore19, 
 # ----------------------------------------------------------------------------- the trainer's save/load_checkpoint
 
 
-def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: bool, async_save: bool):
+def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: bool, async_save: bool,
+                   extra: Tuple[str, ...] = ()):
     """Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` of a GPTModel and its
     FP32Optimizer (Adam) and scheduler, with arguments parsed as ``pretrain_gpt.py`` parses them."""
     from . import test_mcore_models as tm
@@ -198,6 +200,7 @@ def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: b
             "--no-gradient-accumulation-fusion", "--no-save-rng", "--no-load-rng"]
     if async_save:
         argv += ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+    argv += list(extra)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     trainer_args(argv)
     ps = tm._megatron(site, tp, 1)
@@ -209,7 +212,15 @@ def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: b
                                     lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
                                     wd_incr_style="constant")
     if save:
-        ck.save_checkpoint(5, [model], opt, sched, 0, checkpointing_context={})
+        context: dict = {}  # kept across saves, as the trainer keeps it (its cached strategy and structure)
+        for iteration in (5, 10):
+            if iteration == 10:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)  # a later step
+                if async_save:
+                    au.maybe_finalize_async_save(blocking=True)
+            ck.save_checkpoint(iteration, [model], opt, sched, 0, checkpointing_context=context)
         model_sd = model.sharded_state_dict()
         pieces = tm._pieces({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)})
         if async_save:
@@ -219,31 +230,35 @@ def _pretrain_rank(rank: int, world: int, site: str, root: str, tp: int, save: b
             au.maybe_finalize_async_save(blocking=True, terminate=True)
         return pieces
     before = tm._pieces(model.sharded_state_dict())
-    iteration, _ = ck.load_checkpoint([model], opt, sched, checkpointing_context={})
+    iteration, _ = ck.load_checkpoint([model], opt, sched, checkpointing_context={})  # the latest: 10
     after_sd = model.sharded_state_dict()
     return before, tm._pieces({"model": after_sd, "optimizer": opt.sharded_state_dict(after_sd)}), iteration, \
         {int(st["step"]) for st in opt.optimizer.state.values()}
 
 
-@pytest.mark.parametrize("save_layout,load_layout,async_save", [
-    pytest.param((2, 2), (1, 1), False, id="tp2_w2-to-tp1_w1"),
-    pytest.param((1, 2), (2, 2), True, id="dp2_w2-async-to-tp2_w2"),
+_CONSTANT = ("--ckpt-assume-constant-structure", "--ckpt-fully-parallel-load")
+
+
+@pytest.mark.parametrize("save_layout,load_layout,async_save,extra", [
+    pytest.param((2, 2), (1, 1), False, (), id="tp2_w2-to-tp1_w1"),
+    pytest.param((1, 2), (2, 2), True, (), id="dp2_w2-async-to-tp2_w2"),
+    pytest.param((1, 2), (1, 2), True, _CONSTANT, id="dp2_w2-async-constant-structure-fully-parallel-load"),
 ])
-def test_megatron_lm_save_and_load_checkpoint(mcore19, tmp_path, save_layout, load_layout, async_save):
+def test_megatron_lm_save_and_load_checkpoint(mcore19, tmp_path, save_layout, load_layout, async_save, extra):
     from . import test_mcore_models as tm
 
     site, get = mcore19
     (stp, sworld), (ltp, lworld) = save_layout, load_layout
-    saved = get(sworld).run(_pretrain_rank, site, str(tmp_path), stp, True, async_save, timeout=_TIMEOUT)
-    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    assert (tmp_path / "iter_0000005" / ".metadata").is_file()
+    saved = get(sworld).run(_pretrain_rank, site, str(tmp_path), stp, True, async_save, extra, timeout=_TIMEOUT)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert (tmp_path / "iter_0000005" / ".metadata").is_file() and (tmp_path / "iter_0000010" / ".metadata").is_file()
     globals_ = tm._assemble(saved)
-    results = get(lworld).run(_pretrain_rank, site, str(tmp_path), ltp, False, False, timeout=_TIMEOUT)
+    results = get(lworld).run(_pretrain_rank, site, str(tmp_path), ltp, False, False, extra, timeout=_TIMEOUT)
     assert any(not torch.equal(globals_[k][i], d) for r in results for k, _, i, d, _ in r[0]), \
         "the fresh model already held the saved values: the test could not fail"
     loaded = [r[1] for r in results]
     assert tm._check(globals_, loaded) > 0 and {k for pieces in loaded for k, *_ in pieces} == set(globals_)
-    assert all(r[2] == 5 and r[3] == {1} for r in results)
+    assert all(r[2] == 10 and r[3] == {1} for r in results)
 
 
 # ----------------------------------------------------------------------------- gpt_checkpoint_interop
