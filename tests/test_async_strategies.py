@@ -281,6 +281,18 @@ def test_dcp_async_save_failure_is_raised_on_every_rank(tmp_path, snapshot):
         assert "rank 1" in error and "__1_0.distcp" in error and not metadata_written, outcomes
 
 
+def _wrong_writer_rank(rank: int, world: int, root: str):
+    writer = FileSystemWriterAsync(root) if rank == 0 else dcp.FileSystemWriter(root)
+    with pytest.raises(CheckpointingException) as e:
+        save_state_dict_async_plan({"a": torch.ones(2)}, writer)
+    return str(e.value)
+
+
+def test_dcp_async_plan_refusal_is_raised_on_every_rank(tmp_path):
+    for error in get_pool(2).run(_wrong_writer_rank, str(tmp_path), timeout=120):
+        assert "rank(s) [1]" in error and "needs a FileSystemWriterAsync" in error, error
+
+
 def test_dcp_async_writer_refusals(tmp_path):
     with pytest.raises(CheckpointingException, match="use_msc"):
         FileSystemWriterAsync(tmp_path, use_msc=True)

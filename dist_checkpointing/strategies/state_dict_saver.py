@@ -51,13 +51,13 @@ def save_state_dict_async_plan(
     afresh: ``cached_ckpt_structure``, ``loaded_all_plans`` (Megatron-Core's) and
     ``enable_cache`` (NVIDIA Resiliency Extension's, which Megatron-LM passes) are accepted
     and not used. An error on any rank is raised on every rank."""
-    if not isinstance(storage_writer, FileSystemWriterAsync):
-        raise CheckpointingException(f"An async DCP save needs a FileSystemWriterAsync, not {storage_writer!r}")
     wrapper = _DistWrapper(process_group, dist.is_available() and dist.is_initialized(), coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     global_metadata: Optional[Metadata] = None
 
-    def local_step() -> SavePlan:
+    def local_step() -> SavePlan:  # (an error here is raised on every rank)
+        if not isinstance(storage_writer, FileSystemWriterAsync):
+            raise CheckpointingException(f"An async DCP save needs a FileSystemWriterAsync, not {storage_writer!r}")
         if "storage_meta" in inspect.signature(planner.set_up_planner).parameters:
             planner.set_up_planner(state_dict, storage_meta=storage_writer.storage_meta(),
                                    is_coordinator=wrapper.is_coordinator)
@@ -74,7 +74,7 @@ def save_state_dict_async_plan(
     try:
         plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
     except CheckpointException as e:
-        raise _as_ours(e, f"Planning the DCP save to {storage_writer.path}") from e
+        raise _as_ours(e, f"Planning the DCP save to {getattr(storage_writer, 'path', storage_writer)}") from e
     storage_writer.prepare_write_data(plan, planner)
     return storage_writer, global_metadata, wrapper
 
