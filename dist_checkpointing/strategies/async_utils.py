@@ -4,7 +4,7 @@
   steps that complete it (``finalize_fns``, run on every rank once every rank's
   ``async_fn`` is done).
 * :class:`AsyncCallsQueue` — schedules requests and finalizes them in order. Whether a
-  call is done is agreed over all ranks (one 2-byte ``all_reduce`` per check), so ranks
+  call is done is agreed over all ranks (one 4-byte ``all_reduce`` per check), so ranks
   never finalize different calls; an error in any rank's ``async_fn`` is raised on every
   rank at finalization, and the queue stays usable.
 * :class:`ForkedCall` — runs a function in a forked child process: the child sees a
@@ -132,7 +132,7 @@ class AsyncCallsQueue:
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> List[int]:
         """Finalize, in order, the calls that are done on every rank; return their indices.
 
-        With ``blocking`` wait for every scheduled call. Each check costs one 2-byte
+        With ``blocking`` wait for every scheduled call. Each check costs one 4-byte
         ``all_reduce`` over the world (none with ``no_dist`` or nothing scheduled). A call
         whose ``async_fn`` failed on any rank raises :class:`CheckpointingException` on
         every rank, naming the ranks and causes; it is dropped (never finalized) and the
