@@ -293,6 +293,23 @@ def test_dcp_async_plan_refusal_is_raised_on_every_rank(tmp_path):
         assert "rank(s) [1]" in error and "needs a FileSystemWriterAsync" in error, error
 
 
+class _FailingPlanner(dcp.DefaultSavePlanner):
+    def resolve_data(self, write_item):
+        raise OSError("the tensor cannot be read")
+
+
+def _failing_snapshot_rank(rank: int, world: int, root: str):
+    planner = _FailingPlanner() if rank == 1 else dcp.DefaultSavePlanner()
+    with pytest.raises(CheckpointingException) as e:
+        save_state_dict_async_plan({f"a{rank}": torch.ones(2)}, FileSystemWriterAsync(root), planner=planner)
+    return str(e.value)
+
+
+def test_dcp_async_snapshot_failure_is_raised_on_every_rank(tmp_path):
+    for error in get_pool(2).run(_failing_snapshot_rank, str(tmp_path), timeout=120):
+        assert "rank(s) [1]" in error and "the tensor cannot be read" in error, error
+
+
 def test_dcp_async_writer_refusals(tmp_path):
     with pytest.raises(CheckpointingException, match="use_msc"):
         FileSystemWriterAsync(tmp_path, use_msc=True)

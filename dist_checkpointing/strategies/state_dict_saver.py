@@ -47,10 +47,11 @@ def save_state_dict_async_plan(
 ) -> Tuple[FileSystemWriterAsync, Optional[Metadata], _DistWrapper]:
     """Plan the save of ``state_dict`` (collective over ``process_group``) and snapshot it into
     ``storage_writer``: returns ``(storage_writer, global metadata (coordinator only),
-    distributed wrapper)`` for :func:`save_state_dict_async_finalize`. Every save plans
+    distributed wrapper)`` for :func:`save_state_dict_async_finalize`. An error of the
+    planning or of the snapshot on any rank is raised on every rank. Every save plans
     afresh: ``cached_ckpt_structure``, ``loaded_all_plans`` (Megatron-Core's) and
     ``enable_cache`` (NVIDIA Resiliency Extension's, which Megatron-LM passes) are accepted
-    and not used. An error on any rank is raised on every rank."""
+    and not used."""
     wrapper = _DistWrapper(process_group, dist.is_available() and dist.is_initialized(), coordinator_rank)
     planner = planner if planner is not None else DefaultSavePlanner()
     global_metadata: Optional[Metadata] = None
@@ -73,9 +74,9 @@ def save_state_dict_async_plan(
 
     try:
         plan = planner.finish_plan(wrapper.reduce_scatter("plan", local_step, global_step))
+        wrapper.all_gather("snapshot", lambda: storage_writer.prepare_write_data(plan, planner))
     except CheckpointException as e:
         raise _as_ours(e, f"Planning the DCP save to {getattr(storage_writer, 'path', storage_writer)}") from e
-    storage_writer.prepare_write_data(plan, planner)
     return storage_writer, global_metadata, wrapper
 
 
