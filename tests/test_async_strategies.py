@@ -329,3 +329,18 @@ def test_dcp_async_writer_is_a_plain_dcp_storage_writer(tmp_path):
     out = {"a": torch.zeros(5, 5), "b": None}
     dcp.load(out, checkpoint_id=tmp_path)
     assert torch.equal(out["a"], state["a"]) and out["b"] == [1, 2]
+
+
+@pytest.mark.parametrize("snapshot,forked", [("auto", True), ("copy", False)])
+def test_dcp_async_writer_forks_only_for_cpu_state_in_auto(tmp_path, snapshot, forked):
+    from dist_checkpointing.strategies.dcp_async_writer import _collect_forked_write, write_dcp_files
+
+    writer = FileSystemWriterAsync(tmp_path, async_snapshot=snapshot)
+    planned = save_state_dict_async_plan({"a": torch.ones(3)}, writer)
+    fn, _, args = writer.get_save_function_and_args()
+    assert fn is (_collect_forked_write if forked else write_dcp_files)
+    fn(*args)
+    save_state_dict_async_finalize(*planned)
+    out = {"a": torch.zeros(3)}
+    dcp.load(out, checkpoint_id=str(tmp_path))
+    assert torch.equal(out["a"], torch.ones(3))

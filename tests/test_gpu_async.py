@@ -521,3 +521,31 @@ def test_transport_world2_gloo_every_dtype_bit_exact(device, staging):
     ``HOST_STAGING``: every dtype and layout arrives bit-exact in the receiver's own tensors,
     and the sender sends its tensors as its queued work leaves them."""
     assert get_pool(2).run(_transport_world2, device, staging, timeout=300) == [[], []]
+
+
+@cuda_only
+def test_dcp_async_writer_copies_cuda_state_without_forking(tmp_path):
+    """Megatron-LM's torch_dcp async save of CUDA state: host copies written by this process
+    (never a fork of a process holding a CUDA context); the checkpoint is the state at the call."""
+    import torch.distributed.checkpoint as dcp
+
+    from dist_checkpointing.strategies.async_request import AsyncRequest
+    from dist_checkpointing.strategies.dcp_async_writer import write_dcp_files
+    from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from dist_checkpointing.strategies.state_dict_saver import (
+        save_state_dict_async_finalize, save_state_dict_async_plan)
+
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(7.0, device="cuda"), "step": 3}
+    expected = {k: v.clone().cpu() for k, v in state.items() if torch.is_tensor(v)}
+    writer = FileSystemWriterAsync(tmp_path / "c")
+    planned = save_state_dict_async_plan(state, writer)
+    fn, _, args = writer.get_save_function_and_args()
+    assert fn is write_dcp_files  # no forked writer
+    state["w"].add_(1.0)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(fn, args, [lambda: save_state_dict_async_finalize(*planned)]))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    out = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7), "step": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"]) and out["step"] == 3

@@ -42,11 +42,12 @@ class FileSystemWriterAsync(FileSystemWriter):
     and finalizes it).
 
     :meth:`prepare_write_data` takes the snapshot; once it returns the caller may change its
-    tensors. ``async_snapshot="auto"`` (default): a forked child process sees the CPU tensors
-    copy-on-write and writes them (the call returns after the fork; tensors a fork does not
-    isolate — other devices, pinned, shared or file-backed memory — are copied to host memory
-    first, :func:`.memory_maps.needs_host_copy`); ``"copy"``: every tensor is copied to host
-    memory and this process writes. :meth:`get_save_function_and_args` gives the function
+    tensors. ``async_snapshot="auto"`` (default): when every tensor is in CPU memory, a forked
+    child process sees them copy-on-write and writes them (the call returns after the fork;
+    tensors a fork does not isolate — pinned, shared or file-backed memory — are copied to host
+    memory first, :func:`.memory_maps.needs_host_copy`); with accelerator tensors (never a fork
+    of a process holding a device context), and with ``"copy"``, every tensor is copied to
+    host memory and this process writes. :meth:`get_save_function_and_args` gives the function
     that writes the files (``__{rank}_{n}.distcp``, DCP's item format, ``thread_count``
     files per rank; keys starting with ``separation_hint`` into files of their own), or waits
     for the forked writer; :meth:`retrieve_write_results` gives what was written, for
@@ -71,14 +72,17 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._write: Optional[Tuple[Callable[..., None], List[Any]]] = None
         self._write_id: Optional[str] = None
 
-    def _files(self, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> List[DcpFile]:
-        """The plan's items (tensors copied to host memory where a fork would not isolate
-        them, or, with ``async_snapshot="copy"``, all of them; none without ``snapshot``)
-        grouped into this rank's files."""
+    def _files(self, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> Tuple[List[DcpFile], bool]:
+        """The plan's items grouped into this rank's files, and whether a fork may take the
+        snapshot (every tensor in CPU memory). With ``snapshot``, tensors are copied to host
+        memory where a fork would not isolate them, or all of them where it may not fork."""
         items = [(item.index, planner.resolve_data(item)) for item in plan.items]
         tensors = [i for i, (_, data) in enumerate(items) if isinstance(data, torch.Tensor)]
-        copy = [snapshot] * len(tensors) if self.async_snapshot == "copy" or not snapshot else \
-            needs_host_copy([items[i][1] for i in tensors])
+        fork = self.async_snapshot == "auto" and all(items[i][1].device.type == "cpu" for i in tensors)
+        if not snapshot:
+            copy = [False] * len(tensors)
+        else:
+            copy = needs_host_copy([items[i][1] for i in tensors]) if fork else [True] * len(tensors)
         for i, needed in zip(tensors, copy):
             t = items[i][1].detach()
             items[i] = (items[i][0], _host_copy(t) if needed else t)
@@ -97,14 +101,13 @@ class FileSystemWriterAsync(FileSystemWriter):
                 bins[i].append((index, payload))
                 sizes[i] += payload_nbytes(payload)
             files += [(f"{hint}{prefix}{next(count)}.distcp", b) for b in bins if b]
-        return files
+        return files, fork
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Take the snapshot of the plan's items (see the class) and prepare their writing."""
-        files = self._files(plan, planner, snapshot=True)
+        files, fork = self._files(plan, planner, snapshot=True)
         write_id, path = uuid.uuid4().hex, os.fspath(self.path)
-        if self.async_snapshot == "auto" and all(not isinstance(p, torch.Tensor) or p.device.type == "cpu"
-                                                 for _, entries in files for _, p in entries):
+        if fork:
             with gc_paused():
                 child = ForkedCall(lambda: _write(path, files, self.thread_count),
                                    f"Writing {path} (rank {get_rank()})")
@@ -123,7 +126,8 @@ class FileSystemWriterAsync(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """DCP's synchronous write: the items as they are, written now."""
         write_id = self._write_id = uuid.uuid4().hex
-        write_dcp_files(os.fspath(self.path), self._files(plan, planner, snapshot=False), write_id, self.thread_count)
+        write_dcp_files(os.fspath(self.path), self._files(plan, planner, snapshot=False)[0], write_id,
+                        self.thread_count)
         future: Future = Future()
         future.set_result(self.retrieve_write_results())
         return future
