@@ -6,7 +6,9 @@ async path on this package.
   started with the trainer's priorities), ``schedule_async_save`` of what ``save`` returns
   with the trainer's arguments, ``maybe_finalize_async_save`` and
   ``reset_persistent_async_worker``, for both ``async_strategy`` names; the checkpoints are
-  loaded back with the trainer's load strategy and compared with the state at each save.
+  loaded back with the trainer's load strategy and compared with the state at each save;
+  and its ``torch_dcp`` async path (``get_save_and_finalize_callbacks`` over this library's
+  ``FileSystemWriterAsync``), a failed write raised on every rank.
 * Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (``megatron/training/checkpointing.py``,
   arguments parsed by its own parser) save a GPTModel, its FP32Optimizer and scheduler at
   one layout, sync or async, and load them at another, bit-exact (CPU shims:
