@@ -365,12 +365,12 @@ def save(
     machinery writes the data) is accepted so that its callers run unchanged; an async
     save here is always this library's own (:mod:`.strategies.async_utils`).
     """
-    check_async_strategy(async_strategy)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = _Phases(progress_callback, progress_bar)
     rank = get_rank()
 
     def prepare():
+        check_async_strategy(async_strategy)
         sharded_strategy_ = _resolve_save_strategy(
             sharded_strategy, StrategyAction.SAVE_SHARDED, ("torch_dist", 1), SaveShardedStrategy)
         common_strategy_ = _resolve_save_strategy(

@@ -344,3 +344,32 @@ def test_dcp_async_writer_forks_only_for_cpu_state_in_auto(tmp_path, snapshot, f
     out = {"a": torch.zeros(3)}
     dcp.load(out, checkpoint_id=str(tmp_path))
     assert torch.equal(out["a"], torch.ones(3))
+
+
+def _bad_name_on_rank_1(rank: int, world: int, root: str, where: str):
+    name = "bogus" if rank == 1 else "nvrx"
+    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2), (0, rank, world))}
+    with pytest.raises(CheckpointingException) as e:
+        if where == "save":
+            dc.save(sd, f"{root}/c", async_sharded_save=True, async_strategy=name)
+        elif where == "strategy":
+            TorchDistSaveShardedStrategy().async_save(sd, f"{root}/c", name)
+        elif where == "save_wrapper":
+            FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()).async_save(sd, f"{root}/c", name)
+        else:
+            FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()).load(sd, f"{root}/saved", name)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("where", ["save", "strategy", "save_wrapper", "load_wrapper"])
+def test_async_strategy_of_one_rank_refused_on_every_rank(tmp_path, where):
+    pool = get_pool(2)
+    if where == "load_wrapper":
+        pool.run(_save_two_ranks, str(tmp_path / "saved"), timeout=120)
+    for error in pool.run(_bad_name_on_rank_1, str(tmp_path), where, timeout=120):
+        assert "rank 1" in error and "async_strategy" in error and "'bogus'" in error, error
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def _save_two_ranks(rank: int, world: int, root: str):
+    dc.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2), (0, rank, world))}, root)

@@ -103,14 +103,16 @@ class _Planner:
         self._group_checked = False
 
     def plan(self, owner: Any, sharded_state_dict: ShardedStateDict, local: Callable[[], Any],
-             compute: Callable[[Any], Any], what: str) -> Any:
+             compute: Callable[[Any], Any], what: str, check: Callable[[], None] = lambda: None) -> Any:
         """``compute(local())`` run collectively, or the cached plan when no rank's structure
         changed (``owner``: the wrapper, whose ``parallelization_group`` and
-        ``do_cache_distribution`` apply). ``local()`` (this rank's summary, no communication) and the item checks
-        run first and their errors are agreed before any group collective."""
+        ``do_cache_distribution`` apply). ``check()`` (the call's arguments), the item checks and
+        ``local()`` (this rank's summary, no communication) run first and their errors are
+        agreed before any group collective."""
         error: Optional[str] = None
         structure = summary = None
         try:
+            check()
             for sh in nested_values(sharded_state_dict):
                 if isinstance(sh, (ShardedTensor, ShardedObject)):
                     sh.validate_metadata_integrity()
@@ -224,9 +226,12 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def data_file_names(self, rank: int) -> List[str]:
         return self.base_strategy.data_file_names(rank)
 
-    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
-        """The state dict with main replicas re-assigned for balanced writing (collective)."""
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict,
+                                     check: Callable[[], None] = lambda: None) -> ShardedStateDict:
+        """The state dict with main replicas re-assigned for balanced writing (collective;
+        ``check()``'s error, like the items', is raised on every rank)."""
         if not is_distributed():
+            check()
             return sharded_state_dict
         group = self.parallelization_group
         def compute(summary: Any) -> Optional[ShardDistribution]:
@@ -236,7 +241,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
         distribution = self._planner.plan(
             self, sharded_state_dict, lambda: local_tensor_summary(sharded_state_dict, skip_empty=True), compute,
-            "Planning the fully parallel save")
+            "Planning the fully parallel save", check)
         return run_agreed(
             lambda: distribute_main_replicas_with_precomputed_distribution(sharded_state_dict, group, distribution),
             "Assigning the main replicas")
@@ -252,10 +257,11 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
                    async_strategy: Optional[str] = "nvrx") -> Any:
-        check_async_strategy(async_strategy)
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"{self.base_strategy} cannot save asynchronously")
-        request = self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+        request = self.base_strategy.async_save(
+            self.apply_saving_parallelization(sharded_state_dict, lambda: check_async_strategy(async_strategy)),
+            checkpoint_dir)
         self.last_written_bytes = self.base_strategy.last_written_bytes
         return request
 
@@ -377,13 +383,16 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
              async_strategy: Optional[str] = "mcore") -> StateDict:
-        check_async_strategy(async_strategy)  # (Megatron-Core 0.19's; the wrapped strategy's default is used)
+        def check() -> None:  # Megatron-Core 0.19's argument; the wrapped strategy's default is used
+            check_async_strategy(async_strategy)
+
         if not is_distributed():
+            check()
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         start = time.perf_counter()
         plan = self._planner.plan(self, sharded_state_dict,
                                   lambda: local_tensor_summary(sharded_state_dict, skip_empty=True),
-                                  self._compute_plan, "Planning the fully parallel load")
+                                  self._compute_plan, "Planning the fully parallel load", check)
         if plan is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group

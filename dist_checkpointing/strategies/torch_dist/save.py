@@ -174,7 +174,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         :meth:`release`, which ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed``
         agrees on the preparation.
         """
-        check_async_strategy(async_strategy)
         storage = open_storage(checkpoint_dir)
         written: Dict[str, Any] = {}
 
@@ -182,6 +181,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._publish(written["locations"], None, storage)
 
         def prepare() -> Tuple[str, Any]:
+            check_async_strategy(async_strategy)
             files = self._plan_files(sharded_state_dict)
             mode = self._snapshot_mode(files, storage)
             if mode == "fork":
