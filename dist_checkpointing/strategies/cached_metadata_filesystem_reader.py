@@ -5,9 +5,9 @@ Here ``read_metadata`` is this library's (:func:`.torch_dist.metadata.read_metad
 ``.metadata`` is unpickled through the safe allow-list and checked field by field (PyTorch's
 reader unpickles it unrestricted), and the cache is checked against the file's version on
 every read, so a rewritten checkpoint is never served stale (Megatron-Core's keeps an entry
-until :meth:`clear_metadata_cache`). Megatron-LM uses the class for ``--ckpt-format
-torch_dcp`` loads and clears the cache on an in-process restart; this library's own loads
-share the same cache.
+until :meth:`clear_metadata_cache`). Megatron-Core's own ``torch_dist`` strategy reads
+through it; Megatron-LM clears its cache on an in-process restart (this library's loads
+share the cache, so that clears theirs too).
 """
 
 from __future__ import annotations
