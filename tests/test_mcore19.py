@@ -67,6 +67,12 @@ def _state(mdc, rank: int, world: int, step: int):
     }
 
 
+def _async_args(args, name: str) -> None:
+    """The trainer's arguments its async helpers read (--async-save with a persistent worker)."""
+    args.__dict__.update(async_save=True, async_strategy=name, use_persistent_ckpt_worker=True,
+                         async_ckpt_use_cpu_shm=False, async_ckpt_cpu_priority=10, async_ckpt_io_priority=3)
+
+
 def _trainer_rank(rank: int, world: int, site: str, root: str, name: str):
     from .mcore19_env import ARGS, megatron19
 
@@ -77,8 +83,7 @@ def _trainer_rank(rank: int, world: int, site: str, root: str, name: str):
         TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
     from dist_checkpointing.strategies.persistent_worker import shared_worker
 
-    ARGS.__dict__.update(async_save=True, async_strategy=name, use_persistent_ckpt_worker=True,
-                         async_ckpt_use_cpu_shm=False, async_ckpt_cpu_priority=10, async_ckpt_io_priority=3)
+    _async_args(ARGS, name)
     nice_before = os.nice(0)
     au.init_persistent_async_worker(rank, "forkserver")  # what megatron/training/initialize.py calls
     pid = shared_worker().pid
@@ -134,8 +139,7 @@ def _dcp_rank(rank: int, world: int, site: str, root: str, name: str, fail_rank:
     from .mcore19_env import ARGS, megatron19
 
     au, mdc = megatron19(site)
-    ARGS.__dict__.update(async_save=True, async_strategy=name, use_persistent_ckpt_worker=True,
-                         async_ckpt_use_cpu_shm=False, async_ckpt_cpu_priority=10, async_ckpt_io_priority=3)
+    _async_args(ARGS, name)
     au.init_persistent_async_worker(rank, "forkserver")
     _, modules = mdc.strategies.torch.get_async_strategy(name)
     state = {f"layer{rank}.weight": torch.randn(64, 33), "shared.bias": torch.arange(7, dtype=torch.bfloat16),

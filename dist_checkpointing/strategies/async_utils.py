@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import queue
 import threading
 from typing import Any, Dict, List, Optional
@@ -26,6 +25,7 @@ from .async_request import (  # noqa: F401  (_Chained: tests)
 from .forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
 from ..exchange.collectives import all_reduce_max_uint8, is_distributed
 from ..core import CheckpointingException
+from .async_strategies import check_mp_mode
 from .persistent_worker import shared_worker
 from .process_qos import set_process_qos, set_writer_qos
 
@@ -95,9 +95,7 @@ class AsyncCallsQueue:
         above the trainer's). Not collective. ``rank`` is only logged; ``mp_mode`` must be a
         ``multiprocessing`` start method, but the writer is always a new interpreter (never
         a fork of the trainer); ``cpu_shm_mode`` is accepted as in the constructor."""
-        if mp_mode not in multiprocessing.get_all_start_methods():
-            raise CheckpointingException(f"mp_mode must be one of {multiprocessing.get_all_start_methods()}, "
-                                         f"not {mp_mode!r}")
+        check_mp_mode(mp_mode)
         set_writer_qos(cpu_priority, io_priority)
         worker = shared_worker()
         try:

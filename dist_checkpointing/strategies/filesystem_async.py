@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 
 from ..compat.lazy import lazy_exports
-from ..core import CheckpointingException
+from .async_strategies import check_mp_mode
 from ..tensors.bytes_view import as_bytes
 from ..storage import Storage
 from .blob_template import blob_parts
@@ -36,9 +36,7 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
     Nothing here reports through it: async saves report through their
     :class:`AsyncRequest`, :class:`FileSystemWriterAsync` through the writer."""
     global _results_queue
-    if mp_mode not in multiprocessing.get_all_start_methods():
-        raise CheckpointingException(f"mp_mode must be one of {multiprocessing.get_all_start_methods()}, "
-                                     f"not {mp_mode!r}")
+    check_mp_mode(mp_mode)
     with _results_queue_lock:
         if _results_queue is None:
             _results_queue = multiprocessing.get_context(mp_mode).Queue()
