@@ -12,7 +12,6 @@ checkpoints (Megatron-LM's ``--ckpt-format torch_dcp``): :mod:`.state_dict_saver
 
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any, Optional, Tuple
 
 from ..core import CheckpointingException
@@ -31,13 +30,6 @@ def check_async_strategy(async_strategy: Optional[str]) -> None:
     """Refuse a name Megatron-Core does not know (before anything is written)."""
     if async_strategy not in ASYNC_STRATEGIES:
         raise CheckpointingException(f"async_strategy must be one of {ASYNC_STRATEGIES}, got {async_strategy!r}")
-
-
-def check_mp_mode(mp_mode: str) -> None:
-    """Refuse an ``mp_mode`` (Megatron-Core's name for a start method) that is not one."""
-    if mp_mode not in multiprocessing.get_all_start_methods():
-        raise CheckpointingException(f"mp_mode must be one of {multiprocessing.get_all_start_methods()}, "
-                                     f"not {mp_mode!r}")
 
 
 class AsyncModules(dict):

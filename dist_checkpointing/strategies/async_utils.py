@@ -25,8 +25,7 @@ from .async_request import (  # noqa: F401  (_Chained: tests)
 from .forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
 from ..exchange.collectives import all_reduce_max_uint8, is_distributed
 from ..core import CheckpointingException
-from .async_strategies import check_mp_mode
-from .persistent_worker import shared_worker
+from .persistent_worker import check_mp_mode, shared_worker
 from .process_qos import set_process_qos, set_writer_qos
 
 logger = logging.getLogger(__name__)

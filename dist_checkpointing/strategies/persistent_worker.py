@@ -17,6 +17,7 @@ import atexit
 import itertools
 import logging
 import mmap
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -36,6 +37,14 @@ ARENAS: Dict[int, Tuple[mmap.mmap, int]] = {}
 PARENT_POLL_S = 0.2  # how often the worker checks that its parent is alive
 _ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent, log level, whether calls hold tensors
 _QOS_ENV = "DIST_CKPT_WORKER_QOS"  # "cpu,io" priorities (:mod:`.process_qos`; empty: unchanged)
+
+
+def check_mp_mode(mp_mode: str) -> None:
+    """Refuse an ``mp_mode`` (Megatron-Core's name for a ``multiprocessing`` start method)
+    that is not one (the worker here is always a new interpreter, whatever it says)."""
+    if mp_mode not in multiprocessing.get_all_start_methods():
+        raise CheckpointingException(f"mp_mode must be one of {multiprocessing.get_all_start_methods()}, "
+                                     f"not {mp_mode!r}")
 
 
 def arena_bytes(arena_id: int) -> memoryview:
