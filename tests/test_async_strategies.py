@@ -356,15 +356,17 @@ def _bad_name_on_rank_1(rank: int, world: int, root: str, where: str):
             TorchDistSaveShardedStrategy().async_save(sd, f"{root}/c", name)
         elif where == "save_wrapper":
             FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()).async_save(sd, f"{root}/c", name)
+        elif where == "load":
+            TorchDistLoadShardedStrategy().load(sd, f"{root}/saved", name)
         else:
             FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()).load(sd, f"{root}/saved", name)
     return str(e.value)
 
 
-@pytest.mark.parametrize("where", ["save", "strategy", "save_wrapper", "load_wrapper"])
+@pytest.mark.parametrize("where", ["save", "strategy", "save_wrapper", "load", "load_wrapper"])
 def test_async_strategy_of_one_rank_refused_on_every_rank(tmp_path, where):
     pool = get_pool(2)
-    if where == "load_wrapper":
+    if where.startswith("load"):
         pool.run(_save_two_ranks, str(tmp_path / "saved"), timeout=120)
     for error in pool.run(_bad_name_on_rank_1, str(tmp_path), where, timeout=120):
         assert "rank 1" in error and "async_strategy" in error and "'bogus'" in error, error

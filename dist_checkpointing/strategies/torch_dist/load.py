@@ -183,12 +183,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         index (:mod:`.key_index`) each rank learns only the metadata of the keys it
         requests (:func:`.index_view.indexed_view`); without one, every rank reads
         ``.metadata``. ``async_strategy``: Megatron-Core 0.19's (which metadata reader it
-        uses), checked and otherwise unused."""
-        check_async_strategy(async_strategy)
+        uses), checked in the agreed planning step and otherwise unused."""
         storage = open_storage(checkpoint_dir)
         view = indexed_view(storage, lambda: requested_regions(sharded_state_dict))
         metadata = view.metadata if view is not None else None
-        plan = run_agreed(lambda: self._plan(sharded_state_dict, storage, metadata), "Planning the load")
+
+        def checked_plan() -> LoadPlan:
+            check_async_strategy(async_strategy)
+            return self._plan(sharded_state_dict, storage, metadata)
+
+        plan = run_agreed(checked_plan, "Planning the load")
         run_agreed(lambda: self._execute(plan, storage, metadata), "Reading the checkpoint")
         return loaded_values(sharded_state_dict, plan)
 
