@@ -170,6 +170,8 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str, scra
         reads, copies = plan_tensor(values, metadata, checkpoint_dir, scratch, strict_dtypes)
         return reads, copies + [lambda: fill_float8_(fp8, values.data)]
     data = sh.data.detach()  # fill in place, also parameters that require grad
+    if sh.allow_shape_mismatch:
+        data.zero_()  # as Megatron-Core: what the checkpoint does not cover reads as zeros
     if sh.is_empty_chunk():
         return [], []
     rng = sh.flattened_range
