@@ -68,7 +68,7 @@ from .mapping import (
 )
 from .strategies.async_request import AsyncRequest
 from .strategies.async_strategies import check_async_strategy
-from .strategies.progress import reporting_bytes
+from .strategies.progress import ByteSink, reporting_bytes
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
 from .strategies.torch_dist.format import METADATA_FNAME
@@ -143,6 +143,11 @@ class _Phases:
                 self._bar.close()
                 self._bar = None
 
+    def background_sink(self) -> Optional[ByteSink]:
+        """The sink of an async save's background write: the callback only (a bar would
+        cut into the training's output after ``save`` has returned)."""
+        return self._callback_bytes if self.callback is not None else None
+
     def _bytes(self, phase: str, done: int, total: int) -> None:
         """A byte report of the strategy (from any of its threads, in order)."""
         if self._want_bar:
@@ -153,12 +158,16 @@ class _Phases:
                                  file=sys.stderr, delay=self._bar_delay, leave=False)
             self._bar.total = total
             self._bar.update(done - self._bar.n)
-        if self.callback is not None:
-            try:
-                self.callback({"phase": phase, "bytes_done": done, "bytes_total": total,
-                               "elapsed": time.perf_counter() - self.start})
-            except Exception:  # noqa: BLE001 - a broken callback must not break the write
-                logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
+        self._callback_bytes(phase, done, total)
+
+    def _callback_bytes(self, phase: str, done: int, total: int) -> None:
+        if self.callback is None:
+            return
+        try:
+            self.callback({"phase": phase, "bytes_done": done, "bytes_total": total,
+                           "elapsed": time.perf_counter() - self.start})
+        except Exception:  # noqa: BLE001 - a broken callback must not break the write
+            logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
 
     def end(self, phase: str, inner: Optional[Dict[str, float]] = None) -> None:
         now = time.perf_counter()
@@ -420,8 +429,9 @@ def save(
         _commit(checkpoint_dir, save_id, config, verify_integrity, sharded_strategy_.last_written_files)
 
     if async_sharded_save:
-        request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
-                             "Starting the async save")
+        with reporting_bytes(phases.background_sink()):  # the write's bytes, reported as it goes
+            request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
+                                 "Starting the async save")
         if write_common is not None:
             request.add_async_step(write_common)
         request.add_finalize_fn(commit)

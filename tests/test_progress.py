@@ -80,7 +80,8 @@ def test_a_raising_callback_does_not_break_save_or_load(world, tmp_path):
     assert dc.check_is_distributed_checkpoint(tmp_path / "ckpt")
 
 
-def test_no_meter_without_a_callback_or_bar(tmp_path, monkeypatch, capsys):
+def _count_meters(monkeypatch) -> list:
+    """The arguments of every ``ByteMeter`` made from now on (this process)."""
     made = []
     original = progress.ByteMeter.__init__
 
@@ -89,6 +90,11 @@ def test_no_meter_without_a_callback_or_bar(tmp_path, monkeypatch, capsys):
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(progress.ByteMeter, "__init__", counting)
+    return made
+
+
+def test_no_meter_without_a_callback_or_bar(tmp_path, monkeypatch, capsys):
+    made = _count_meters(monkeypatch)
     dc.save(_state(0, 1), tmp_path / "a")
     dc.load(_state(0, 1, fill=False), tmp_path / "a")
     dc.save(_state(0, 1), tmp_path / "b", progress_bar=False)
@@ -119,16 +125,66 @@ def test_reports_are_rate_limited():
     assert reports[-1] == ("write", 1000, 1000) and reports.count(("write", 1000, 1000)) == 1
 
 
-def test_async_save_reports_phase_ends_only(tmp_path):
+def _async_save(rank: int, world: int, where: str, writer: str, fully_parallel: bool = False) -> list:
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    # "fork": CPU state, forked writer; "worker": the persistent writer; "thread": memory://,
+    # which no other process can open, written from a thread of this process
+    strategy = TorchDistSaveShardedStrategy(async_snapshot="copy" if writer == "worker" else "auto")
+    if fully_parallel:
+        strategy = FullyParallelSaveStrategyWrapper(strategy)
     events: list = []
     queue = AsyncCallsQueue()
+    progress.REPORT_INTERVAL = 0.0  # every item reported (by the meters of this process and its forks)
     try:
-        request = dc.save(_state(0, 1), tmp_path / "a", async_sharded_save=True, progress_callback=events.append)
+        request = dc.save(_state(rank, world), where, strategy, async_sharded_save=True,
+                          progress_callback=events.append)
+        returned = len(events)
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
     finally:
+        progress.REPORT_INTERVAL = 0.5
         queue.close()
-    assert [e["phase"] for e in events] == ["plan", "snapshot"]
-    assert dc.check_is_distributed_checkpoint(tmp_path / "a")
+    loaded = dc.load(_state(rank, world, fill=False), where)
+    assert all(torch.equal(loaded[f"layer{i}.w"], torch.full((1, ROW), float(i * world + rank))) for i in range(KEYS))
+    return [returned, events]
+
+
+@pytest.mark.parametrize("writer,world,fully_parallel", [
+    ("fork", 1, False), ("worker", 1, False), ("thread", 1, False), ("fork", 2, True), ("worker", 2, False)])
+def test_async_save_reports_bytes_as_its_writer_writes(tmp_path, writer, world, fully_parallel):
+    """After ``save`` returns, the background write's bytes reach the callback (from a
+    thread of this process, whichever process writes), ending at the total."""
+    where = f"memory://progress-{world}-{fully_parallel}" if writer == "thread" else str(tmp_path / "a")
+    totals = []
+    for returned, events in get_pool(world).run(_async_save, where, writer, fully_parallel):
+        ends = [e["phase"] for e in events if "seconds" in e]
+        assert ends == ["plan", "snapshot"] and returned == 2  # the phase ends, while save ran
+        assert all(set(e) == {"phase", "bytes_done", "bytes_total", "elapsed"} for e in events[2:])
+        reports = _byte_events(events, "write")
+        totals.append(reports[-1][1])
+        assert all(t == totals[-1] for _, t in reports) and reports[-1][0] == totals[-1] > 0
+        assert [d for d, _ in reports] == sorted(d for d, _ in reports)
+        if writer == "thread":  # this process's meter: every item
+            assert len(reports) == KEYS, reports
+    # each rank's own items; with the fully parallel wrapper, the main replicas spread over the ranks
+    assert totals == [KEYS * ROW * 4] * world if not fully_parallel else sum(totals) == KEYS * ROW * 4 * world
+
+
+def test_async_save_reports_nothing_without_a_callback(tmp_path, monkeypatch):
+    from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    made = _count_meters(monkeypatch)
+    queue = AsyncCallsQueue()
+    try:
+        for snapshot in ("copy", "auto"):
+            queue.schedule_async_request(dc.save(_state(0, 1), tmp_path / snapshot,
+                                                 TorchDistSaveShardedStrategy(async_snapshot=snapshot),
+                                                 async_sharded_save=True))
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    assert made == []

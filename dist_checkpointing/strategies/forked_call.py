@@ -227,9 +227,13 @@ class ForkedCall:
 
     def done(self) -> bool:
         """Whether the child has reported (or died): :meth:`result` will not wait long."""
+        return self.wait(0)
+
+    def wait(self, timeout: float) -> bool:
+        """:meth:`done`, waiting up to ``timeout`` seconds for it."""
         if self._outcome is not None:
             return True
-        return bool(select.select([self._read_fd], [], [], 0)[0])
+        return bool(select.select([self._read_fd], [], [], timeout)[0])
 
     def kill(self) -> None:
         """Kill the child if it is still running (whoever waits for it sees the error)."""

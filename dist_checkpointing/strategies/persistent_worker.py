@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: in the worker: the arenas handed over, by id (``(mmap, size)``)
 ARENAS: Dict[int, Tuple[mmap.mmap, int]] = {}
+#: in the worker: the results connection, the running call's id and the lock of its sends
+_CALL: Dict[str, Any] = {}
 PARENT_POLL_S = 0.2  # how often the worker checks that its parent is alive
 _ENV = "DIST_CKPT_WORKER_FDS"  # the worker's connections, parent, log level, whether calls hold tensors
 _QOS_ENV = "DIST_CKPT_WORKER_QOS"  # "cpu,io" priorities (:mod:`.process_qos`; empty: unchanged)
@@ -54,6 +56,13 @@ def arena_bytes(arena_id: int) -> memoryview:
     except KeyError:
         raise CheckpointingException(f"Staging arena {arena_id} was not handed to this worker") from None
     return memoryview(m)[:size]
+
+
+def report_progress(phase: str, done: int, total: int) -> None:
+    """In the worker, during a call: send a byte report (a :data:`.progress.ByteSink`) to
+    the caller, whose job hands it to its ``on_progress``."""
+    with _CALL["lock"]:
+        _CALL["results"].send((_CALL["id"], None, (phase, done, total)))
 
 
 def _watch_parent(parent: int) -> None:
@@ -104,21 +113,26 @@ def _serve(jobs: Any, results: Any, parent: int, log_level: int, tensors: bool =
                     pass
             continue
         _, call_id, fn, args, kwargs = msg
+        _CALL.update(results=results, id=call_id, lock=_CALL.get("lock") or threading.Lock())
         try:
             reply = (call_id, True, fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             reply = (call_id, False, error_message(e))
-        try:
-            results.send(reply)
-        except Exception as e:  # noqa: BLE001 - an unpicklable result
-            results.send((call_id, False, f"cannot send the result back: {error_message(e)}"))
+        with _CALL["lock"]:
+            try:
+                results.send(reply)
+            except Exception as e:  # noqa: BLE001 - an unpicklable result
+                results.send((call_id, False, f"cannot send the result back: {error_message(e)}"))
 
 
 class Job:
-    """A call sent to the worker: :meth:`result` waits for its value."""
+    """A call sent to the worker: :meth:`result` waits for its value; ``on_progress`` gets
+    the byte reports the call sends (:func:`report_progress`), in the worker's result
+    thread."""
 
-    def __init__(self, worker: "PersistentWorker", call_id: int, what: str):
-        self._worker, self.call_id, self.what = worker, call_id, what
+    def __init__(self, worker: "PersistentWorker", call_id: int, what: str,
+                 on_progress: Optional[Callable[[str, int, int], None]] = None):
+        self._worker, self.call_id, self.what, self.on_progress = worker, call_id, what, on_progress
         self._done = threading.Event()
         self._ok = False
         self._value: Any = None
@@ -188,6 +202,15 @@ class PersistentWorker:
                 call_id, ok, value = results.recv()
             except (EOFError, OSError):
                 break
+            if ok is None:  # a byte report of a running call
+                with self._lock:
+                    job = self._pending.get(call_id)
+                if job is not None and job.on_progress is not None:
+                    try:
+                        job.on_progress(*value)
+                    except Exception:  # noqa: BLE001 - a broken sink must not stop the results
+                        logger.warning("%s: its progress report failed (ignored)", job.what, exc_info=True)
+                continue
             with self._lock:
                 job = self._pending.pop(call_id, None)
             if job is not None:
@@ -227,10 +250,11 @@ class PersistentWorker:
                     pass
 
     def submit(self, fn: Callable[..., Any], args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None,
-               what: str = "A call") -> Job:
-        """Run ``fn(*args, **kwargs)`` in the worker (``fn`` importable there); returns its :class:`Job`."""
+               what: str = "A call", on_progress: Optional[Callable[[str, int, int], None]] = None) -> Job:
+        """Run ``fn(*args, **kwargs)`` in the worker (``fn`` importable there); returns its
+        :class:`Job` (``on_progress``: see :class:`Job`)."""
         with self._lock:
-            job = Job(self, next(self._ids), what)
+            job = Job(self, next(self._ids), what, on_progress)
             self._pending[job.call_id] = job
             try:
                 self._send(("call", job.call_id, fn, tuple(args), dict(kwargs or {})))

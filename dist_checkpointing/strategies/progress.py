@@ -5,16 +5,23 @@ strategy's call; the lowest layers that know the bytes (the writer of data files
 reader's tasks) take a :class:`ByteMeter` from :func:`byte_meter` in the calling thread
 and count each item as it is done. The sink is called at most every
 :data:`REPORT_INTERVAL` seconds and once at the end, never per byte. Without a sink
-(async writers, offline tools) :func:`byte_meter` returns ``None`` and nothing is counted.
+(offline tools) :func:`byte_meter` returns ``None`` and nothing is counted.
+
+An async save's writer runs later, in another thread or process: the strategy captures
+the caller's sink (:func:`current_sink`) and reports to it from the thread that waits for
+the writer (a forked writer counts into a :class:`SharedCount`; the persistent writer sends
+its counts with its result).
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 import threading
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 #: ``sink(phase, bytes_done, bytes_total)``
 ByteSink = Callable[[str, int, int], None]
@@ -70,3 +77,37 @@ def byte_meter(phase: str, total: int) -> Optional[ByteMeter]:
     """A meter for ``total`` bytes reporting to this thread's sink, or ``None`` without one."""
     sink = _sink.get()
     return None if sink is None else ByteMeter(sink, phase, total)
+
+
+def current_sink() -> Optional[ByteSink]:
+    """This thread's sink (``None`` without one), for a writer that runs later elsewhere."""
+    return _sink.get()
+
+
+class SharedCount:
+    """The latest ``(bytes_done, bytes_total)`` of a forked writer: 16 bytes of anonymous
+    shared memory, set by the child (:meth:`sink`), read by the parent (:meth:`get`)."""
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, 16)  # MAP_SHARED: a forked child's writes are seen here
+
+    def sink(self, phase: str, done: int, total: int) -> None:
+        """A :data:`ByteSink` for the child."""
+        struct.pack_into("<qq", self._map, 0, done, total)
+
+    def get(self) -> Tuple[int, int]:
+        return struct.unpack_from("<qq", self._map, 0)
+
+
+def poll_count(sink: ByteSink, count: SharedCount, finished: Callable[[float], bool]) -> None:
+    """Report ``count`` to ``sink`` every :data:`REPORT_INTERVAL` seconds until
+    ``finished(timeout)`` says the writer is done, then once more if it moved."""
+    last = (0, 0)
+    while True:
+        over = finished(REPORT_INTERVAL)
+        now = count.get()
+        if now != last and now[1] > 0:
+            last = now
+            sink("write", *now)
+        if over:
+            return

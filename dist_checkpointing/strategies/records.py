@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from ..core import CheckpointingException
 from ..integrity.checksums import new_hasher
 from ..storage import Storage, WriteStream
-from .persistent_worker import arena_bytes
-from .progress import byte_meter
+from .persistent_worker import arena_bytes, report_progress
+from .progress import byte_meter, reporting_bytes
 
 #: where a record lies in its file: ``(offset, length, checksum or None)``
 Span = Tuple[int, int, Optional[int]]
@@ -141,10 +141,11 @@ def _arena_nbytes(item: ArenaRecord) -> int:
 
 def write_from_arena(spec: Tuple[Callable[..., Storage], Tuple[Any, ...]], arena_id: int,
                      files: Dict[str, List[ArenaRecord]], templates: List[Tuple[bytes, bytes]],
-                     checksums: bool, thread_count: int) -> List[List[Span]]:
+                     checksums: bool, thread_count: int, progress: bool = False) -> List[List[Span]]:
     """In the persistent writer: write ``files`` (their tensors' bytes read in place from
     arena ``arena_id``, their blobs completed by ``templates``) into the storage ``spec``
-    opens; the spans of each file, in order."""
+    opens; the spans of each file, in order. ``progress``: send the bytes written to the
+    caller as they go (:func:`.persistent_worker.report_progress`)."""
     factory, args = spec
     flat = arena_bytes(arena_id)
 
@@ -159,4 +160,5 @@ def write_from_arena(spec: Tuple[Callable[..., Storage], Tuple[Any, ...]], arena
                    on_written: Optional[Callable[[int], None]]) -> List[Span]:
         return write_records(storage, name, items, compute, on_written, as_record, _arena_nbytes)
 
-    return write_record_files(write_file, files, factory(*args), checksums, thread_count, _arena_nbytes)
+    with reporting_bytes(report_progress if progress else None):
+        return write_record_files(write_file, files, factory(*args), checksums, thread_count, _arena_nbytes)

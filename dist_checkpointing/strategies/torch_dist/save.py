@@ -44,6 +44,7 @@ from ...storage.buffers import (
 from ..filesystem_async import HostStaging
 from ..persistent_worker import shared_worker
 from ..records import write_from_arena
+from ..progress import SharedCount, current_sink, poll_count, reporting_bytes
 from ..staging import ArenaPool, Staged, StagingArena, stage
 from ..memory_maps import needs_host_copy
 from .format import data_file_name
@@ -175,7 +176,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         agrees on the preparation.
         """
         storage = open_storage(checkpoint_dir)
-        written: Dict[str, Any] = {}
+        written: Dict[str, Any] = {"sink": current_sink()}  # bytes reported from the waiting thread
 
         def finalize() -> None:
             self._publish(written["locations"], None, storage)
@@ -196,10 +197,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         files = prepared
         # The writer's file staging buffers: the pool's (already touched), reserved for it.
         buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
+        count = written["count"] = SharedCount() if written["sink"] is not None else None
 
         def write_in_child() -> List[Location]:
             adopt_staging_buffers(buffers)
-            return self._write_files(files, storage)
+            with reporting_bytes(count and count.sink):
+                return self._write_files(files, storage)
 
         try:
             writer = ForkedCall(write_in_child, f"Writing {storage.describe()} on rank {get_rank()}")
@@ -237,19 +240,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise
         spec = storage.process_spec()
         what = f"Writing {storage.describe()} on rank {get_rank()}"
+        sink = written["sink"]
 
         def write() -> None:
             try:
                 staged.wait()
                 if spec is None:
-                    written["locations"] = write_files(arena_files(plan, arena.flat), storage, self.checksums,
-                                                       self.thread_count)
+                    with reporting_bytes(sink):
+                        written["locations"] = write_files(arena_files(plan, arena.flat), storage, self.checksums,
+                                                           self.thread_count)
                     return
                 sent, templates = arena_records(plan, arena.flat)
                 worker = shared_worker()
                 worker.share_arena(arena.id, arena.fd, arena.size)
                 job = worker.submit(write_from_arena, (spec, arena.id, sent, templates, self.checksums,
-                                                       self.thread_count), what=what)
+                                                       self.thread_count, sink is not None), what=what,
+                                    on_progress=sink)
                 written["locations"] = locations(plan, job.result())
             finally:
                 done()
@@ -348,6 +354,8 @@ def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
     """The ``async_fn`` of an async save: wait for the forked writer, keep its locations,
     give its staging buffers back to the pool."""
     try:
+        if written.get("count") is not None:
+            poll_count(written["sink"], written["count"], writer.wait)
         written["locations"] = writer.result()
     finally:
         return_staging_buffers(written.pop("buffers", []))
