@@ -7,6 +7,7 @@ from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -58,46 +59,60 @@ def extract_matching_values(
 
 
 def diff(x1: Any, x2: Any, prefix: Tuple = ()) -> Tuple[list, list, list]:
-    """Compare two nested structures.
+    """Compare two nested structures (dicts, lists, tuples, NumPy arrays), as Megatron-Core's
+    ``diff`` does.
 
-    Returns (keys only in ``x1``, keys only in ``x2``, keys whose values differ); keys are
-    tuples of the path. Tensors are compared with ``torch.equal`` (dtype and shape too).
+    Returns ``(only_left, only_right, mismatch)``: the paths (tuples, under ``prefix``)
+    only in ``x1`` / only in ``x2`` (sequence indices from the last), and one entry per
+    differing value: ``(path, type of x1's value, type of x2's value, ...)``. Tensors are
+    equal when their shapes match and every element compares equal, whatever their dtypes
+    and devices; then the entry adds the number of differing elements, the shape and the
+    differing positions (shapes that differ: both shapes). ``ShardedTensor``-like values
+    (with a ``replica_id``) of one type are compared by their ``data``, under
+    ``path + (type,)``. Containers of different types differ.
     """
     mismatch: list = []
+    only_left: list = []
+    only_right: list = []
+    sequences = (list, tuple, np.ndarray)
     if isinstance(x1, dict) and isinstance(x2, dict):
         only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
         only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
-        for k in x1.keys() & x2.keys():
-            _left, _right, _mismatch = diff(x1[k], x2[k], prefix + (k,))
-            only_left += _left
-            only_right += _right
-            mismatch += _mismatch
-    elif isinstance(x1, list) and isinstance(x2, list):
-        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
-        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
-        for i, (v1, v2) in enumerate(zip(x1, x2)):
-            _left, _right, _mismatch = diff(v1, v2, prefix + (i,))
-            only_left += _left
-            only_right += _right
-            mismatch += _mismatch
+        pairs = [(k, x1[k], x2[k]) for k in x1.keys() & x2.keys()]
+    elif isinstance(x1, sequences) and type(x1) is type(x2):
+        only_left = [prefix + (i,) for i in range(len(x1) - 1, len(x2) - 1, -1)]
+        only_right = [prefix + (i,) for i in range(len(x2) - 1, len(x1) - 1, -1)]
+        pairs = [(i, v1, v2) for i, (v1, v2) in enumerate(zip(x1, x2))]
+    elif hasattr(x1, "replica_id") and hasattr(x2, "replica_id") and type(x1) is type(x2):
+        return diff(x1.data, x2.data, prefix + (type(x1),))
     else:
-        only_left, only_right = [], []
-        if isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
-            equal = (
-                isinstance(x1, torch.Tensor)
-                and isinstance(x2, torch.Tensor)
-                and x1.dtype == x2.dtype
-                and x1.shape == x2.shape
-                and torch.equal(x1.cpu(), x2.cpu())
-            )
-        else:
-            try:
-                equal = bool(x1 == x2)
-            except (RuntimeError, ValueError, TypeError):
-                equal = False
-        if not equal:
-            mismatch.append(prefix)
+        entry = _leaf_mismatch(x1, x2)
+        return [], [], [] if entry is None else [(prefix, type(x1), type(x2), *entry)]
+    for k, v1, v2 in pairs:
+        _left, _right, _mismatch = diff(v1, v2, prefix + (k,))
+        only_left += _left
+        only_right += _right
+        mismatch += _mismatch
     return only_left, only_right, mismatch
+
+
+def _leaf_mismatch(x1: Any, x2: Any) -> Optional[tuple]:
+    """``None`` when two leaves are equal, else the details :func:`diff` adds to its entry."""
+    if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
+        if x1.shape != x2.shape:
+            return x1.shape, x2.shape
+        try:
+            differs = x1.cpu() != x2.cpu()
+        except (RuntimeError, TypeError) as e:  # e.g. no comparison between these dtypes
+            return (str(e),)
+        return None if not differs.any() else (int(differs.sum()), differs.shape, differs.nonzero().tolist())
+    if isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor) or \
+            isinstance(x1, (dict, list, tuple, np.ndarray)) or isinstance(x2, (dict, list, tuple, np.ndarray)):
+        return ()  # a tensor and something else, or containers of different types
+    try:
+        return None if not bool(x1 != x2) else ()
+    except (RuntimeError, ValueError, TypeError):
+        return ()
 
 
 def nested_values(x: Nested) -> Iterator[Any]:

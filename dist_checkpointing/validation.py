@@ -406,13 +406,6 @@ def common_state_digest(common: Any) -> str:
     return h.hexdigest()
 
 
-def _at(nested: Any, path: Tuple) -> Any:
-    """The value at ``path`` (keys / indices) in a nested structure."""
-    for k in path:
-        nested = nested[k]
-    return nested
-
-
 def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> Optional[str]:
     """Compare every rank's common state with rank 0's (which is the one saved).
 
@@ -442,7 +435,9 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     try:  # nothing collective follows: a failure here must not leave this rank behind
         rank0_common = pickle.loads(payload)
         only_rank0, only_here, different = diff(rank0_common, common)
-        mismatched = [(path, type(_at(rank0_common, path)), type(_at(common, path))) for path in different]
+        if not (only_rank0 or only_here or different):
+            return None  # equal as Megatron-Core compares them (e.g. equal values of other dtypes)
+        mismatched = [entry[:3] for entry in different]
         report = (f"{prefix} Keys only on rank 0: {only_rank0}, Keys only on {rank}: {only_here}, "
                   f"Mismatched keys: {mismatched}")
     except Exception as e:  # noqa: BLE001 - unpicklable or incomparable: report without details

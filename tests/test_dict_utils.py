@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from dist_checkpointing.dict_utils import (
     nested_items_iter,
     nested_values,
 )
+from dist_checkpointing.mapping import ShardedTensor
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -166,20 +168,44 @@ def test_diff_keys_only_on_one_side():
 @pytest.mark.parametrize(
     "t1, t2",
     [
-        (torch.arange(4, dtype=torch.float32), torch.arange(4, dtype=torch.float64)),  # dtype
-        (torch.arange(4, dtype=torch.int64), torch.arange(4, dtype=torch.int32)),
         (torch.zeros(4), torch.zeros(2, 2)),  # shape
         (torch.zeros(1), torch.zeros(())),
         (torch.arange(4.0), torch.tensor([0.0, 1.0, 2.0, 4.0])),  # value
+        (torch.arange(4.0), torch.tensor([0, 1, 2, 4], dtype=torch.int16)),  # value, other dtype
         (torch.tensor([True, False]), torch.tensor([True, True])),
+        (torch.tensor([float("nan")]), torch.tensor([float("nan")])),
         (torch.zeros(2), [0.0, 0.0]),  # tensor vs non-tensor
         (0, torch.zeros(())),
         (torch.zeros(2), None),
     ],
 )
 def test_diff_tensor_mismatches(t1, t2):
-    assert diff({"k": {"t": t1}}, {"k": {"t": t2}}) == ([], [], [("k", "t")])
-    assert diff({"k": {"t": t2}}, {"k": {"t": t1}}) == ([], [], [("k", "t")])
+    for a, b in ((t1, t2), (t2, t1)):
+        only_left, only_right, mismatch = diff({"k": {"t": a}}, {"k": {"t": b}})
+        assert (only_left, only_right) == ([], [])
+        assert [m[:3] for m in mismatch] == [(("k", "t"), type(a), type(b))]
+
+
+def test_diff_tensor_mismatch_details():
+    """As Megatron-Core's: the number of differing elements, the shape, their positions;
+    both shapes when they differ."""
+    (_, _, [entry]) = diff({"t": torch.tensor([[1, 2], [3, 4]])}, {"t": torch.tensor([[1, 0], [0, 4]])})
+    assert entry == (("t",), torch.Tensor, torch.Tensor, 2, torch.Size([2, 2]), [[0, 1], [1, 0]])
+    (_, _, [entry]) = diff({"t": torch.zeros(3)}, {"t": torch.zeros(1, 3)})
+    assert entry == (("t",), torch.Tensor, torch.Tensor, torch.Size([3]), torch.Size([1, 3]))
+
+
+@pytest.mark.parametrize("t1, t2", [
+    (torch.arange(4, dtype=torch.float32), torch.arange(4, dtype=torch.float64)),
+    (torch.arange(4, dtype=torch.int64), torch.arange(4, dtype=torch.int32)),
+    (torch.arange(6), torch.arange(6.0, dtype=torch.bfloat16)),
+    (torch.tensor([True, False]), torch.tensor([1, 0], dtype=torch.uint8)),
+])
+def test_diff_equal_values_of_other_dtypes_are_equal(t1, t2):
+    """Megatron-Core compares values (``x1 == x2``), not dtypes: a state loaded into
+    requests of another dtype equals what was saved."""
+    assert diff({"t": t1}, {"t": t2}) == ([], [], [])
+    assert diff([t2], [t1]) == ([], [], [])
 
 
 def test_diff_equal_tensors_different_layout_and_empty():
@@ -187,24 +213,33 @@ def test_diff_equal_tensors_different_layout_and_empty():
     assert diff(torch.zeros(0, 3), torch.zeros(0, 3)) == ([], [], [])
 
 
-def test_diff_lists_of_different_length():
-    only_left, only_right, mismatch = diff([1, 2, 3, 4], [1, 5])
-    assert only_left == [(2,), (3,)]
-    assert only_right == []
-    assert mismatch == [(1,)]
-    only_left, only_right, mismatch = diff({"l": [1]}, {"l": [1, [2], {"a": 3}]})
-    assert only_left == []
-    assert only_right == [("l", 1), ("l", 2)]
-    assert mismatch == []
+def test_diff_sequences_of_different_length():
+    """Indices only on one side, from the last, under the path (lists, tuples, arrays)."""
+    assert diff([1, 2, 3, 4], [1, 5]) == ([(3,), (2,)], [], [((1,), int, int)])
+    assert diff({"l": [1]}, {"l": [1, [2], {"a": 3}]}) == ([], [("l", 2), ("l", 1)], [])
+    assert diff({"t": (1,)}, {"t": (1, 2)}, prefix=("c",)) == ([], [("c", "t", 1)], [])
+    assert diff([1, 2], []) == ([(1,), (0,)], [], [])
+    left, right, mismatch = diff({"a": np.array([1, 2, 3])}, {"a": np.array([1, 5])})
+    assert (left, right) == ([("a", 2)], []) and [m[0] for m in mismatch] == [("a", 1)]
 
 
 def test_diff_scalars_and_type_mismatches():
     assert diff(1, 1) == ([], [], [])
     assert diff(1, 1.0) == ([], [], [])
-    assert diff("a", "b") == ([], [], [()])
-    assert diff({"a": {}}, {"a": []}) == ([], [], [("a",)])
-    assert diff({"a": {"b": 1}}, {"a": 1}) == ([], [], [("a",)])
-    assert diff([1], {0: 1}) == ([], [], [()])
+    assert diff("a", "b") == ([], [], [((), str, str)])
+    assert diff({"a": {}}, {"a": []}) == ([], [], [(("a",), dict, list)])
+    assert diff({"a": {"b": 1}}, {"a": 1}) == ([], [], [(("a",), dict, int)])
+    assert diff([1], {0: 1}) == ([], [], [((), list, dict)])
+    assert diff({"s": [1, 2]}, {"s": (1, 2)}) == ([], [], [(("s",), list, tuple)])
+
+
+def test_diff_sharded_tensors_by_their_data():
+    """``ShardedTensor``-like values are compared by their data, under ``path + (type,)``."""
+    a = ShardedTensor.from_rank_offsets("w", torch.arange(4.0))
+    b = ShardedTensor.from_rank_offsets("w", torch.arange(4, dtype=torch.int32))
+    c = ShardedTensor.from_rank_offsets("w", torch.ones(4))
+    assert diff({"w": a}, {"w": b}) == ([], [], [])
+    assert [m[0] for m in diff({"w": a}, {"w": c})[2]] == [("w", ShardedTensor)]
 
 
 @FAST
