@@ -106,11 +106,11 @@ def load_plain_tensors(checkpoint_dir: CkptDir, storage_options: StorageOptions 
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     strategy = sharded_load_strategy(load_config(checkpoint_dir), None)
     request = strategy.load_tensors_metadata(checkpoint_dir)
-    loaded = strategy.load_local(request, checkpoint_dir)
-    if not original_shape:
-        for stored in strategy.stored_items(checkpoint_dir).tensors:
-            if stored.flattened and stored.key in loaded:
-                loaded[stored.key] = loaded[stored.key].reshape(-1)
+    loaded = strategy.load_local(request, checkpoint_dir)  # flattened keys: 1-D (their requests are)
+    if original_shape:
+        for key, sh in request.items():
+            if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
+                loaded[key] = loaded[key].reshape(sh.global_shape)
     return loaded
 
 

@@ -5,7 +5,7 @@ parallel wrappers."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List
 
 import pytest
 import torch
@@ -110,3 +110,66 @@ def test_diff_answers_as_megatron_cores():
     different lengths, gives bare indices; newer Megatron-Core gives paths, as here):
     the same paths only on one side, the same mismatch entries and details."""
     assert "compared 9" in _run_with_mcore(_DIFF_COMPARE)
+
+
+# ----------------------------------------------------------------------------- load_tensors_metadata of flattened keys
+
+def _save_flat(rank: int, world: int, ckpt: str) -> None:
+    """``w`` (4, 6), one chunk stored flattened: each rank saves a DP-style slice of its
+    elements; ``r``: a regular tensor split over the ranks."""
+    whole = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    rng = slice(rank * 24 // world, (rank + 1) * 24 // world)
+    sd = {"w": ShardedTensor.from_rank_offsets_flat("w", whole.flatten()[rng].clone(), (4, 6), flattened_range=rng),
+          "r": ShardedTensor.from_rank_offsets("r", torch.ones(2) * rank, (0, rank, world))}
+    dc.save(sd, ckpt)
+
+
+def _load_metadata_request(rank: int, world: int, ckpt: str) -> List[Any]:
+    md = dc.load_tensors_metadata(ckpt)
+    loaded = dc.load(md, ckpt, validate_access_integrity=False)  # every rank: whole tensors
+    return [md["w"].flattened_range, tuple(md["w"].global_shape), md["r"].flattened_range,
+            loaded["w"].tolist(), loaded["r"].tolist()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_tensors_metadata_describes_flattened_keys_flattened(tmp_path, world):
+    """As Megatron-Core: a key stored flattened is described with the whole range
+    (``flattened_range=slice(0, numel)``, original global shape), so loading the
+    description gives it 1-D; ``load_plain_tensors(original_shape=True)`` gives it N-D."""
+    pool = get_pool(world)
+    ckpt = str(tmp_path / "c")
+    pool.run(_save_flat, ckpt)
+    flat = list(map(float, range(24)))
+    regular = [float(r) for r in range(world) for _ in range(2)]
+    assert pool.run(_load_metadata_request, ckpt) == [[slice(0, 24), (4, 6), None, flat, regular]] * world
+    assert dc.load_plain_tensors(ckpt)["w"].tolist() == flat
+    assert dc.load_plain_tensors(ckpt, original_shape=True)["w"].tolist() == torch.tensor(flat).reshape(4, 6).tolist()
+    from dist_checkpointing.tools.whole_tensors import TensorReader
+
+    reader = TensorReader(ckpt, ["w"])
+    try:
+        assert reader.read("w").tolist() == torch.tensor(flat).reshape(4, 6).tolist()
+    finally:
+        reader.close()
+
+
+_TENSORS_METADATA_COMPARE = """
+    import sys, torch
+    from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy as Ours
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy as Theirs
+
+    def norm(md):
+        return {k: (tuple(v.global_shape), tuple(v.local_shape), v.dtype, v.flattened_range, v.data is None)
+                for k, v in md.items()}
+
+    ours, theirs = norm(Ours().load_tensors_metadata(sys.argv[1])), norm(Theirs().load_tensors_metadata(sys.argv[1]))
+    assert ours == theirs, (ours, theirs)
+    print('same', sorted(ours))
+"""
+
+
+@needs_mcore
+def test_load_tensors_metadata_as_megatron_cores(tmp_path):
+    ckpt = str(tmp_path / "c")
+    get_pool(2).run(_save_flat, ckpt)
+    assert "same ['r', 'w']" in _run_with_mcore(_TENSORS_METADATA_COMPARE.replace("sys.argv[1]", repr(ckpt)))

@@ -82,7 +82,9 @@ class TensorReader:
         sh = self.meta[key]
         shape = tuple(sh.global_shape)
         view = self._buffer[:nbytes(shape, sh.dtype)].view(sh.dtype).view(shape)
-        self.strategy.load_local({key: replace(sh, data=view)}, self.dir)
+        # a flattened key's request is 1-D (the whole range): the same buffer, read in place
+        self.strategy.load_local({key: replace(sh, data=view if sh.flattened_range is None else view.reshape(-1))},
+                                 self.dir)
         self.strategy.release_scratch()
         _return_freed_memory()
         return view

@@ -5,6 +5,7 @@ process for the offline tools."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -240,14 +241,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self._scratch.end()
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
-        """Whole-tensor ShardedTensors in the original global shape (flattened keys too)."""
+        """Whole-tensor ShardedTensors in the original global shape. A key stored flattened
+        (distributed-optimizer slices) is described as Megatron-Core describes it: flattened,
+        with the whole range (``flattened_range=slice(0, numel)``), so it loads 1-D."""
         metadata = read_metadata(checkpoint_dir)
         result = {}
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                shape = original_global_shape(metadata, key) or tuple(md.size)
+                orig = original_global_shape(metadata, key)
+                shape = orig or tuple(md.size)
                 result[key] = ShardedTensor(key, None, md.properties.dtype, shape, shape, (0,) * len(shape),
-                                            (1,) * len(shape))
+                                            (1,) * len(shape),
+                                            flattened_range=None if orig is None else slice(0, math.prod(shape)))
         return result
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
