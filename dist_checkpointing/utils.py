@@ -27,6 +27,16 @@ from .mapping import (
 
 _KEYED = (ShardedTensor, ShardedTensorFactory, ShardedObject)
 
+#: Megatron-Core's identity of a shard: ``(key, global offset, (start, stop) of the flattened range or None)``
+_ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
+
+
+def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+    """The identity of the data a ShardedTensor holds, the same on every rank that holds a
+    replica of it (Megatron-Core's private helper, which its code and tests import)."""
+    rng = sharded_tensor.flattened_range
+    return sharded_tensor.key, tuple(sharded_tensor.global_offset), None if rng is None else (rng.start, rng.stop)
+
 
 def zip_strict(*args: Any) -> Iterator[Tuple[Any, ...]]:
     """``zip`` of iterables that must have equal lengths; a ``ValueError`` names the lengths."""

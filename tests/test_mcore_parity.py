@@ -173,3 +173,49 @@ def test_load_tensors_metadata_as_megatron_cores(tmp_path):
     ckpt = str(tmp_path / "c")
     get_pool(2).run(_save_flat, ckpt)
     assert "same ['r', 'w']" in _run_with_mcore(_TENSORS_METADATA_COMPARE.replace("sys.argv[1]", repr(ckpt)))
+
+
+# ----------------------------------------------------------------------------- fully parallel cached distributions
+
+def _distribution_state(rank: int, world: int) -> dict:
+    whole = torch.arange(4 * world, dtype=torch.float32)
+    return {"split": ShardedTensor.from_rank_offsets("split", whole[4 * rank:4 * rank + 4].clone(), (0, rank, world)),
+            "repl": ShardedTensor.from_rank_offsets("repl", torch.ones(6), replica_id=rank),
+            "flat": ShardedTensor.from_rank_offsets_flat("flat", whole[rank:rank + 1].clone(), (world,),
+                                                         flattened_range=slice(rank, rank + 1))}
+
+
+def _cached_distributions(rank: int, world: int, ckpt: str) -> List[Any]:
+    from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper, _sharded_tensor_shard_id
+    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    state = _distribution_state(rank, world)
+    save = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), do_cache_distribution=True)
+    dc.save(state, ckpt, save)
+    load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), do_cache_distribution=True)
+    loaded = dc.load(_distribution_state(rank, world), ckpt, load)
+    assert all(torch.equal(loaded[k], state[k].data) for k in state)
+    out = []
+    for wrapper in (save, load):
+        cd = wrapper.cached_distribution
+        ids = {k: _sharded_tensor_shard_id(sh) for k, sh in state.items()}
+        assert set(cd._fields) == {"main_rank_for_shard", "shards_in_this_group", "shard_to_metadata",
+                                   "all_ranks_for_shard"}
+        assert all(i in cd.shards_in_this_group and i in cd.shard_to_metadata for i in ids.values()), (cd, ids)
+        out.append({k: cd.main_rank_for_shard[i] for k, i in ids.items()})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fully_parallel_cached_distributions_as_megatron_cores(tmp_path, world):
+    """Both wrappers' ``cached_distribution`` is a ``ShardDistribution`` keyed by
+    Megatron-Core's shard ids (``utils._sharded_tensor_shard_id``, also importable from
+    ``fully_parallel``): for each shard this rank holds or requests, the group rank that
+    writes or reads it. A shard of one rank is its own; a replicated one has one writer."""
+    results = get_pool(world).run(_cached_distributions, str(tmp_path / "c"))
+    for phase in (0, 1):
+        per_rank = [r[phase] for r in results]
+        if phase == 0:  # what a rank alone holds, it writes
+            assert [d["split"] for d in per_rank] == list(range(world))
+        assert len({d["repl"] for d in per_rank}) == 1 and 0 <= per_rank[0]["repl"] < world
+        assert all(0 <= d["flat"] < world for d in per_rank)

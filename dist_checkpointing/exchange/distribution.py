@@ -52,6 +52,20 @@ class ShardDistribution(NamedTuple):
     shard_to_metadata: Dict[ShardId, ShardInfo]
     all_ranks_for_shard: Dict[ShardId, List[int]]
 
+    def with_megatron_ids(self) -> "ShardDistribution":
+        """The same with shard ids as Megatron-Core writes them (``None``, not ``()``, for
+        shards without a flattened range: ``utils._sharded_tensor_shard_id``)."""
+        def ids(d: Any) -> Any:
+            if isinstance(d, set):
+                return {_megatron_id(s) for s in d}
+            return {_megatron_id(s): v for s, v in d.items()}
+
+        return ShardDistribution(*(ids(field) for field in self))
+
+
+def _megatron_id(sid: ShardId) -> Tuple[Any, ...]:
+    return sid[0], sid[1], sid[2] or None
+
 
 def shard_id(sh: ShardedTensor) -> ShardId:
     """The identity of a shard: its key, global offset and flattened range."""

@@ -47,6 +47,7 @@ from ..exchange.plan import ShardPlan, plan_shards
 from ..exchange.tensors import check_exchange_algo, exchange_by_distribution, exchange_point_to_point
 from ..tensors.fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..utils import _sharded_tensor_shard_id  # noqa: F401 - Megatron-Core's tests import it from here
 from .async_strategies import check_async_strategy
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy, StoredItems
 
@@ -212,8 +213,10 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     @property
     def cached_distribution(self) -> Optional[ShardDistribution]:
-        """The distribution kept from the last save (with ``do_cache_distribution``)."""
-        return self._planner.cached_result()
+        """The distribution kept from the last save (with ``do_cache_distribution``): which
+        group rank writes each shard this rank holds (shard ids as Megatron-Core's)."""
+        distribution = self._planner.cached_result()
+        return None if distribution is None else distribution.with_megatron_ids()
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -328,9 +331,11 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self._planner = _Planner()
 
     @property
-    def cached_distribution(self) -> Optional[ShardPlan]:
-        """The plan kept from the last load (with ``do_cache_distribution``)."""
-        return self._planner.cached_result()
+    def cached_distribution(self) -> Optional[ShardDistribution]:
+        """The distribution kept from the last load (with ``do_cache_distribution``): which
+        group rank reads each shard this rank requests (Megatron-Core's type)."""
+        plan = self._planner.cached_result()
+        return None if plan is None else plan.distribution().with_megatron_ids()
 
     @property
     def cached_global_metadata(self) -> Any:
