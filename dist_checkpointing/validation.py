@@ -20,6 +20,8 @@ from .exchange.collectives import (
     get_world_size, run_agreed, run_agreed_with_flags,
 )
 from .core import CheckpointingException
+from .integrity.manifest import MANIFEST_FNAME as INTEGRITY_FNAME  # noqa: F401 - Megatron-Core 0.19's names
+from .integrity.manifest import save_integrity_manifest, verify_integrity_manifest  # noqa: F401
 from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
@@ -450,12 +452,14 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
 # ----------------------------------------------------------------------------- Megatron-Core's helpers
 
 
-def determine_global_metadata(sharded_state_dict: Any, group: Optional[Any] = None) -> Tuple[List[Any], List[List[Any]]]:
-    """``(local, global)``: this rank's sharded items without data, and every rank's (one
-    ``all_gather_object``: per-rank bytes grow with the world size, unlike
-    :func:`validate_sharding_integrity`, which ``save`` uses; kept for Megatron-Core's callers)."""
+def determine_global_metadata(sharded_state_dict: Any,
+                              process_group: Optional[Any] = None) -> Tuple[List[Any], List[List[Any]]]:
+    """``(local, global)``: this rank's sharded items without data, and those of every rank
+    of ``process_group`` (default: all; one ``all_gather_object``: per-rank bytes grow with
+    the world size, unlike :func:`validate_sharding_integrity`, which ``save`` uses; kept for
+    Megatron-Core's callers)."""
     local = [item.without_data() for item in nested_values(sharded_state_dict)]
-    return local, all_gather_object(local, group)
+    return local, all_gather_object(local, process_group)
 
 
 def adjust_non_strict_load(sharded_state_dict: Any, sharded_keys_to_remove: Set[str]) -> Any:

@@ -5,6 +5,9 @@ parallel wrappers."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import textwrap
 from typing import Any, List
 
 import pytest
@@ -12,11 +15,21 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
-from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+    _sharded_tensor_shard_id,
+)
+from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
+from dist_checkpointing.tools.whole_tensors import TensorReader
+from dist_checkpointing.validation import INTEGRITY_FNAME, save_integrity_manifest, verify_integrity_manifest
+
+from . import launch
 from .conftest import get_pool
-from .test_mcore_names import _run_with_mcore, needs_mcore
+from .helpers import slack
+from .peers import require
+from .test_mcore_names import ROOT, _run_with_mcore, needs_mcore
 
 # ----------------------------------------------------------------------------- allow_shape_mismatch
 
@@ -144,8 +157,6 @@ def test_load_tensors_metadata_describes_flattened_keys_flattened(tmp_path, worl
     assert pool.run(_load_metadata_request, ckpt) == [[slice(0, 24), (4, 6), None, flat, regular]] * world
     assert dc.load_plain_tensors(ckpt)["w"].tolist() == flat
     assert dc.load_plain_tensors(ckpt, original_shape=True)["w"].tolist() == torch.tensor(flat).reshape(4, 6).tolist()
-    from dist_checkpointing.tools.whole_tensors import TensorReader
-
     reader = TensorReader(ckpt, ["w"])
     try:
         assert reader.read("w").tolist() == torch.tensor(flat).reshape(4, 6).tolist()
@@ -186,9 +197,6 @@ def _distribution_state(rank: int, world: int) -> dict:
 
 
 def _cached_distributions(rank: int, world: int, ckpt: str) -> List[Any]:
-    from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper, _sharded_tensor_shard_id
-    from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     state = _distribution_state(rank, world)
     save = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), do_cache_distribution=True)
     dc.save(state, ckpt, save)
@@ -219,3 +227,58 @@ def test_fully_parallel_cached_distributions_as_megatron_cores(tmp_path, world):
             assert [d["split"] for d in per_rank] == list(range(world))
         assert len({d["repl"] for d in per_rank}) == 1 and 0 <= per_rank[0]["repl"] < world
         assert all(0 <= d["flat"] < world for d in per_rank)
+
+
+# ----------------------------------------------------------------------------- Megatron-Core 0.19's integrity names
+
+_INTEGRITY_COMPARE = """
+    import sys
+    from megatron.core.dist_checkpointing.validation import save_integrity_manifest, verify_integrity_manifest
+    ours, theirs = sys.argv[1], sys.argv[2]
+    verify_integrity_manifest(ours)              # the manifest written here, verified by Megatron-Core
+    save_integrity_manifest(theirs)              # Megatron-Core's own manifest of the same files
+    print('verified')
+"""
+
+
+def _save_with_manifest(rank: int, world: int, ckpt: str) -> None:
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0) + rank, (0, rank, world)),
+             "step": 3}, ckpt, verify_integrity=True)
+
+
+def _verify_everywhere(rank: int, world: int, ckpt: str) -> str:
+    try:
+        verify_integrity_manifest(ckpt)
+        return "ok"
+    except dc.CheckpointingException as e:
+        return str(e)
+
+
+def test_integrity_manifest_names_of_megatron_core_019(tmp_path):
+    """``validation.save_integrity_manifest`` (one process) writes the bytes ``save(...,
+    verify_integrity=True)`` writes, and Megatron-Core 0.19's own function writes the same;
+    ``validation.verify_integrity_manifest`` (collective) accepts it and refuses a changed
+    file or a missing manifest on every rank, naming the file."""
+    pool = get_pool(2)
+    ckpt = tmp_path / "c"
+    pool.run(_save_with_manifest, str(ckpt))
+    written = (ckpt / INTEGRITY_FNAME).read_bytes()
+    (ckpt / INTEGRITY_FNAME).unlink()
+    save_integrity_manifest(str(ckpt))
+    assert (ckpt / INTEGRITY_FNAME).read_bytes() == written
+    theirs = tmp_path / "theirs"
+    shutil.copytree(ckpt, theirs)
+    (theirs / INTEGRITY_FNAME).unlink()
+    proc = launch.run(["-c", textwrap.dedent(_INTEGRITY_COMPARE), str(ckpt), str(theirs)],
+                      env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), require("MCORE19_SITE")]),
+                           "PYTHONWARNINGS": "ignore"}, timeout=slack(300))
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr[-3000:]
+    assert (theirs / INTEGRITY_FNAME).read_bytes() == written
+
+    assert pool.run(_verify_everywhere, str(ckpt)) == ["ok", "ok"]
+    data = sorted(p for p in ckpt.iterdir() if p.suffix == ".distcp")[-1]
+    data.write_bytes(data.read_bytes()[:-1] + b"\\0")
+    errors = pool.run(_verify_everywhere, str(ckpt))
+    assert all(data.name in e and "ok" != e for e in errors), errors
+    (ckpt / INTEGRITY_FNAME).unlink()
+    assert all("no integrity manifest" in e for e in pool.run(_verify_everywhere, str(ckpt)))

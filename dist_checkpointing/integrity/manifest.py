@@ -266,3 +266,26 @@ def refresh_manifest(checkpoint_dir: Location, changed: List[str]) -> None:
     files = {name: digest for name, digest in files.items() if storage.info(name) is not None}
     files.update({name: file_sha256(storage, name) for name in changed if storage.info(name) is not None})
     _write(storage, files)
+
+
+# ----------------------------------------------------------------------------- Megatron-Core 0.19's names
+
+def save_integrity_manifest(checkpoint_dir: Location) -> None:
+    """Hash every file directly in ``checkpoint_dir`` (the manifest itself aside) and write
+    ``integrity.json``, in this process alone (Megatron-Core 0.19's
+    ``validation.save_integrity_manifest``; ``save(..., verify_integrity=True)`` writes the
+    same manifest, hashing the files over the ranks)."""
+    storage = open_storage(checkpoint_dir)
+    try:
+        names = [name for name in sorted(storage.list()) if name != MANIFEST_FNAME and storage.info(name) is not None]
+    except OSError as e:
+        raise CheckpointingException(f"Cannot list {storage.describe()}: {e}") from e
+    _write(storage, {name: file_sha256(storage, name) for name in names})
+
+
+def verify_integrity_manifest(checkpoint_dir: Location) -> None:
+    """Verify ``checkpoint_dir`` against its ``integrity.json``, which must exist
+    (Megatron-Core 0.19's ``validation.verify_integrity_manifest``; collective over the
+    default group when there is one: the files are hashed once, split over the ranks, and
+    a mismatch is raised on every rank)."""
+    verify_manifest(checkpoint_dir, required=True)
