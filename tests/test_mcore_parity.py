@@ -282,3 +282,53 @@ def test_integrity_manifest_names_of_megatron_core_019(tmp_path):
     assert all(data.name in e and "ok" != e for e in errors), errors
     (ckpt / INTEGRITY_FNAME).unlink()
     assert all("no integrity manifest" in e for e in pool.run(_verify_everywhere, str(ckpt)))
+
+
+# ----------------------------------------------------------------------------- mcore_to_pyt_state_dict
+
+def _uneven_dcp(rank: int, world: int, plain: str) -> List[str]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+
+    from dist_checkpointing.strategies.checkpointable import CheckpointableShardedTensor, LocalShardsContainer
+    from dist_checkpointing.strategies.torch import MCoreLoadPlanner, MCoreSavePlanner, mcore_to_pyt_state_dict
+
+    full = torch.arange(16.0)
+    sizes = [3, 13] if world == 2 else [16]  # uneven: no axis_fragmentations
+    off = sum(sizes[:rank])
+
+    def uneven(data: torch.Tensor, offset: int) -> ShardedTensor:
+        return ShardedTensor("u", data, torch.float32, tuple(data.shape), (16,), (offset,), None)
+
+    grid = torch.arange(8.0 * world).reshape(2, 4 * world)
+    sd = {"u": uneven(full[off:off + sizes[rank]].clone(), off),
+          "two": [ShardedTensor.from_rank_offsets("two", grid[i:i + 1, 4 * rank:4 * rank + 4].clone(), (0, i, 2),
+                                                  (1, rank, world)) for i in range(2)],
+          "pre": [ShardedTensor.from_rank_offsets("pre", grid[i, 4 * rank:4 * rank + 4].clone(), (0, i, 2),
+                                                  (1, rank, world), prepend_axis_num=1) for i in range(2)]}
+    pyt = mcore_to_pyt_state_dict(sd)
+    kinds = [type(pyt[k]) for k in ("u", "two", "pre")]
+    assert kinds == [CheckpointableShardedTensor, LocalShardsContainer, TorchShardedTensor], kinds
+    dcp.save(pyt, checkpoint_id=plain, planner=MCoreSavePlanner())
+    # read back through plain DCP in another uneven split (the reverse one) ...
+    back = [13, 3] if world == 2 else [16]
+    boff = sum(back[:rank])
+    req = {"u": uneven(torch.zeros(back[rank]), boff)}
+    dcp.load(mcore_to_pyt_state_dict(req, is_loading=True), checkpoint_id=plain, planner=MCoreLoadPlanner())
+    assert torch.equal(req["u"].data, full[boff:boff + back[rank]])
+    # ... and by this library's loader
+    loaded = TorchDistLoadShardedStrategy().load_local(
+        {k: ShardedTensor.from_rank_offsets(k, torch.zeros(2, 4 * world)) for k in ("two", "pre")}
+        | {"u": ShardedTensor.from_rank_offsets("u", torch.zeros(16))}, plain)
+    assert torch.equal(loaded["u"], full) and torch.equal(loaded["two"], grid) and torch.equal(loaded["pre"], grid)
+    return [k.__name__ for k in kinds]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mcore_to_pyt_state_dict_takes_any_grid_as_megatron_core(tmp_path, world):
+    """As Megatron-Core on torch >= 2.6: a key's ShardedTensors become a
+    ``CheckpointableShardedTensor`` (several of a rank: a ``LocalShardsContainer``), uneven
+    ones too; prepended-axis ones on a regular grid a torch ShardedTensor. Saved and
+    loaded by plain DCP in another uneven split, and read by this library."""
+    assert get_pool(world).run(_uneven_dcp, str(tmp_path / "plain")) == \
+        [["CheckpointableShardedTensor", "LocalShardsContainer", "ShardedTensor"]] * world

@@ -22,6 +22,7 @@ from ...exchange.collectives import get_rank, get_world_size, is_distributed
 from ...core import CheckpointingException
 from ...dict_utils import nested_values
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from ..checkpointable import CheckpointableShardedTensor, LocalShardsContainer
 from ..safe_pickle import safe_torch_load
 from .save_plan import object_payload
 
@@ -86,20 +87,27 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
 
 def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = False,
                             init_device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
-    """A flat ``{key: torch ShardedTensor | BytesIO}`` dict for plain DCP.
+    """A flat ``{key: tensor | BytesIO}`` dict for plain DCP, as Megatron-Core builds it.
 
-    Use with :class:`MCoreSavePlanner` / :class:`MCoreLoadPlanner`. Saving
-    (``is_loading=False``) keeps main replicas only and serializes ShardedObjects under
-    their unique keys (the torch_dist object layout). Loading allocates missing tensors
-    on ``init_device``; DCP then fills the request's own tensors, and the load planner
-    puts each object under its unique key.
+    Use with :class:`MCoreSavePlanner` / :class:`MCoreLoadPlanner`. A key's ShardedTensors
+    become a :class:`~..checkpointable.CheckpointableShardedTensor` (several on this rank:
+    a :class:`~..checkpointable.LocalShardsContainer`), any grid or none; those with
+    prepended axes or a flattened range on a regular grid (Megatron-Core < 0.14's kinds)
+    a ``torch.distributed`` ShardedTensor. Saving (``is_loading=False``) keeps main
+    replicas only and serializes ShardedObjects under their unique keys (the torch_dist
+    object layout). Loading allocates missing tensors on ``init_device`` (zeros with
+    ``allow_shape_mismatch``, whose tensors are zeroed, as in Megatron-Core); DCP then fills
+    the request's own tensors, and the load planner puts each object under its unique key.
     """
     tensors: Dict[str, List[ShardedTensor]] = {}
     result: Dict[str, Any] = {}
     for sh in nested_values(state_dict):
         if isinstance(sh, ShardedTensor):
             if is_loading:
-                sh.init_data(init_device)
+                sh.init_data(init_device, torch.zeros if sh.allow_shape_mismatch else torch.empty)
+                sh.data = sh.data.detach()
+                if sh.allow_shape_mismatch:
+                    sh.data.zero_()
             elif not is_main_replica(sh.replica_id):
                 continue
             tensors.setdefault(sh.key, []).append(sh)
@@ -109,7 +117,15 @@ def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = Fal
             elif is_main_replica(sh.replica_id):
                 result[sh.unique_key] = io.BytesIO(object_payload(sh))
     for key, group in tensors.items():
-        result[key] = sharded_tensor_to_torch_sharded_tensor(group)
+        first = group[0]
+        if (first.prepend_axis_num or first.flattened_range is not None) and first.has_regular_grid:
+            result[key] = sharded_tensor_to_torch_sharded_tensor(group)
+        elif first.flattened_range is not None:
+            raise CheckpointingException(f"ShardedTensor {key!r} is flattened on an irregular grid: plain DCP "
+                                         "cannot take it (save it with dist_checkpointing.save)")
+        else:
+            shards = [CheckpointableShardedTensor.from_sh_ten(sh) for sh in group]
+            result[key] = shards[0] if len(shards) == 1 else LocalShardsContainer(shards)
     return result
 
 
