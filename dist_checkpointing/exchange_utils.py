@@ -26,6 +26,7 @@ from .exchange.objects import exchange_loaded_objects_gather_object, local_objec
 from .exchange.tensors import (
     EXCHANGE_ALGORITHMS,
     check_exchange_algo,
+    empty_tensor_for_exchange,
     exchange_by_distribution,
     exchange_loaded_tensors_broadcast,
     exchange_loaded_tensors_gather_object,
@@ -37,10 +38,12 @@ from .compat.forwarding import forward_settings
 __all__ = [
     "EXCHANGE_ALGORITHMS", "BUCKET_BYTES", "ROUND_BYTES", "SMALL_SHARD_BYTES", "ShardDistribution", "ShardId",
     "ShardInfo", "check_exchange_algo", "collect_holders", "comm_device", "determine_main_replica_uniform_distribution",
-    "distribute_shards_to_ranks", "distribution_from_summaries", "exchange_by_distribution",
+    "distribute_shards_to_ranks", "distribution_from_summaries", "empty_tensor_for_exchange", "exchange_by_distribution",
     "exchange_loaded_objects_gather_object", "exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_object",
     "exchange_loaded_tensors_gather_rounds", "is_float8tensor", "local_object_keys", "local_tensor_summary",
     "object_loaders", "shard_id",
 ]
 
 forward_settings(__name__, tensors, ("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES"))
+
+_get_empty_tensor_for_exchange = empty_tensor_for_exchange  # Megatron-Core's private name, which its tests import

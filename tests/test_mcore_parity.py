@@ -332,3 +332,27 @@ def test_mcore_to_pyt_state_dict_takes_any_grid_as_megatron_core(tmp_path, world
     loaded by plain DCP in another uneven split, and read by this library."""
     assert get_pool(world).run(_uneven_dcp, str(tmp_path / "plain")) == \
         [["CheckpointableShardedTensor", "LocalShardsContainer", "ShardedTensor"]] * world
+
+
+def _exchange_targets(rank: int, world: int) -> List[Any]:
+    from dist_checkpointing.exchange_utils import _get_empty_tensor_for_exchange
+    from dist_checkpointing.utils import _sharded_tensor_shard_id
+
+    have = ShardedTensor.from_rank_offsets("a", torch.ones(3))                     # needed, with data
+    empty = ShardedTensor("b", None, torch.bfloat16, (2,), (2,), (0,), None)       # needed, no data yet
+    other = ShardedTensor("c", None, torch.int16, (4,), (4,), (0,), None)          # not needed here
+    needed = {_sharded_tensor_shard_id(s): s for s in (have, empty)}
+    unneeded = {_sharded_tensor_shard_id(other): other}
+    loaded: dict = {}
+    out = [_get_empty_tensor_for_exchange(sid, needed, unneeded, loaded) for sid in [*needed, *unneeded]]
+    assert out[0][0] is have.data and out[0][1] == torch.device("cpu")      # gloo: the request's own tensor
+    assert out[1][0] is empty.data and out[1][0].dtype == torch.bfloat16 and out[1][0].shape == (2,)
+    assert out[2][0].shape == (4,) and out[2][0].dtype == torch.int16 and out[2][1] is None and other.data is None
+    return sorted(k[0] for k in loaded)
+
+
+def test_empty_tensor_for_exchange_as_megatron_cores():
+    """``exchange_utils._get_empty_tensor_for_exchange`` (Megatron-Core's private helper,
+    which its tests import): the tensor a shard is exchanged into, on the group's
+    communication device; needed shards' tensors are recorded as loaded."""
+    assert get_pool(1).run(_exchange_targets) == [["a", "b"]]

@@ -296,6 +296,28 @@ _ALGORITHMS = {
 }
 
 
+def empty_tensor_for_exchange(sid: ShardId, needed_shards: Dict[ShardId, ShardedTensor],
+                              unneeded_shards: Dict[ShardId, ShardedTensor], loaded_tensors: Dict[ShardId, torch.Tensor],
+                              device: Optional[torch.device] = None) -> Tuple[torch.Tensor, Optional[torch.device]]:
+    """Megatron-Core's ``exchange_utils._get_empty_tensor_for_exchange``: the tensor that
+    receives shard ``sid`` in an exchange, on ``device`` (default: the default group's
+    communication device), and the device of the request's own tensor (``None`` for a
+    shard this rank does not need, whose tensor is discarded after the exchange). A needed
+    shard's tensor is also put in ``loaded_tensors``."""
+    device = comm_device() if device is None else device
+    needed = needed_shards.get(sid)
+    sh = needed if needed is not None else unneeded_shards[sid]
+    had_data = sh.data is not None
+    sh.init_data(device)
+    tensor = sh.data if sh.data.device == device else torch.empty_like(sh.data, device=device)
+    if needed is None:
+        if not had_data:
+            sh.data = None  # allocated only to be exchanged into
+        return tensor, None
+    loaded_tensors[sid] = tensor
+    return tensor, needed.data.device
+
+
 def check_exchange_algo(exchange_algo: str) -> None:
     """Raise :class:`CheckpointingException` for an unknown exchange algorithm."""
     if exchange_algo not in _ALGORITHMS:
