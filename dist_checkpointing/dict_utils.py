@@ -20,8 +20,10 @@ def extract_matching_values(
 ) -> Tuple[Union[dict, list], Union[dict, list]]:
     """Split ``x`` into (leaves matching ``predicate``, the rest), keeping the nesting.
 
-    Empty containers are dropped from both results. With ``return_lists_as_dicts`` lists
-    become dicts keyed by index, so positions survive the split.
+    As Megatron-Core's: an empty dict or list under a dict key stays in the rest (so the
+    common state keeps it); one in a list is a leaf like any other; containers left empty
+    by the split are dropped. With ``return_lists_as_dicts`` lists become dicts keyed by
+    index, so positions survive the split.
     """
 
     def _set(container, k, v):
@@ -43,11 +45,11 @@ def extract_matching_values(
         else:
             raise TypeError(f"Expected dict or list, got {type(node)}")
         for k, v in items:
-            if isinstance(v, (dict, list)):
+            if isinstance(v, (dict, list)) and (v or isinstance(node, dict)):
                 m, r = _split(v)
                 if m:
                     _set(match, k, m)
-                if r:
+                if r or not v:  # an empty container under a dict key is kept
                     _set(rest, k, r)
             elif predicate(v):
                 _set(match, k, v)

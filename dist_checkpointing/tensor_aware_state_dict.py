@@ -220,6 +220,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             handle_mismatched_keys(strict, missing, unexpected, "the local checkpoint", parallelization_group)
             if unexpected:
                 sharded_part = adjust_non_strict_load(sharded_part, unexpected)
+            if strict is StrictHandling.IGNORE_ALL:  # as Megatron-Core: nothing reported
+                missing, unexpected = set(), set()
         self._insert_sharded_data(algo == "fully_parallel", sharded_part, parallelization_group, exchange_algo)
         merge(recreated, apply_factory_merges(sharded_part, factories))
         if return_mismatch_keys:

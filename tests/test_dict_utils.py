@@ -62,6 +62,16 @@ def _leaf_paths(x, prefix=()):
     return out
 
 
+def _empty_paths(x, prefix=()):
+    """The paths of the empty containers strictly inside ``x``."""
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    found = set()
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            found |= {prefix + (k,)} if not v else _empty_paths(v, prefix + (k,))
+    return found
+
+
 def _has_empty_container(x, top=True):
     """True if a container strictly inside ``x`` is empty."""
     if isinstance(x, (dict, list)):
@@ -104,11 +114,17 @@ def test_extract_matching_values_return_lists_as_dicts():
     assert top_match == {0: 1} and top_rest == {1: "a"}
 
 
-def test_extract_matching_values_drops_empty_containers():
+def test_extract_matching_values_keeps_empty_containers_in_the_rest():
+    """As Megatron-Core's: an empty container under a dict key stays in the rest (the
+    common state keeps ``{}`` and ``[]``); in a list it is a leaf; containers the split
+    leaves empty are dropped."""
     x = {"a": {}, "b": [], "c": {"d": []}, "e": 1}
     match, rest = extract_matching_values(x, lambda v: True)
     assert match == {"e": 1}
-    assert rest == {}
+    assert rest == {"a": {}, "b": [], "c": {"d": []}}
+    assert extract_matching_values({"f": {"g": 2}}, lambda v: True) == ({"f": {"g": 2}}, {})
+    assert extract_matching_values({"l": [{}, [], 3]}, lambda v: v == 3) == ({"l": [3]}, {"l": [{}, []]})
+    assert extract_matching_values({"l": [{}, [], 3]}, lambda v: True) == ({"l": [{}, [], 3]}, {})
     assert extract_matching_values({}, lambda v: True) == ({}, {})
     assert extract_matching_values([], lambda v: True) == ([], [])
 
@@ -128,7 +144,7 @@ def test_extract_matching_values_keeps_leaf_identity():
 @FAST
 @given(_nested_dicts, st.sampled_from(["x", "y", ""]))
 def test_extract_matching_values_partitions_every_leaf_once(x, tag):
-    pred = lambda v: v.tag == tag  # noqa: E731
+    pred = lambda v: getattr(v, "tag", None) == tag  # noqa: E731 - an empty container in a list is a leaf too
     all_leaves = list(nested_values(x))
     # as dicts: paths survive
     match, rest = extract_matching_values(x, pred, return_lists_as_dicts=True)
@@ -139,14 +155,15 @@ def test_extract_matching_values_partitions_every_leaf_once(x, tag):
     assert all(pred(v) for v in m_paths.values())
     assert not any(pred(v) for v in r_paths.values())
     assert all(m_paths[p] is original[p] for p in m_paths)
-    assert not _has_empty_container(match) and not _has_empty_container(rest)
+    # empty containers (never matched here) stay in the rest, where they were
+    assert not _has_empty_container(match) and _empty_paths(rest) == _empty_paths(x)
     # as lists: every leaf exactly once, in the original order within each side
     match, rest = extract_matching_values(x, pred)
     m_vals, r_vals = list(nested_values(match)), list(nested_values(rest))
     assert sorted(v.id for v in m_vals + r_vals) == sorted(v.id for v in all_leaves)
     assert [v.id for v in m_vals] == [v.id for v in all_leaves if pred(v)]
     assert [v.id for v in r_vals] == [v.id for v in all_leaves if not pred(v)]
-    assert not _has_empty_container(match) and not _has_empty_container(rest)
+    assert not _has_empty_container(match) and len(_empty_paths(rest)) == len(_empty_paths(x))
 
 
 # ----------------------------------------------------------------------------- diff
@@ -416,7 +433,7 @@ def test_merge_disjoint_dicts_is_union(case):
 @FAST
 @given(_nested_dicts)
 def test_extract_then_merge_restores_dict_structure(x):
-    match, rest = extract_matching_values(x, lambda v: v.tag == "x", return_lists_as_dicts=True)
+    match, rest = extract_matching_values(x, lambda v: getattr(v, "tag", None) == "x", return_lists_as_dicts=True)
     merged = merge(match, rest)
     paths = _leaf_paths(merged)
     original = _leaf_paths(x)

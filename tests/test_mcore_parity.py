@@ -356,3 +356,59 @@ def test_empty_tensor_for_exchange_as_megatron_cores():
     which its tests import): the tensor a shard is exchanged into, on the group's
     communication device; needed shards' tensors are recorded as loaded."""
     assert get_pool(1).run(_exchange_targets) == [["a", "b"]]
+
+
+# ----------------------------------------------------------------------------- empty containers, IGNORE_ALL
+
+_EXTRACT_COMPARE = """
+    from dist_checkpointing.dict_utils import extract_matching_values as ours
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values as theirs
+
+    cases = [{'E': {}, 'L': [], 'N': {'e': {}, 'x': 1}}, {'l': [{}, [], 1, {'a': 2}, {'b': {}}]},
+             [[], {}, 3, [4, {}]], {'a': {'b': {}}}, {'a': [[[]]], 'b': [{'c': []}]}]
+    preds = [lambda v: False, lambda v: True, lambda v: isinstance(v, int), lambda v: v == {}]
+    n = 0
+    for x in cases:
+        for pred in preds:
+            for as_dicts in (False, True):
+                assert ours(x, pred, as_dicts) == theirs(x, pred, as_dicts), (x, as_dicts)
+                n += 1
+    print('compared', n)
+"""
+
+
+@needs_mcore
+def test_extract_matching_values_as_megatron_cores():
+    """Empty containers: kept in the rest under dict keys, leaves in lists, as Megatron-Core."""
+    assert "compared 40" in _run_with_mcore(_EXTRACT_COMPARE)
+
+
+def _empty_containers(rank: int, world: int, ckpt: str) -> List[Any]:
+    from dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from dist_checkpointing.validation import StrictHandling
+
+    def state() -> dict:
+        return {"t": ShardedTensor.from_rank_offsets("t", torch.ones(2) * rank, (0, rank, world)),
+                "E": {}, "L": [], "N": {"e": {}, "x": 1, "l": [[], {}]}}
+
+    dc.save(state(), ckpt)
+    loaded = dc.load(state(), ckpt)
+    tasd, _ = MCoreTensorAwareStateDict.from_state_dict(state(), "atomic")
+    extra = {**state(), "U": ShardedTensor.from_rank_offsets("U", torch.ones(1), replica_id=rank)}
+    ignored = tasd.to_state_dict(sharded_state_dict=extra, algo="atomic", strict=StrictHandling.IGNORE_ALL,
+                                 return_mismatch_keys=True)
+    returned = tasd.to_state_dict(sharded_state_dict=extra, algo="atomic", strict=StrictHandling.RETURN_ALL,
+                                  return_mismatch_keys=True)
+    drop_t = lambda d: {k: v for k, v in d.items() if k != "t"}  # noqa: E731
+    return [drop_t(loaded), drop_t(dc.load_common_state_dict(ckpt)), tasd.common, drop_t(ignored[0]),
+            ignored[1:], returned[1:]]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_empty_containers_and_ignore_all_as_megatron_core(tmp_path, world):
+    """The common state keeps empty dicts and lists (save, load, ``load_common_state_dict``,
+    ``MCoreTensorAwareStateDict``); ``to_state_dict(strict=IGNORE_ALL)`` reports no keys."""
+    common = {"E": {}, "L": [], "N": {"e": {}, "x": 1, "l": [[], {}]}}
+    for result in get_pool(world).run(_empty_containers, str(tmp_path / "c")):
+        assert result[:4] == [common] * 4
+        assert result[4] == (set(), set()) and result[5] == (set(), {"U"})
