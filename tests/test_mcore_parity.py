@@ -412,3 +412,19 @@ def test_empty_containers_and_ignore_all_as_megatron_core(tmp_path, world):
     for result in get_pool(world).run(_empty_containers, str(tmp_path / "c")):
         assert result[:4] == [common] * 4
         assert result[4] == (set(), set()) and result[5] == (set(), {"U"})
+
+
+def _megatron_form(rank: int, world: int) -> List[str]:
+    from dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+
+    uneven = ShardedTensor("mdp.uneven_key", torch.zeros(4), torch.float32, (4,), (8,), (0,), None)
+    grid = [ShardedTensor.from_rank_offsets("w", torch.zeros(1, 2), (0, i, 2)) for i in range(2)]
+    megatron_form = mcore_to_pyt_state_dict({"mdp": [uneven], "w": grid})       # {name: [its shards]}
+    nested = mcore_to_pyt_state_dict({"a": {"b": uneven}, "w": grid})          # this library's nesting
+    return [sorted(megatron_form), sorted(nested)]
+
+
+def test_mcore_to_pyt_state_dict_keys_as_megatron_core():
+    """Megatron-Core passes ``{name: [ShardedTensors of one key]}`` and gets ``name`` back;
+    a nested state dict is keyed by the ShardedTensors' keys."""
+    assert get_pool(1).run(_megatron_form) == [[["mdp", "w"], ["mdp.uneven_key", "w"]]]

@@ -98,7 +98,10 @@ def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = Fal
     object layout). Loading allocates missing tensors on ``init_device`` (zeros with
     ``allow_shape_mismatch``, whose tensors are zeroed, as in Megatron-Core); DCP then fills
     the request's own tensors, and the load planner puts each object under its unique key.
+    Results are keyed by the ShardedTensor's key, or, in Megatron-Core's form of the input
+    (``{name: [ShardedTensors of one key]}`` for every entry), by ``name``.
     """
+    names = _megatron_form_names(state_dict)
     tensors: Dict[str, List[ShardedTensor]] = {}
     result: Dict[str, Any] = {}
     for sh in nested_values(state_dict):
@@ -118,15 +121,30 @@ def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = Fal
                 result[sh.unique_key] = io.BytesIO(object_payload(sh))
     for key, group in tensors.items():
         first = group[0]
+        name = names.get(key, key)
         if (first.prepend_axis_num or first.flattened_range is not None) and first.has_regular_grid:
-            result[key] = sharded_tensor_to_torch_sharded_tensor(group)
+            result[name] = sharded_tensor_to_torch_sharded_tensor(group)
         elif first.flattened_range is not None:
             raise CheckpointingException(f"ShardedTensor {key!r} is flattened on an irregular grid: plain DCP "
                                          "cannot take it (save it with dist_checkpointing.save)")
         else:
             shards = [CheckpointableShardedTensor.from_sh_ten(sh) for sh in group]
-            result[key] = shards[0] if len(shards) == 1 else LocalShardsContainer(shards)
+            result[name] = shards[0] if len(shards) == 1 else LocalShardsContainer(shards)
     return result
+
+
+def _megatron_form_names(state_dict: Any) -> Dict[str, str]:
+    """``{ShardedTensor key: name}`` when ``state_dict`` is ``{name: [ShardedTensors of one
+    key]}`` throughout (how Megatron-Core calls :func:`mcore_to_pyt_state_dict`), else ``{}``."""
+    names: Dict[str, str] = {}
+    if not isinstance(state_dict, dict):
+        return names
+    for name, value in state_dict.items():
+        if not (isinstance(value, list) and value and all(isinstance(sh, ShardedTensor) for sh in value)
+                and len({sh.key for sh in value}) == 1):
+            return {}
+        names[value[0].key] = name
+    return names
 
 
 # ----------------------------------------------------------------------------- plain DCP planners
