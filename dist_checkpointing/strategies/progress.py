@@ -16,7 +16,6 @@ its counts with its result).
 from __future__ import annotations
 
 import mmap
-import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -90,24 +89,28 @@ class SharedCount:
 
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, 16)  # MAP_SHARED: a forked child's writes are seen here
+        self._fields = memoryview(self._map).cast("q")  # each field written as one 8-byte store
 
     def sink(self, phase: str, done: int, total: int) -> None:
         """A :data:`ByteSink` for the child."""
-        struct.pack_into("<qq", self._map, 0, done, total)
+        self._fields[1] = total
+        self._fields[0] = done
 
     def get(self) -> Tuple[int, int]:
-        return struct.unpack_from("<qq", self._map, 0)
+        return self._fields[0], self._fields[1]
 
 
 def poll_count(sink: ByteSink, count: SharedCount, finished: Callable[[float], bool]) -> None:
     """Report ``count`` to ``sink`` every :data:`REPORT_INTERVAL` seconds until
-    ``finished(timeout)`` says the writer is done, then once more if it moved."""
-    last = (0, 0)
+    ``finished(timeout)`` says the writer is done, then once more if it moved. Only
+    counts past the last one reported are passed on (the child's two fields are not
+    written at once: a read may catch them mid-update), so ``bytes_done`` never decreases."""
+    last = 0
     while True:
         over = finished(REPORT_INTERVAL)
-        now = count.get()
-        if now != last and now[1] > 0:
-            last = now
-            sink("write", *now)
+        done, total = count.get()
+        if done > last and total >= done:
+            last = done
+            sink("write", done, total)
         if over:
             return
