@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 31 in one call: the GPU tests (tests/test_gpu_async.py, <= 180 s),
+# The GPU checks in one call: the GPU tests (tests/test_gpu_async.py and
+# tests/test_staging_safety.py, NCCL world 1 included, <= 240 s),
 # benchmarks/bench_gpu_transport.py (transport of 1 GiB of GPU state over gloo at world 2 on
-# the one GPU, <= 90 s), then benchmarks/bench_gpu.py on 2 GiB of GPU state (<= 300 s). Both
+# the one GPU, <= 90 s), then benchmarks/bench_gpu.py on 2 GiB of GPU state (<= 210 s). Both
 # benchmarks write their JSON as they go, so a timeout still leaves figures. Expected ~5-6
-# minutes; at most 570 s (the sum of the timeouts).
+# minutes; at most 540 s (the sum of the timeouts).
 #
 #   bash benchmarks/gpu_check.sh                        # on the GPU machine
 #   BENCH_ARGS=--dry-run bash benchmarks/gpu_check.sh   # anywhere: checks the script (GPU tests skip)
@@ -35,13 +36,13 @@ export PIP_NO_INDEX=1
 cat "$RESULTS/env.txt"
 
 status=0
-timeout 180 "$PY" -m pytest tests/test_gpu_async.py -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$RESULTS/pytest_gpu.log" || status=1
+timeout 240 "$PY" -m pytest tests/test_gpu_async.py tests/test_staging_safety.py -q -p no:cacheprovider -rs --durations=8 2>&1 | tee "$RESULTS/pytest_gpu.log" || status=1
 if [[ "${BENCH_ARGS:-}" == *--dry-run* ]]; then DEFAULT_TRANSPORT_ARGS=--dry-run; else DEFAULT_TRANSPORT_ARGS="--size-mib 1024 --rounds 5"; fi
 # shellcheck disable=SC2086 - TRANSPORT_ARGS and BENCH_ARGS are lists of arguments
 timeout 90 "$PY" benchmarks/bench_gpu_transport.py ${TRANSPORT_ARGS:-$DEFAULT_TRANSPORT_ARGS} --out "$RESULTS/gpu_transport.json" 2>&1 |
     tee "$RESULTS/bench_gpu_transport.log" || status=1
 # shellcheck disable=SC2086
-timeout 300 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:---size-gib 2 --rounds 5 --pinned-extra-gib 16} --out "$RESULTS/gpu.json" 2>&1 |
+timeout 210 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:---size-gib 2 --rounds 5 --pinned-extra-gib 16} --out "$RESULTS/gpu.json" 2>&1 |
     tee "$RESULTS/bench_gpu.log" || status=1
 echo "gpu_check: exit status $status (results in $RESULTS)"
 exit $status

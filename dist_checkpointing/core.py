@@ -134,10 +134,12 @@ def open_storage(checkpoint_dir: Location, storage_options: StorageOptions = Non
 def checkpoint_location(checkpoint_dir: Location, storage_options: StorageOptions = None) -> Union[Path, Storage]:
     """A checkpoint location as strategies receive it: a local directory as a ``Path``
     (Megatron-Core's strategies expect one), a :class:`~.storage.Storage` as is, a URL as
-    its :class:`~.storage.Storage` (its client made once, with ``storage_options``)."""
+    its :class:`~.storage.Storage` (its client made once, with ``storage_options``). A
+    relative directory is made absolute here, once: a working directory changed later (or
+    another process's) never moves the checkpoint."""
     if isinstance(checkpoint_dir, Storage) or url_scheme(checkpoint_dir) or storage_options:
         return open_storage(checkpoint_dir, storage_options)
-    return Path(checkpoint_dir)
+    return Path(os.path.abspath(os.fspath(checkpoint_dir)))
 
 
 def maybe_load_config(checkpoint_dir: Location) -> Optional[CheckpointingConfig]:

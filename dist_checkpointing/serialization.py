@@ -430,8 +430,11 @@ def save(
 
     if async_sharded_save:
         with reporting_bytes(phases.background_sink()):  # the write's bytes, reported as it goes
-            request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
-                                 "Starting the async save")
+            if sharded_strategy_.async_save_agreed:  # no collective after its queued copies
+                request = sharded_strategy_.async_save(sharded, checkpoint_dir)
+            else:
+                request = run_agreed(lambda: sharded_strategy_.async_save(sharded, checkpoint_dir),
+                                     "Starting the async save")
         if write_common is not None:
             request.add_async_step(write_common)
         request.add_finalize_fn(commit)

@@ -235,9 +235,11 @@ def _change(t: torch.Tensor) -> None:
 @pytest.mark.parametrize("mode", ["auto", "stream", "copy", "fork"])
 def test_every_dtype_and_layout_is_bit_exact(tmp_path, device, mode):
     state = _all_dtypes(device)
-    expected = {k: v.clone() for k, v in state.items()}
     if device == "cuda":
         _busy(0.2)  # the copies are still waiting when the tensors change
+    for t in state.values():  # work queued before the call: the copies must be ordered after it
+        _change(t)
+    expected = {k: v.clone() for k, v in state.items()}
     request = dc.save(_sharded(state), str(tmp_path / "c"), _strategy(mode), async_sharded_save=True)
     for t in state.values():  # right after the call, on the current stream, without waiting
         _change(t)

@@ -122,18 +122,17 @@ def test_stage_copies_cpu_tensors_at_the_call():
 def test_arena_pool_reuses_idle_arenas_and_never_one_in_use():
     freed = []
     pool = ArenaPool(on_release=freed.append)
-    a = pool.take(1000)
-    done_a = pool.hold(a)
-    b = pool.take(1000)
+    a, done_a = pool.take(1000)
+    b, done_b = pool.take(1000)
     assert b is not a  # a is being written
-    done_b = pool.hold(b)
     done_a()
     done_a()  # idempotent
-    assert pool.take(900) is a  # idle and big enough: reused
+    a2, done_a2 = pool.take(900)
+    assert a2 is a  # idle and big enough: reused
+    done_a2()
     done_b()
-    c = pool.take(5000)  # larger than both idle arenas: they are freed, a new one made
+    c, held = pool.take(5000)  # larger than both idle arenas: they are freed, a new one made
     assert c not in (a, b) and freed == [a, b] and pool.arenas == [c]
-    held = pool.hold(c)
     pool.release()  # in use: kept
     assert pool.arenas == [c]
     held()

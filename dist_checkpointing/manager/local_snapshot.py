@@ -17,6 +17,7 @@ from ..integrity.checksums import new_hasher
 from ..dict_utils import extract_matching_values, merge
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..tensors.sharded import ShardedTensor
+from ..tensors.values import is_plain_values
 from ..strategies.forked_call import ForkedCall
 from ..strategies.memory_maps import not_isolated_by_fork
 from ..strategies.staging import Staged, stage_into
@@ -111,8 +112,10 @@ _HASH_CHUNK = 1 << 20
 
 def can_fork(snap: Snapshot) -> bool:
     """Whether ``snap`` can be taken in a forked child: every tensor a plain CPU tensor
-    and ``os.fork`` available."""
-    return hasattr(os, "fork") and all(t.device.type == "cpu" and type(t) is torch.Tensor for t in snap.tensors)
+    whose bytes are its values (no lazy conjugate or negative view) and ``os.fork``
+    available."""
+    return hasattr(os, "fork") and all(t.device.type == "cpu" and type(t) is torch.Tensor and is_plain_values(t)
+                                       for t in snap.tensors)
 
 
 def tensors_checksum(tensors: Sequence[torch.Tensor]) -> int:

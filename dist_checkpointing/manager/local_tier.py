@@ -208,18 +208,29 @@ class LocalTier:
         into it (pinned where CUDA is) on a side stream without blocking, and later work on
         the current stream waits for the copies (:mod:`..strategies.staging`)."""
 
-        def take() -> Tuple[Snapshot, Union[ForkedCall, Staged]]:
+        if self._pending is not None:  # its write still reads the snapshot buffer: finish it first
+            self.finalize()
+
+        def plan() -> Tuple[Snapshot, bool]:
             snap = Snapshot(sharded_state_dict)
             if self._arena is None or self._arena.size < snap.size:
                 if self._arena is not None:
                     self._arena.release()
+                    self._arena = None
                 self._arena = StagingArena(snap.size)
             fork = self.snapshot == "fork" and can_fork(snap)
             if not fork:
                 self._arena.pin_for(snap.tensors)
-            return snap, snap.take(self._arena.flat, fork, self._arena.pinned)
+            return snap, fork
 
-        snap, child = run_agreed(take, f"Local tier: saving step {step}")
+        # Agreed over this tier's own (gloo) group, before any copy is queued: nothing after
+        # the copies waits for them (a collective on an NCCL group would).
+        snap, fork = run_agreed(plan, f"Local tier: saving step {step}", self.group)
+        child: Union[ForkedCall, Staged, BaseException]
+        try:
+            child = snap.take(self._arena.flat, fork, self._arena.pinned)
+        except Exception as e:  # noqa: BLE001 - the partners are told and it is reported at finalize
+            child = e
         self._staged = child if isinstance(child, Staged) else None
         errors: List[BaseException] = []
 
@@ -227,6 +238,8 @@ class LocalTier:
             try:
                 crash_point("local", step)
                 try:
+                    if isinstance(child, BaseException):
+                        raise child
                     if isinstance(child, ForkedCall):
                         flat_sum = child.result()
                     else:

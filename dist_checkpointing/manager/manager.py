@@ -297,10 +297,12 @@ class CheckpointManager:
         metrics = broadcast_object(metrics) if do_save else None  # rank 0's (a local-only step records none)
         content = dict(content_metadata or {})
         content[CONTENT_KEY] = {"step": step, "metrics": metrics}
+        if self.local is not None:
+            self.local.finalize()  # the local save in flight (collective), before any copy is queued
         # a local copy holds what a persistent save stores: a restore from it answers alike
-        saved_locally = self._save_local(step, {**sharded_state_dict, "content_metadata": content})
+        local_state = {**sharded_state_dict, "content_metadata": content}
         if not do_save:
-            return saved_locally
+            return self._save_local(step, local_state)
         commit = self._after_commit_fn(step, metrics)
         self._pending = step
         if self._worker is not None:
@@ -313,20 +315,22 @@ class CheckpointManager:
             raise
         if request is None:
             commit()  # the same on every rank, and nothing in it can fail: no collective needed
-            return True
-        assert self._queue is not None
-        request.add_pre_finalize_fn(lambda: crash_point("finalize", step))
-        request.add_finalize_fn(commit)
-        self._queue.schedule_async_request(request)
-        crash_point("save", step)
+        else:
+            assert self._queue is not None
+            request.add_pre_finalize_fn(lambda: crash_point("finalize", step))
+            request.add_finalize_fn(commit)
+            self._queue.schedule_async_request(request)
+            crash_point("save", step)
+        # after the persistent save's copies are queued: the local tier agrees over its own
+        # (gloo) group, which does not wait for them
+        self._save_local(step, local_state)
         return True
 
     def _save_local(self, step: int, sharded_state_dict: ShardedStateDict) -> bool:
-        """Two-tier mode: finalize the local save in flight, then start ``step``'s if it is
-        on the local interval (every rank decides alike)."""
+        """Two-tier mode: start ``step``'s local save if it is on the local interval (every
+        rank decides alike; the local save in flight is already finalized)."""
         if self.local is None:
             return False
-        self.local.finalize()
         if not self.local.should_save(step):
             return False
         self.local.save(step, sharded_state_dict)

@@ -348,7 +348,9 @@ class PosixStorage(Storage):
     ``fsync``: they survive a crash of the process, not of the machine)."""
 
     def __init__(self, root: Union[str, Path], staged: bool = True, durable: bool = True):
-        self.root = os.fspath(root)
+        # absolute once, here: a working directory changed later (or another process's, the
+        # persistent writer's) never moves where the files go
+        self.root = os.path.abspath(os.fspath(root))
         self._staged = staged
         self.durable = durable
 
@@ -369,6 +371,19 @@ class PosixStorage(Storage):
 
     def local_root(self) -> Optional[str]:
         return self.root
+
+    def listed_sizes(self) -> Optional[Dict[str, int]]:
+        """The size of every regular file directly under the root (one directory scan; the
+        commit checks every file it expects against it)."""
+        sizes: Dict[str, int] = {}
+        try:
+            with os.scandir(self.root) as entries:
+                for entry in entries:
+                    if entry.is_file(follow_symlinks=False):
+                        sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return {}
+        return sizes
 
     def create_stream(self, name: str) -> WriteStream:
         return (StagedFileWriter if self._staged else PlainFileWriter)(self._path(name))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, Optional, Tuple, Union
 
-from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, get_rank, raise_if_any
+from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
 from ..core import CheckpointingException, gc_paused
 from .async_request import AsyncRequest, _preloaded
 from .forked_call import ForkedCall
@@ -79,16 +80,21 @@ class TemporalAsyncCaller(AsyncCaller):
     """A forked process per call (a copy-on-write snapshot of this process)."""
 
     def __init__(self) -> None:
-        self.process: Optional[ForkedCall] = None
+        self.process: Optional[Union[ForkedCall, _ThreadCall]] = None
         self._error: Optional[str] = None
 
     @_disable_gc()
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Fork a process running ``async_fn`` (``preload_fn`` first, here)."""
+        """Fork a process running ``async_fn`` (``preload_fn`` first, here). A request whose
+        snapshot is staged in this process (``async_snapshot="stream"``/``"copy"``: device
+        copies in flight, written by this process's persistent writer) is never forked — a
+        child of a process holding CUDA state cannot use it: its ``async_fn`` runs in a
+        thread of this process instead."""
         if async_req.async_fn is None:
             return
         fn = functools.partial(async_req.async_fn, *_preloaded(async_req).async_fn_args, **async_req.async_fn_kwargs)
-        self.process = ForkedCall(fn, f"Async call {async_req.call_idx}")
+        what = f"Async call {async_req.call_idx}"
+        self.process = _ThreadCall(fn, what) if async_req.staged is not None else ForkedCall(fn, what)
 
     def _poll(self, blocking: bool) -> Tuple[bool, Optional[str]]:
         if self.process is None:
@@ -116,6 +122,38 @@ class TemporalAsyncCaller(AsyncCaller):
                 if not abort:
                     logger.warning("%s", e)
             self.process = None
+
+
+class _ThreadCall:
+    """``fn()`` run in a thread of this process, with :class:`ForkedCall`'s interface (it
+    cannot be killed: :meth:`kill` leaves it to finish)."""
+
+    def __init__(self, fn: Callable[[], Any], what: str):
+        self.what = what
+        self._outcome: Optional[Tuple[bool, Any]] = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name="dist_checkpointing-async-call", daemon=True).start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._outcome = (True, fn())
+        except BaseException as e:  # noqa: BLE001 - raised by result()
+            self._outcome = (False, f"{self.what}: {error_message(e)}")
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> Any:
+        self._done.wait()
+        ok, value = self._outcome  # type: ignore[misc]
+        if not ok:
+            raise CheckpointingException(value)
+        return value
+
+    def kill(self) -> None:
+        """Nothing to kill: a thread of this process finishes its write."""
 
 
 class PersistentAsyncCaller(AsyncCaller):

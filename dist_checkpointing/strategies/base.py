@@ -279,6 +279,10 @@ class SaveShardedStrategy(SaveStrategyBase):
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A sharded save strategy that can return the writing as an async request."""
 
+    #: True when :meth:`async_save` raises on every rank by itself (collective-safe), so
+    #: ``save`` adds no agreement after it (one that would wait for its queued copies).
+    async_save_agreed: bool = False
+
     @abstractmethod
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
                    async_strategy: Optional[str] = "nvrx") -> Any:

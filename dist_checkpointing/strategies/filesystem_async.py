@@ -17,6 +17,7 @@ import torch
 from ..compat.lazy import lazy_exports
 from .persistent_worker import check_mp_mode
 from ..tensors.bytes_view import as_bytes
+from ..tensors.values import plain_values
 from ..storage import Storage
 from .blob_template import blob_parts
 from .records import Record, TensorRecord, write_records
@@ -80,10 +81,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with exactly ``t``'s elements as its storage (``torch.save`` writes the
     whole storage, so a view of a large buffer must not drag the buffer along)."""
-    t = t.detach()
-    if type(t) is not torch.Tensor:
-        t = t.as_subclass(torch.Tensor)
-    t = t.resolve_conj().resolve_neg()  # the values, not a lazy conjugate or negative view
+    t = plain_values(t)  # the values: FP8 dequantized, no lazy conjugate or negative view
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():

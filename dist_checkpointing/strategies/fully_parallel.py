@@ -258,6 +258,11 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         self.last_timings = {"plan": planned - start, "write": time.perf_counter() - planned}
         self.last_written_bytes = self.base_strategy.last_written_bytes
 
+    @property
+    def async_save_agreed(self) -> bool:  # type: ignore[override]
+        """The wrapped strategy's (no collective follows its ``async_save`` here)."""
+        return getattr(self.base_strategy, "async_save_agreed", False)
+
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
                    async_strategy: Optional[str] = "nvrx") -> Any:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):

@@ -118,12 +118,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # (layout digest, rank 0's LocationTable, or a Metadata plugged in) of the last save with cached metadata
         self._cache: Optional[Tuple[Optional[str], Union[None, Metadata, LocationTable]]] = None
         self._staging = HostStaging()
-        self._arenas = ArenaPool(_forget_arena)
 
-    _runtime_attrs = ("_staging", "_arenas")
+    _runtime_attrs = ("_staging",)
 
     def _new_runtime(self) -> Dict[str, Any]:
-        return {"_staging": HostStaging(), "_arenas": ArenaPool(_forget_arena)}
+        return {"_staging": HostStaging()}
+
+    @property
+    def _arenas(self) -> ArenaPool:
+        """The staging arenas of this process's async saves (shared by every strategy)."""
+        return ARENAS
 
     @property
     def cached_metadata(self) -> bool:
@@ -161,6 +165,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             error = error_message(e)
         self._publish(locations, error, storage)
 
+    #: ``async_save`` raises on every rank by itself: its preparation is agreed, and a failure
+    #: of the copies queued after that (the last collective of the call) is reported by the
+    #: request's write, at finalization. ``save`` adds no agreement around it, so nothing
+    #: after the queued copies waits for them (on NCCL, every collective reads its flags back
+    #: with a host sync, which would wait for the copies).
+    async_save_agreed = True
+
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
                    async_strategy: Optional[str] = "nvrx") -> AsyncRequest:
         """Snapshot this rank's items and write them in the background (``async_strategy``:
@@ -173,10 +184,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         (see ``async_snapshot`` for how, and for what ``"stream"`` asks of work on other
         streams). Host buffers and arenas are kept for the next save (released by
         :meth:`release`, which ``AsyncCallsQueue.close`` calls). Collective: ``run_agreed``
-        agrees on the preparation.
+        agrees on the preparation (plan, snapshot mode, staging arena reserved and pinned);
+        the copies are queued after it, and no collective follows them.
         """
         storage = open_storage(checkpoint_dir)
         written: Dict[str, Any] = {"sink": current_sink()}  # bytes reported from the waiting thread
+        held: List[Callable[[], None]] = []  # this rank's arena hold, ended if another rank fails
 
         def finalize() -> None:
             self._publish(written["locations"], None, storage)
@@ -187,12 +200,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             mode = self._snapshot_mode(files, storage)
             if mode == "fork":
                 return mode, self._stage(files)
-            return mode, self._stage_arena(files, storage, written, wait=mode == "copy")
+            return mode, _reserve_arena(files, storage, held)
 
-        mode, prepared = run_agreed(prepare, "Preparing the async save")
+        try:
+            mode, prepared = run_agreed(prepare, "Preparing the async save")
+        except BaseException:
+            for done in held:
+                done()
+            raise
         if mode != "fork":
-            request = AsyncRequest(prepared[0], (), [finalize], resources=[self])
-            request.staged = prepared[1]
+            write, staged = self._stage_arena(prepared, storage, written, wait=mode == "copy")
+            request = AsyncRequest(write, (), [finalize], resources=[self])
+            request.staged = staged
             return request
         files = prepared
         # The writer's file staging buffers: the pool's (already touched), reserved for it.
@@ -223,22 +242,30 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             mode = "copy"
         return mode
 
-    def _stage_arena(self, files: Dict[str, List[SaveItem]], storage: Storage, written: Dict[str, Any],
+    def _stage_arena(self, reserved: "_Reserved", storage: Storage, written: Dict[str, Any],
                      wait: bool) -> Tuple[Callable[[], None], Staged]:
-        """Copy every tensor of ``files`` into a staging arena (:mod:`..staging`); returns
-        the request's ``async_fn`` (wait for the copies, then write from the persistent
-        writer, or from this thread where the storage needs it) and the copies' handle."""
-        tensors, offsets, size, plan = arena_plan(files)
-        arena = self._arenas.take(size)
-        done = written["release"] = self._arenas.hold(arena)
+        """Copy every tensor of the reserved plan into its arena (:mod:`..staging`; after the
+        call's last collective); returns the request's ``async_fn`` (wait for the copies,
+        then write from the persistent writer, or from this thread where the storage needs
+        it) and the copies' handle. A failure of the copies ends the arena's hold (once the
+        copies already queued are done) and is raised by that ``async_fn``."""
+        tensors, offsets, plan, arena, done, spec = reserved
         try:
             staged = stage(arena, tensors, offsets)
             if wait:
                 staged.wait()
+        except Exception as e:  # noqa: BLE001 - reported by the write, agreed at finalization
+            done()
+            error = CheckpointingException(f"Staging the async save on rank {get_rank()} failed: {error_message(e)}")
+
+            def failed() -> None:
+                raise error
+
+            return failed, Staged([], [])
         except BaseException:
             done()
             raise
-        spec = storage.process_spec()
+        del tensors, reserved  # the plan keeps no reference to the sources
         what = f"Writing {storage.describe()} on rank {get_rank()}"
         sink = written["sink"]
 
@@ -364,3 +391,21 @@ def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
 def _forget_arena(arena: StagingArena) -> None:
     """Tell this process's persistent writer (if it has ``arena``) to unmap it."""
     shared_worker().forget_arena(arena.id)
+
+
+#: the staging arenas of this process's async saves, shared by every strategy (a strategy
+#: built per save reuses them: pinned memory stays bounded)
+ARENAS = ArenaPool(_forget_arena)
+
+# (tensors, offsets, arena plan, arena, end of its hold, the storage's spec for the writer)
+_Reserved = Tuple[List[torch.Tensor], List[int], Dict[str, Any], StagingArena, Callable[[], None], Any]
+
+
+def _reserve_arena(files: Dict[str, List[SaveItem]], storage: Storage, held: List[Callable[[], None]]) -> _Reserved:
+    """Take (and pin, for CUDA tensors) an arena of the process's pool for ``files``; its
+    hold's end goes into ``held`` at once (for a caller whose agreement fails)."""
+    tensors, offsets, size, plan = arena_plan(files)
+    arena, done = ARENAS.take(size)
+    held.append(done)
+    arena.pin_for(tensors)
+    return tensors, offsets, plan, arena, done, storage.process_spec()
