@@ -475,11 +475,14 @@ _CHDIR_JOB = textwrap.dedent("""
     t = torch.arange(1000.0)
     os.chdir(os.path.join(base, "work"))
     if mode == "manager":
-        with CheckpointManager("root", save_interval_steps=1, async_save=True) as m:
+        with CheckpointManager("root", save_interval_steps=1, async_save=True, local_dir="local{node}",
+                               local_interval=1) as m:
             m.save(1, {"t": ShardedTensor.from_rank_offsets("t", t)})
             os.chdir(os.path.join(base, "elsewhere"))
+            m.save(2, {"t": ShardedTensor.from_rank_offsets("t", t)})
             m.wait_until_finished()
-        ckpt = os.path.join(base, "work", "root", "iter_0000001")
+        assert os.listdir(os.path.join(base, "work", "local0"))
+        ckpt = os.path.join(base, "work", "root", "iter_0000002")
     else:
         strategy = TorchDistSaveShardedStrategy(async_snapshot=mode)
         request = dc.save({"t": ShardedTensor.from_rank_offsets("t", t)}, "ckpt", strategy, async_sharded_save=True)

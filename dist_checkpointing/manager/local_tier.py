@@ -139,15 +139,19 @@ class LocalTier:
             raise CheckpointingException(
                 f"Local tier: replication_factor {replication_factor} needs as many nodes; there are {len(set(nodes))}")
         self.node_of_rank = nodes
-        self.node_dir = str(local_dir).format(node=nodes[self.rank], rank=self.rank)
-        if url_scheme(self.node_dir):
-            raise CheckpointingException(f"Local tier: local_dir must be a node-local path, not {self.node_dir!r}")
+        if url_scheme(str(local_dir)):
+            raise CheckpointingException(f"Local tier: local_dir must be a node-local path, not {str(local_dir)!r}")
+
+        def node_dir(r: int) -> str:  # absolute once: a later os.chdir never moves the copies
+            return os.path.abspath(str(local_dir).format(node=nodes[r], rank=r))
+
+        self.node_dir = node_dir(self.rank)
         self.sends_to = partners(nodes, self.rank, replication_factor - 1)
         self.receives_from = [r for r in range(self.world) if self.rank in partners(nodes, r, replication_factor - 1)]
         self.job, self.takeover = job, takeover
         # the first rank of those sharing this node-local directory cleans it up
         self.cleaner = next(r for r in range(self.world) if nodes[r] == nodes[self.rank]
-                            and str(local_dir).format(node=nodes[r], rank=r) == self.node_dir) == self.rank
+                            and node_dir(r) == self.node_dir) == self.rank
         run_agreed(self._check_writable, "Local tier")
         run_agreed(self._claim, "Local tier")
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None

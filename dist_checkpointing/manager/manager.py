@@ -122,6 +122,8 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self._root = os.fspath(root) if not isinstance(root, str) else root
+        if not url_scheme(self._root):  # absolute once: a later os.chdir never moves the checkpoints
+            self._root = os.path.abspath(self._root)
         self._storage_options = storage_options
         self.storage = self._open(self._root)
         self._rank = get_rank()

@@ -125,6 +125,9 @@ def _serve(jobs: Any, results: Any, parent: int, log_level: int, tensors: bool =
                 results.send((call_id, False, f"cannot send the result back: {error_message(e)}"))
 
 
+_DEATH_WAIT_S = 10.0  # a worker whose pipe broke under a send: how long it may take to exit
+
+
 class Job:
     """A call sent to the worker: :meth:`result` waits for its value; ``on_progress`` gets
     the byte reports the call sends (:func:`report_progress`), in the worker's result
@@ -258,7 +261,15 @@ class PersistentWorker:
             self._pending[job.call_id] = job
             try:
                 self._send(("call", job.call_id, fn, tuple(args), dict(kwargs or {})))
-            except Exception as e:  # noqa: BLE001 - unpicklable arguments, a dead pipe
+            except (BrokenPipeError, ConnectionResetError) as e:  # the worker died under the send
+                del self._pending[job.call_id]
+                try:
+                    code = self.process.wait(_DEATH_WAIT_S)
+                except (AttributeError, subprocess.TimeoutExpired):
+                    raise CheckpointingException(f"{what}: cannot send it to the persistent worker: "
+                                                 f"{error_message(e)}") from e
+                job._set(False, f"the persistent worker (pid {self.process.pid}) died (exit code {code})")
+            except Exception as e:  # noqa: BLE001 - unpicklable arguments
                 del self._pending[job.call_id]
                 raise CheckpointingException(f"{what}: cannot send it to the persistent worker: "
                                              f"{error_message(e)}") from e

@@ -249,10 +249,10 @@ class LocationTable:
         return out
 
     def data_file_sizes(self) -> Dict[str, int]:
-        """The size of each data file: where its last stored item ends."""
-        rows = np.flatnonzero(self.stored)
+        """The size of each data file: where its last written item ends (every location
+        written counts, also the repeated empty chunks ``.metadata`` leaves out)."""
         ends = np.zeros(len(self.files), dtype=np.int64)
-        np.maximum.at(ends, self.file[rows], self.offset[rows] + self.length[rows])
+        np.maximum.at(ends, self.file, self.offset + self.length)
         used = np.zeros(len(self.files), dtype=bool)
-        used[self.file[rows]] = True
+        used[self.file] = True
         return {self.files[f]: int(ends[f]) for f in np.flatnonzero(used)}
