@@ -20,7 +20,7 @@ Methods (sender / receiver):
   ``dist.recv`` into a preallocated buffer: the physical reference (what the wire does
   with the bytes alone), not a target;
 * ``ours_inplace@N`` (``--sweep-mib``) / ``ours_inplace@aloneK`` (``--sweep-alone-kib``):
-  ``ours_inplace`` with ``dist_checkpointing.transport.BUCKET_BYTES`` set to N MiB, or
+  ``ours_inplace`` with ``dist_checkpointing.transport.wire.BUCKET_BYTES`` set to N MiB, or
   ``ALONE_BYTES`` to K KiB, on both ranks (tuning sweeps; none by default).
 
 One untimed warm-up round runs every method once and checks that rank 1 received the values
@@ -74,7 +74,7 @@ TARGET = 3.0  # torch_inplace / ours_inplace, at least
 NUM_LARGE = 8
 LARGE_FRACTIONS = (0.25, 0.20, 0.15, 0.12, 0.10, 0.08, 0.06, 0.04)  # of the bytes left after the small ones
 TIMEOUT = timedelta(minutes=5)
-DEFAULT_BUCKET, DEFAULT_ALONE = transport.BUCKET_BYTES, transport.ALONE_BYTES
+DEFAULT_BUCKET, DEFAULT_ALONE = transport.wire.BUCKET_BYTES, transport.wire.ALONE_BYTES
 
 # ----------------------------------------------------------------------------- the state
 
@@ -276,7 +276,7 @@ class Rank:
     def run(self, method: str, check: bool) -> Dict[str, Any]:
         """One call of ``method`` between a barrier and the end of this rank's side."""
         # on both ranks (only the sender's sizes count: they travel with its metadata)
-        transport.BUCKET_BYTES, transport.ALONE_BYTES = transport_sizes(method)
+        transport.wire.BUCKET_BYTES, transport.wire.ALONE_BYTES = transport_sizes(method)
         if check:
             self.zero_destinations()
         TimedTransport.phases = {}
@@ -294,7 +294,7 @@ class Rank:
         dist.barrier()
         ok = self.verify(method) if (check and self.rank == 1) else None
         self.received = None
-        transport.BUCKET_BYTES, transport.ALONE_BYTES = DEFAULT_BUCKET, DEFAULT_ALONE
+        transport.wire.BUCKET_BYTES, transport.wire.ALONE_BYTES = DEFAULT_BUCKET, DEFAULT_ALONE
         out = {"s": elapsed, "extra_mib": mem.extra_mib, "verified": ok, "gc_s": gc_s, "gc_full": gc_full,
                "cpu_s": cpu_s}
         if "data_start" in ph:  # our receiver

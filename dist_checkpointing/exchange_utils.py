@@ -6,7 +6,7 @@ group size; :mod:`~dist_checkpointing.exchange.tensors` — how loaded tensors t
 :mod:`~dist_checkpointing.exchange.objects` — how loaded objects travel), so model code
 written for ``megatron.core.dist_checkpointing.exchange_utils`` ports by changing the
 import prefix. The exchange buffer sizes (``SMALL_SHARD_BYTES``, ``BUCKET_BYTES``,
-``ROUND_BYTES``) read and set here are those of :mod:`~dist_checkpointing.exchange.tensors`.
+``ROUND_BYTES``) live in :mod:`~dist_checkpointing.exchange.tensors`, where they are read.
 """
 
 from .exchange import tensors
@@ -33,17 +33,14 @@ from .exchange.tensors import (
     exchange_loaded_tensors_gather_rounds,
 )
 from .tensors.fp8 import is_float8tensor
-from .compat.forwarding import forward_settings
 
 __all__ = [
-    "EXCHANGE_ALGORITHMS", "BUCKET_BYTES", "ROUND_BYTES", "SMALL_SHARD_BYTES", "ShardDistribution", "ShardId",
+    "EXCHANGE_ALGORITHMS", "ShardDistribution", "ShardId",
     "ShardInfo", "check_exchange_algo", "collect_holders", "comm_device", "determine_main_replica_uniform_distribution",
     "distribute_shards_to_ranks", "distribution_from_summaries", "empty_tensor_for_exchange", "exchange_by_distribution",
     "exchange_loaded_objects_gather_object", "exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_object",
     "exchange_loaded_tensors_gather_rounds", "is_float8tensor", "local_object_keys", "local_tensor_summary",
     "object_loaders", "shard_id",
 ]
-
-forward_settings(__name__, tensors, ("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES"))
 
 _get_empty_tensor_for_exchange = empty_tensor_for_exchange  # Megatron-Core's private name, which its tests import

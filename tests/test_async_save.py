@@ -26,7 +26,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.strategies import async_utils, persistent_worker
+from dist_checkpointing.strategies import async_utils, forked_call, persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
@@ -898,7 +898,7 @@ _SCRIPT = textwrap.dedent("""
     import torch
     import dist_checkpointing as dc
     from dist_checkpointing import ShardedTensor
-    from dist_checkpointing.strategies import async_utils, persistent_worker
+    from dist_checkpointing.strategies import async_utils, forked_call, persistent_worker
     from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
     from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     ckpt, mode = sys.argv[1], sys.argv[2]
@@ -1323,10 +1323,10 @@ def test_forked_writer_runs_no_finalizer_of_the_parents_garbage():
 def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path):
     # A child can (rarely) hang inside fork in a multi-threaded process; the parent waits
     # for its start byte, kills one that does not start in time and forks again.
-    from dist_checkpointing.strategies import async_utils, persistent_worker
+    from dist_checkpointing.strategies import async_utils, forked_call, persistent_worker
 
     marker = tmp_path / "stalled"
-    orig = async_utils._run_child
+    orig = forked_call._run_child
 
     def run_child(fn, read_fd, write_fd):
         if not marker.exists():  # the first child never starts
@@ -1334,8 +1334,8 @@ def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path
             time.sleep(60)
         orig(fn, read_fd, write_fd)
 
-    monkeypatch.setattr(async_utils, "_run_child", run_child)
-    monkeypatch.setattr(async_utils, "FORK_START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(forked_call, "_run_child", run_child)
+    monkeypatch.setattr(forked_call, "FORK_START_TIMEOUT_S", 1.0)
     start = time.monotonic()
     call = ForkedCall(lambda: 42, "test")
     assert call.result() == 42 and marker.exists()
@@ -1344,8 +1344,8 @@ def test_forked_writer_that_does_not_start_is_forked_again(monkeypatch, tmp_path
     def never_starts(fn, read_fd, write_fd):
         time.sleep(60)
 
-    monkeypatch.setattr(async_utils, "_run_child", never_starts)
-    monkeypatch.setattr(async_utils, "FORK_START_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(forked_call, "_run_child", never_starts)
+    monkeypatch.setattr(forked_call, "FORK_START_TIMEOUT_S", 0.3)
     with pytest.raises(CheckpointingException, match="No forked writer started"):
         ForkedCall(lambda: 1, "test")
 

@@ -486,8 +486,8 @@ def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List
 
     if device == "cuda":
         torch.cuda.set_device(0)
-    old = transport.HOST_STAGING, transport.BUCKET_BYTES
-    transport.HOST_STAGING, transport.BUCKET_BYTES = staging, 256 << 10  # several buckets
+    old = transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES
+    transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES = staging, 256 << 10  # several buckets
     try:
         state = _transport_state(device)
         expected = [t.clone() for t in _tensors(state)]
@@ -513,7 +513,7 @@ def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List
                 if t.device != want.device or not _same_bytes(t, want)]
         return bad
     finally:
-        transport.HOST_STAGING, transport.BUCKET_BYTES = old
+        transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES = old
 
 
 @pytest.mark.parametrize("device", DEVICES)

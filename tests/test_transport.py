@@ -106,16 +106,16 @@ class _SpyPG:
 
 
 class _bucket:
-    """Set ``transport.BUCKET_BYTES`` inside a rank function (restored on exit)."""
+    """Set ``transport.wire.BUCKET_BYTES`` inside a rank function (restored on exit)."""
 
     def __init__(self, size: int):
         self.size, self.old = size, None
 
     def __enter__(self):
-        self.old, transport.BUCKET_BYTES = transport.BUCKET_BYTES, self.size
+        self.old, transport.wire.BUCKET_BYTES = transport.wire.BUCKET_BYTES, self.size
 
     def __exit__(self, *exc):
-        transport.BUCKET_BYTES = self.old
+        transport.wire.BUCKET_BYTES = self.old
 
 
 @contextlib.contextmanager
@@ -342,7 +342,7 @@ def test_views_send_only_their_elements(pool2):
 
 
 def test_plan_messages(monkeypatch):
-    monkeypatch.setattr(transport, "BUCKET_BYTES", SMALL_BUCKET)
+    monkeypatch.setattr(transport.wire, "BUCKET_BYTES", SMALL_BUCKET)
     half = SMALL_BUCKET // 2
     tensors = [torch.zeros(3, dtype=torch.bool), torch.zeros(5, dtype=torch.float64), torch.zeros(1, dtype=torch.uint8),
                torch.zeros(half - 1, dtype=torch.uint8), torch.zeros(half // 8, dtype=torch.float64),
@@ -355,7 +355,7 @@ def test_plan_messages(monkeypatch):
     meta = transport._Meta(None, columns)
     meta.plan()
     plan, offsets = meta.messages, meta.offsets
-    assert (plan, offsets) == transport._plan_messages(columns, SMALL_BUCKET, transport.ALONE_BYTES)
+    assert (plan, offsets) == transport._plan_messages(columns, SMALL_BUCKET, transport.wire.ALONE_BYTES)
     leaves = transport._LeafColumns(columns)
     seen: Dict[int, int] = {}
     for m, (size, members) in enumerate(plan):
@@ -415,7 +415,7 @@ def _many_small(rank: int, world_size: int, bucket: int) -> int:
 
 @pytest.mark.parametrize("bucket", [None, 64 << 10], ids=["default_bucket", "64KiB_bucket"])
 def test_many_small_tensors_travel_in_few_messages(bucket):
-    bucket = bucket or transport.BUCKET_BYTES
+    bucket = bucket or transport.wire.BUCKET_BYTES
     counts = get_pool(3).run(_many_small, bucket, timeout=POOL_TIMEOUT)
     least = math.ceil(2000 * 1024 / bucket)
     assert counts[0] == counts[1] == counts[2], counts
@@ -853,7 +853,7 @@ _CHILD = textwrap.dedent(r"""
         res["elapsed"] = time.monotonic() - start
         print("RESULT " + json.dumps({name: res}), flush=True)
 
-    transport.BUCKET_BYTES = 64 << 10
+    transport.wire.BUCKET_BYTES = 64 << 10
     state = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(40)}  # 40 x 256 KiB, each alone
     if rank == 1:  # sender to rank 0 that exits after 5 data messages
         orig, sent = transport.PGTransport._send, [0]
@@ -1114,11 +1114,11 @@ class _staging:
         self.values, self.old = (on, limit), None
 
     def __enter__(self):
-        self.old = transport.HOST_STAGING, transport.STAGING_BYTES
-        transport.HOST_STAGING, transport.STAGING_BYTES = self.values
+        self.old = transport.wire.HOST_STAGING, transport.wire.STAGING_BYTES
+        transport.wire.HOST_STAGING, transport.wire.STAGING_BYTES = self.values
 
     def __exit__(self, *exc):
-        transport.HOST_STAGING, transport.STAGING_BYTES = self.old
+        transport.wire.HOST_STAGING, transport.wire.STAGING_BYTES = self.old
 
 
 def _staged_state(seed: int) -> Dict[str, Any]:

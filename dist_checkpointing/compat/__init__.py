@@ -1,3 +1,3 @@
-"""Old names keep working: module-level settings read and set through a module other than
-the one whose code reads them (:mod:`.forwarding`), and module paths of earlier versions
-that moved into packages (:mod:`.moved`)."""
+"""Old names keep working: module paths of earlier versions that moved into packages
+(:mod:`.moved`: the same module under both names). Settings are never forwarded between
+modules: each lives where the code reads it."""

@@ -24,7 +24,6 @@ MOVED: Dict[str, str] = {
     "dtensor": "tensors.dtensor",
     "bytes_view": "tensors.bytes_view",
     "collectives": "exchange.collectives",
-    "forwarding": "compat.forwarding",
     "convert": "tools.convert",
     "safetensors_stream": "tools.safetensors_stream",
     "whole_tensors": "tools.whole_tensors",

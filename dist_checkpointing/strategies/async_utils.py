@@ -193,9 +193,7 @@ class AsyncCallsQueue:
             self._worker._jobs.put(None)  # let the daemon thread end; nothing is finalized
 
 
-# Megatron-Core's names in this module: the async callers, and the forked calls' settings
+# Megatron-Core's names in this module: the async callers (the forked calls' settings live in
+# :mod:`.forked_call`, where they are read)
 from .async_callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc  # noqa: E402,F401
 _set_process_qos = set_process_qos  # Megatron-Core's name (Megatron-LM lowers its deletion worker's priority with it)
-from ..compat.forwarding import forward_settings  # noqa: E402
-
-forward_settings(__name__, forked_call, ["FORK_START_TIMEOUT_S", "_run_child"])

@@ -45,18 +45,15 @@ The package: :mod:`.leaves` (describing leaves), :mod:`.plan` (the data messages
 :mod:`.wire` (header, tags, tuning sizes, the metadata message), :mod:`.copies` (packing
 and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.staging`,
 :mod:`.protocol` (:class:`PGTransport`,
-:func:`recover_from_peer`). The tuning settings are set here as before
-(``dist_checkpointing.transport.BUCKET_BYTES = ...``, also ``ALONE_BYTES``, ``HOST_STAGING``,
-``STAGING_BYTES``) and take effect in :mod:`.wire`.
+:func:`recover_from_peer`). The tuning settings live in :mod:`.wire`, where they are read
+(``dist_checkpointing.transport.wire.BUCKET_BYTES = ...``, also ``ALONE_BYTES``,
+``HOST_STAGING``, ``STAGING_BYTES``).
 """
 
 from . import wire
-from ..compat.forwarding import forward_settings
 from .leaves import _Columns, _LeafColumns
 from .plan import _plan_messages
 from .protocol import PGTransport, recover_from_peer
 from .wire import _TAG_DATA, _TAG_GO, _TAG_HEADER, PROTOCOL_VERSION, _decode_meta, _encode_meta, _Meta, _segments
 
-__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "HOST_STAGING", "PROTOCOL_VERSION", "STAGING_BYTES", "PGTransport", "recover_from_peer"]
-
-forward_settings(__name__, wire, ("BUCKET_BYTES", "ALONE_BYTES", "HOST_STAGING", "STAGING_BYTES"))
+__all__ = ["PROTOCOL_VERSION", "PGTransport", "recover_from_peer", "wire"]
