@@ -9,7 +9,6 @@ import prefix. The exchange buffer sizes (``SMALL_SHARD_BYTES``, ``BUCKET_BYTES`
 ``ROUND_BYTES``) live in :mod:`~dist_checkpointing.exchange.tensors`, where they are read.
 """
 
-from .exchange import tensors
 from .exchange.distribution import (
     ShardDistribution,
     ShardId,

@@ -14,12 +14,7 @@ fsspec knows) with optional ``storage_options`` for its client, or a
 from __future__ import annotations
 
 import logging
-import math
-import sys
-import time
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
-
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from .exchange.collectives import broadcast_object, check_whole_world, error_message, get_rank, run_agreed
 from .core import (
@@ -35,7 +30,7 @@ from .core import (
 from .readers import (
     CONTENT_METADATA_KEY,
     CkptDir,
-    CkptShardedMetadata,
+    CkptShardedMetadata,  # noqa: F401 - Megatron-Core's name in this module
     get_default_load_sharded_strategy,
     load_common,
     load_common_state_dict,
@@ -64,11 +59,11 @@ from .mapping import (
     StateDict,
     apply_factories,
     apply_factory_merges,
-    is_main_replica,
 )
+from .phases import Phases, ProgressCallback, local_bytes
 from .strategies.async_request import AsyncRequest
 from .strategies.async_strategies import check_async_strategy
-from .strategies.progress import ByteSink, reporting_bytes
+from .strategies.progress import reporting_bytes
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
 from .strategies.torch_dist.format import METADATA_FNAME
@@ -97,109 +92,6 @@ __all__ = [
     "load_sharded_metadata", "load_plain_tensors", "load_content_metadata", "remove_sharded_tensors",
     "get_default_save_sharded_strategy", "get_default_save_common_strategy", "get_default_load_sharded_strategy",
 ]
-
-
-# ----------------------------------------------------------------------------- timing
-
-ProgressCallback = Callable[[Dict[str, Any]], None]
-
-
-def _local_bytes(sharded: ShardedStateDict, main_only: bool) -> int:
-    """Bytes of this rank's ShardedTensors (only main replicas when ``main_only``)."""
-    total = 0
-    for sh in nested_values(sharded):
-        if isinstance(sh, ShardedTensor) and (not main_only or is_main_replica(sh.replica_id)):
-            rng = sh.flattened_range
-            total += (rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)) * sh.dtype.itemsize
-    return total
-
-
-class _Phases:
-    """Per-phase wall time of one save/load, reported to the callback as each phase ends
-    and logged as one line at the end."""
-
-    def __init__(self, callback: Optional[ProgressCallback], progress_bar: Optional[bool] = None):
-        self.callback = callback
-        self.start = self._last = time.perf_counter()
-        self.seconds: Dict[str, float] = {}
-        self.nbytes = 0
-        # a tqdm bar on rank 0: when asked for, or (shown after a second) when stderr is a terminal
-        self._bar_delay = 0.0 if progress_bar else 1.0
-        self._want_bar = get_rank() == 0 and (progress_bar if progress_bar is not None else _stderr_is_terminal())
-        self._bar: Any = None
-
-    @contextmanager
-    def metering(self) -> Iterator[None]:
-        """Within the block, the strategy's bytes written / read are reported as they go
-        (:meth:`_bytes`): to the callback, and to the bar."""
-        if self.callback is None and not self._want_bar:
-            yield
-            return
-        try:
-            with reporting_bytes(self._bytes):
-                yield
-        finally:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
-
-    def background_sink(self) -> Optional[ByteSink]:
-        """The sink of an async save's background write: the callback only (a bar would
-        cut into the training's output after ``save`` has returned)."""
-        return self._callback_bytes if self.callback is not None else None
-
-    def _bytes(self, phase: str, done: int, total: int) -> None:
-        """A byte report of the strategy (from any of its threads, in order)."""
-        if self._want_bar:
-            if self._bar is None:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=phase, unit="B", unit_scale=True, unit_divisor=1024,
-                                 file=sys.stderr, delay=self._bar_delay, leave=False)
-            self._bar.total = total
-            self._bar.update(done - self._bar.n)
-        self._callback_bytes(phase, done, total)
-
-    def _callback_bytes(self, phase: str, done: int, total: int) -> None:
-        if self.callback is None:
-            return
-        try:
-            self.callback({"phase": phase, "bytes_done": done, "bytes_total": total,
-                           "elapsed": time.perf_counter() - self.start})
-        except Exception:  # noqa: BLE001 - a broken callback must not break the write
-            logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
-
-    def end(self, phase: str, inner: Optional[Dict[str, float]] = None) -> None:
-        now = time.perf_counter()
-        elapsed = now - self._last
-        self._last = now
-        if inner:  # a strategy's own split of this phase (e.g. read + exchange)
-            for name, seconds in inner.items():
-                self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-            rest = elapsed - sum(inner.values())
-            if rest > 0:
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + rest
-        else:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
-        if self.callback is not None:
-            try:
-                self.callback({"phase": phase, "seconds": elapsed, "bytes": self.nbytes,
-                               "elapsed": now - self.start})
-            except Exception:  # noqa: BLE001 - a broken callback must not split the ranks
-                logger.warning("progress_callback raised during phase %r (ignored)", phase, exc_info=True)
-
-    def log(self, what: str, checkpoint_dir: CkptDir) -> None:
-        total = time.perf_counter() - self.start
-        split = ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
-        logger.debug("%s %s: %.1f MiB on this rank in %.3f s (%.2f GB/s; %s)", what, checkpoint_dir,
-                    self.nbytes / 2**20, total, self.nbytes / max(total, 1e-9) / 1e9, split)
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed stderr
-        return False
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -375,7 +267,7 @@ def save(
     save here is always this library's own (:mod:`.strategies.async_utils`).
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
-    phases = _Phases(progress_callback, progress_bar)
+    phases = Phases(progress_callback, progress_bar)
     rank = get_rank()
 
     def prepare():
@@ -394,7 +286,7 @@ def save(
             sh.validate_metadata_integrity()
             if isinstance(sh, ShardedTensor) and sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-        phases.nbytes = _local_bytes(sharded, main_only=True)
+        phases.nbytes = local_bytes(sharded, main_only=True)
         refuse_unkept_names(open_storage(checkpoint_dir), [*SAVED_FILE_NAMES, *sharded_strategy_.data_file_names(rank)],
                             "Saving the checkpoint")
         return sharded_strategy_, common_strategy_, sharded, common
@@ -506,7 +398,7 @@ def load(
     check_whole_world(process_group, "load")
     strict = parse_strict_flag(strict)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
-    phases = _Phases(progress_callback, progress_bar)
+    phases = Phases(progress_callback, progress_bar)
     if verify_integrity is not False:
         verify_manifest(checkpoint_dir, required=bool(verify_integrity))  # collective
 
@@ -515,7 +407,7 @@ def load(
         sharded_strategy_ = sharded_load_strategy(config, sharded_strategy)
         common = load_common(config, checkpoint_dir, common_strategy, sharded_strategy_)
         sharded, _, nonpersistent = _split_state_dict(sharded_state_dict)
-        phases.nbytes = _local_bytes(sharded, main_only=False)
+        phases.nbytes = local_bytes(sharded, main_only=False)
         return sharded_strategy_, common, sharded, nonpersistent
 
     sharded_strategy_, common, sharded, nonpersistent = run_agreed(prepare, "Preparing the load")

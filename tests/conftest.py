@@ -29,6 +29,17 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def pytest_sessionstart(session):
+    """Print the random order's seed (pytest-randomly, from the ``[test]`` extra) even under
+    ``-q``, so a failing order can be replayed."""
+    config = session.config
+    seed = getattr(config.option, "randomly_seed", None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and reporter is not None and not hasattr(config, "workerinput"):
+        reporter.write_line(f"random test order, seed {seed} (replay it: add "
+                            f"-p randomly --randomly-seed={seed})")
+
+
 def get_pool(world_size: int) -> DistPool:
     """The session's pool of ``world_size`` gloo ranks (started on first use)."""
     if world_size not in _POOLS:

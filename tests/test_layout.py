@@ -19,7 +19,7 @@ ROOT = Path(dist_checkpointing.__file__).resolve().parent
 # Megatron-Core 0.15's modules, this library's entry points, and its packages (one concept each)
 MEGATRON_CORE = {"core", "dict_utils", "exchange_utils", "mapping", "optimizer", "serialization", "state_dict_utils",
                  "tensor_aware_state_dict", "utils", "validation", "strategies"}
-ENTRY_POINTS = {"__init__", "__main__", "cli", "megatron", "readers"}
+ENTRY_POINTS = {"__init__", "__main__", "cli", "megatron", "readers", "phases"}
 PACKAGES = {"storage", "exchange", "transport", "manager", "integrity", "tensors", "tools", "compat"}
 
 

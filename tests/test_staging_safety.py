@@ -40,7 +40,6 @@ from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedSt
 from .collective_counter import _RECEIVED
 from .conftest import get_pool
 from .fp8_fake import FakeFloat8Tensor
-from .helpers import assert_all_raise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()
