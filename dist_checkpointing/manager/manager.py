@@ -15,10 +15,10 @@ import json
 import logging
 import os
 from contextlib import ExitStack
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .. import serialization
-from ..exchange.collectives import broadcast_object, error_message, get_rank, run_agreed, run_agreed_with_flags
+from ..exchange.collectives import broadcast_object, get_rank, run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException, open_storage
 from ..mapping import ShardedStateDict, StateDict
 from ..integrity.overlap import refuse_overlap
@@ -26,6 +26,7 @@ from ..storage import Storage, url_scheme
 from ..integrity.stored_names import refuse_unkept_names
 from ..strategies.async_utils import AsyncCallsQueue
 from ..validation import StrictHandling
+from .agreement import check_step, decided_on_rank0, same_on_every_rank, step_flags
 from .crash import crash_point
 from .layout import (
     CONTENT_KEY, INDEX_FNAME, RELEASE, TRACKER_FNAME, Metrics, config_name, recorded_metrics, read_index, scan_root,
@@ -40,40 +41,7 @@ from .worker import RootWorker
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Location = Union[str, "os.PathLike[str]"]
-
-
-def _decided_on_rank0(fn: Callable[[], T], what: str) -> T:
-    """Run ``fn`` on rank 0 and return its result on every rank, or raise its error on every
-    rank (one broadcast)."""
-    outcome: Tuple[Optional[str], Any] = (None, None)
-    if get_rank() == 0:
-        try:
-            outcome = (None, fn())
-        except Exception as e:  # noqa: BLE001 - broadcast to every rank
-            outcome = (error_message(e), None)
-    error, result = broadcast_object(outcome)
-    if error is not None:
-        raise CheckpointingException(error if error.startswith("CheckpointManager") else f"{what}: {error}")
-    return result
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-        raise CheckpointingException(f"CheckpointManager: a step is a non-negative integer below 2**63, not {step!r}")
-    return step
-
-
-def _step_flags(step: int) -> List[int]:
-    """The bytes of ``step`` and their complements: after an element-wise max over the
-    ranks, each pair sums to 255 only if every rank passed the same step."""
-    raw = step.to_bytes(8, "little")
-    return list(raw) + [255 - b for b in raw]
-
-
-def _same_on_every_rank(agreed: List[int]) -> bool:
-    return all(a + b == 255 for a, b in zip(agreed[:8], agreed[8:16]))
 
 
 class CheckpointManager:
@@ -133,7 +101,7 @@ class CheckpointManager:
         self._pending: Optional[int] = None  # the step being saved (async: until finalized)
         self._closed = False
         self._steps: Dict[int, Metrics]  # complete checkpoints kept: step -> metrics
-        self._steps, leftovers = _decided_on_rank0(self._open_root,
+        self._steps, leftovers = decided_on_rank0(self._open_root,
                                                    f"Opening checkpoint root {self.storage.describe()}")
         if self._rank == 0:
             self._worker = RootWorker(self.storage, self._child)
@@ -146,7 +114,7 @@ class CheckpointManager:
         if local_dir is not None:
             check_positive("local_interval", local_interval)
             try:
-                job = _decided_on_rank0(lambda: {"root": normalise_root(self._root), "run": load_run_id(self.storage)},
+                job = decided_on_rank0(lambda: {"root": normalise_root(self._root), "run": load_run_id(self.storage)},
                                         "Two-tier mode")
                 self.local = LocalTier(os.fspath(local_dir), local_interval, replication_factor, node_of_rank,
                                        snapshot=local_snapshot, job=job, takeover=local_takeover)
@@ -233,7 +201,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a save step: on the interval and newer than every checkpoint
         (complete or in flight)."""
-        step = _check_step(step)
+        step = check_step(step)
         newest = max([*self._steps, *([self._pending] if self._pending is not None else [])], default=-1)
         on_interval = self.save_interval_steps is None or step % self.save_interval_steps == 0
         return on_interval and step > newest
@@ -289,11 +257,11 @@ class CheckpointManager:
         is an error. An earlier async save is finalized first (its failure is raised here).
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         self._finalize(blocking=True)
         (do_save, metrics), agreed = run_agreed_with_flags(
-            lambda: self._decide_save(step, metrics, force), lambda _: _step_flags(step), f"Saving step {step}")
-        if not _same_on_every_rank(agreed):
+            lambda: self._decide_save(step, metrics, force), lambda _: step_flags(step), f"Saving step {step}")
+        if not same_on_every_rank(agreed):
             raise CheckpointingException(
                 f"CheckpointManager: the ranks pass different steps to save (rank {self._rank}: step {step})")
         metrics = broadcast_object(metrics) if do_save else None  # rank 0's (a local-only step records none)
@@ -425,7 +393,7 @@ class CheckpointManager:
             if latest is None:
                 raise CheckpointingException(f"CheckpointManager: no complete checkpoint in {self.storage.describe()}")
             return latest
-        step = _check_step(step)
+        step = check_step(step)
         if step not in self._steps:
             raise CheckpointingException(
                 f"CheckpointManager: step {step} is not a complete checkpoint of {self.storage.describe()} "
@@ -467,7 +435,7 @@ class CheckpointManager:
                 held.enter_context(self._worker.loading(step_dir(chosen)))
                 return chosen
 
-            chosen = _decided_on_rank0(pick_and_hold, "Loading")
+            chosen = decided_on_rank0(pick_and_hold, "Loading")
             result = serialization.load(sharded_state_dict, self._checkpoint_dir(chosen), strict=strict)
             run_agreed(lambda: None, "Loading")  # every rank is done reading
         self.restored_from = ("persistent", chosen)
