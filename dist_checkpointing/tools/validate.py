@@ -4,7 +4,6 @@ instead of raising. Tensors are read whole, one at a time."""
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from ..integrity.manifest import MANIFEST_FNAME, manifest_problems
 from ..mapping import ShardedObject
 from ..readers import get_default_load_sharded_strategy
 from ..storage import Storage, StorageOptions
+from ..strategies.coverage import coverage_faults
 from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
 from .whole_tensors import TensorReader
@@ -38,22 +38,14 @@ class ValidationReport:
 
 
 def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[str]:
+    """Chunks outside the tensor, and every box of it stored in no chunk or in several
+    (:func:`~..strategies.coverage.coverage_faults`: what a load of it refuses)."""
     problems = []
     for offsets, sizes in chunks:
         if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             problems.append(f"tensor {key!r}: chunk at {offsets} of size {sizes} lies outside the shape {shape}")
-    volume = sum(math.prod(sizes) for _, sizes in chunks)
-    if volume != math.prod(shape):
-        problems.append(f"tensor {key!r}: its chunks hold {volume} elements, the tensor has {math.prod(shape)}")
-    if len(chunks) <= 4096:  # pairwise overlap check (exact cover = right volume and no overlap)
-        ordered = sorted(chunks)
-        for i, (o1, s1) in enumerate(ordered):
-            for o2, s2 in ordered[i + 1:]:
-                if o2[0] >= o1[0] + s1[0]:
-                    break
-                if all(a < b + t and b < a + s for a, s, b, t in zip(o1, s1, o2, s2)):
-                    problems.append(f"tensor {key!r}: chunks at {o1} and {o2} overlap")
-    return problems
+    faults = coverage_faults(((0,) * len(shape), shape), [c for c in chunks if len(c[0]) == len(shape)])
+    return problems + [f"tensor {key!r} of shape {shape}: {fault.describe()}" for fault in faults]
 
 
 def _stored_problem(items: StoredItems, what: str, location: Optional[StoredRange]) -> Optional[str]:
