@@ -19,7 +19,7 @@ from .exchange.collectives import (
     all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, exchange_objects, get_rank,
     get_world_size, run_agreed, run_agreed_with_flags,
 )
-from .core import CheckpointingException
+from .core import CheckpointingException, check_key
 from .integrity.manifest import MANIFEST_FNAME as INTEGRITY_FNAME  # noqa: F401 - Megatron-Core 0.19's names
 from .integrity.manifest import save_integrity_manifest, verify_integrity_manifest  # noqa: F401
 from .dict_utils import diff, extract_matching_values, nested_values
@@ -119,6 +119,8 @@ class _KeySummary:
 def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
     out: Dict[str, _KeySummary] = {}
     for sh in items:
+        if isinstance(sh, ShardedBase):
+            check_key(sh.key, type(sh).__name__)
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
             # flattened slices must tile every chunk: check them in the reformulated space
             shape, offsets, sizes = sh.reformulated_region()

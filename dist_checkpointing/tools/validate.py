@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
-from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
+from ..core import (CheckpointingConfig, CheckpointingException, checkpoint_location, load_config, malformed,
+                    open_storage)
 from ..integrity.manifest import MANIFEST_FNAME, manifest_problems
+from ..integrity.save_claim import CLAIM_FNAME, describe_claim
 from ..mapping import ShardedObject
 from ..readers import get_default_load_sharded_strategy
 from ..storage import Storage, StorageOptions
 from ..strategies.coverage import coverage_faults
-from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
+from ..strategies.base import LoadShardedStrategy, StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
 from .whole_tensors import TensorReader
 from .output import PathLike, Progress
@@ -46,6 +48,19 @@ def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tupl
             problems.append(f"tensor {key!r}: chunk at {offsets} of size {sizes} lies outside the shape {shape}")
     faults = coverage_faults(((0,) * len(shape), shape), [c for c in chunks if len(c[0]) == len(shape)])
     return problems + [f"tensor {key!r} of shape {shape}: {fault.describe()}" for fault in faults]
+
+
+def _leftovers(checkpoint_dir: Union[Path, Storage]) -> List[str]:
+    """Notes on what a save leaves that loads ignore: its claim (a save stopped between its
+    commit and removing the claim) and the temporary files of atomic writes."""
+    storage = open_storage(checkpoint_dir)
+    names = storage.list()
+    notes = [f"{storage.describe(name)} is left from a save that stopped while writing it (loads ignore it)"
+             for name in sorted(names) if name.startswith(".") and name.endswith(".tmp")]
+    if CLAIM_FNAME in names:
+        notes.append(f"{storage.describe(CLAIM_FNAME)} is left ({describe_claim(storage)}): the save committed but did "
+                     "not remove its claim; loads ignore it, a save into this directory is refused")
+    return notes
 
 
 def _stored_problem(items: StoredItems, what: str, location: Optional[StoredRange]) -> Optional[str]:
@@ -100,6 +115,18 @@ def _validate(checkpoint_dir: Union[Path, Storage], report: ValidationReport, pr
     # What load would refuse (an unknown backend or version) is a problem here too.
     strategy = get_default_load_sharded_strategy(checkpoint_dir)
     items = strategy.stored_items(checkpoint_dir)
+    # damage of other files loads read (an index) does not stop the items' checks: reported after them
+    file_problems, notes = strategy.stored_file_problems(checkpoint_dir)
+    report.notes += notes + _leftovers(checkpoint_dir)
+    try:
+        _check_items(checkpoint_dir, config, strategy, items, report, progress)
+    finally:
+        report.problems += file_problems
+
+
+def _check_items(checkpoint_dir: Union[Path, Storage], config: CheckpointingConfig, strategy: LoadShardedStrategy,
+                 items: StoredItems, report: ValidationReport, progress: Optional[Progress]) -> None:
+    """Check the catalog's sizes and coverage, then read every item."""
     if not items.located:
         report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool "
                                f"({type(strategy).__name__} does not say where it stores its items)")

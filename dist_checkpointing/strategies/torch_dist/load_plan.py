@@ -19,7 +19,7 @@ from ..dcp_types import (
     TensorStorageMetadata,
 )
 
-from ...core import CheckpointingException
+from ...core import CheckpointingException, check_key
 from ...dict_utils import nested_values
 from ...tensors.fp8 import fill_float8_, is_float8tensor
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor
@@ -125,6 +125,8 @@ def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoi
     post_copies: List[Callable[[], Any]] = []
     object_reads: Dict[int, ObjectRead] = {}
     for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, (ShardedTensor, ShardedObject)):
+            check_key(sh.key, f"Loading {type(sh).__name__}")
         if isinstance(sh, ShardedTensor):
             reads, copies = plan_tensor(sh, metadata, checkpoint_dir, scratch, strict_dtypes)
             tensor_reads.extend(reads)
