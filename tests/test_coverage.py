@@ -16,7 +16,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.cli import main as cli_main
-from dist_checkpointing.strategies.coverage import coverage_faults
+from dist_checkpointing.strategies.coverage import coverage_faults, tiles
 from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from dist_checkpointing.tools import validate_checkpoint
 
@@ -114,6 +114,11 @@ def test_coverage_faults_are_boxes():
     grid = [((i * 4, j * 8), (4, 8)) for i in range(64) for j in range(64)]
     assert coverage_faults(((0, 0), (256, 512)), grid) == []
     assert len(coverage_faults(((0,), (100,)), [((2 * i,), (1,)) for i in range(50)], limit=3)) == 3
+    # the quick confirmation never accepts what the sweep refuses
+    assert tiles(((0, 0), (8, 8)), [((0, 0), (4, 8)), ((4, 0), (4, 8))])
+    assert not tiles(((0,), (10,)), [((0,), (4,)), ((8,), (2,)), ((2,), (4,))])  # same volume, overlapping
+    assert not tiles(((0,), (40,)), [((i,), (1,)) for i in range(40)])  # many: left to the sweep
+    assert coverage_faults(((0,), (40,)), [((i,), (1,)) for i in range(40)]) == []
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -7,12 +7,14 @@ dimensions.
 A sweep along the first axis cuts the region into slabs at the chunks' boundaries; each
 slab's cross-section is checked the same way against the chunks spanning the slab, down
 to the last axis. For chunks on a grid (what every save writes) this costs about
-``n log n`` for ``n`` chunks overlapping the region; one chunk holding the whole region
-(a load in the layout of the save) costs nothing more than the intersection.
+``n log n`` for ``n`` chunks overlapping the region. A few chunks (a load in the layout of
+the save, or resharded from a similar one) are confirmed pair by pair, and the sweep runs
+only to describe what is wrong.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -43,9 +45,21 @@ def coverage_faults(region: Region, chunks: Sequence[Region], limit: int = 8) ->
     if any(s <= 0 for s in region[1]):
         return []
     boxes = [box for box in (intersect(region, (tuple(c[0]), tuple(c[1]))) for c in chunks) if box is not None]
-    if len(boxes) == 1 and boxes[0] == region:
+    if tiles(region, boxes):
         return []
     return [CoverageFault(*fault) for fault in _faults(region, boxes, 0, max(1, limit))]
+
+
+_PAIRWISE = 16  # up to this many chunks, a cover is confirmed pair by pair (cheaper than the sweep)
+
+
+def tiles(region: Region, boxes: Sequence[Region]) -> bool:
+    """Whether ``boxes`` (each inside ``region``) store every element of it exactly once,
+    when that is quick to confirm: they hold as many elements and no two of them overlap
+    (``False`` for more than a few boxes: :func:`coverage_faults` decides then)."""
+    if len(boxes) > _PAIRWISE or sum(math.prod(b[1]) for b in boxes) != math.prod(region[1]):
+        return False
+    return len(boxes) == 1 or not any(intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def describe_faults(faults: Sequence[CoverageFault]) -> str:

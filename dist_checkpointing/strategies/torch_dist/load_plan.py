@@ -33,7 +33,7 @@ from ..resharding import (
     linear_index,
     relative_slices,
 )
-from ..coverage import coverage_faults, describe_faults
+from ..coverage import coverage_faults, describe_faults, tiles
 from .format import original_global_shape
 
 
@@ -222,7 +222,7 @@ def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metada
         overlaps.append(overlap)
         reads.append(TensorRead(sh.key, storage, chunk, md.properties.dtype, dest, request[0], overlap))
     checked = intersect(request, ((0,) * len(md.size), tuple(md.size))) if sh.allow_shape_mismatch else request
-    if checked is not None and not (len(overlaps) == 1 and overlaps[0] == checked):
+    if checked is not None and not tiles(checked, overlaps):
         faults = coverage_faults(checked, overlaps)
         if faults:
             layout = "" if original_global_shape(metadata, sh.key) is None else \
