@@ -110,7 +110,8 @@ def test_coverage_faults_are_boxes():
     assert [(f.offsets, f.sizes, f.count) for f in gap] == [((2, 2), (2, 2), 0)]
     triple = coverage_faults(((0,), (4,)), [((0,), (4,)), ((1,), (2,)), ((1,), (1,))])
     assert [(f.offsets, f.sizes, f.count) for f in triple] == [((1,), (1,), 3), ((2,), (1,), 2)]
-    assert [f.count for f in coverage_faults(((), ()), [((), ()), ((), ())])] == [2]
+    scalar = coverage_faults(((), ()), [((), ()), ((), ())])
+    assert [f.count for f in scalar] == [2] and scalar[0].describe() == "the element (a 0-d tensor) is stored in 2 chunks"
     grid = [((i * 4, j * 8), (4, 8)) for i in range(64) for j in range(64)]
     assert coverage_faults(((0, 0), (256, 512)), grid) == []
     assert len(coverage_faults(((0,), (100,)), [((2 * i,), (1,)) for i in range(50)], limit=3)) == 3

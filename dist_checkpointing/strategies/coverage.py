@@ -34,7 +34,8 @@ class CoverageFault:
     def describe(self) -> str:
         """E.g. ``elements [6:8] are stored in no chunk`` (``[a:b, c:d]`` for each axis)."""
         box = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
-        return f"elements {box} are stored in {'no chunk' if self.count == 0 else f'{self.count} chunks'}"
+        what = f"elements {box} are" if self.offsets else "the element (a 0-d tensor) is"
+        return f"{what} stored in {'no chunk' if self.count == 0 else f'{self.count} chunks'}"
 
 
 def coverage_faults(region: Region, chunks: Sequence[Region], limit: int = 8) -> List[CoverageFault]:
