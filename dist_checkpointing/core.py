@@ -82,6 +82,31 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def key_problem(key: Any) -> Optional[str]:
+    """Why ``key`` cannot be a key of a checkpoint (``None`` if it can): the one rule for
+    every key on every surface (save, load, ``.metadata`` and its index, the tools, the
+    transport). A key is a string of strict UTF-8 text: a lone surrogate (what
+    ``os.fsdecode`` makes of a name that is not UTF-8, e.g. ``'w\\udcff'``) cannot be
+    written to UTF-8 files (JSON indexes, safetensors headers) nor read back as written."""
+    if not isinstance(key, str):
+        return f"key {key!r:.100} is a {type(key).__name__}, not a string"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"key {key!r:.200} is not valid UTF-8 text (a lone surrogate {key[e.start]!r} at position "
+                f"{e.start}, e.g. from os.fsdecode of a name that is not UTF-8); keys must be UTF-8 text")
+    return None
+
+
+def check_key(key: Any, where: str = "") -> str:
+    """``key`` if it passes :func:`key_problem`; otherwise raise :class:`CheckpointingException`
+    naming it (after ``where``, e.g. ``"ShardedTensor"`` or a file)."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise CheckpointingException(f"{where}: {problem}" if where else problem[0].upper() + problem[1:])
+    return key
+
+
 @contextmanager
 def malformed(what: str) -> Iterator[None]:
     """Turn any error but a CheckpointingException into one naming ``what``: a damaged or

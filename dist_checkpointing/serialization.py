@@ -22,6 +22,7 @@ from .core import (
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
+    check_key,
     checkpoint_location,
     load_config,
     open_storage,
@@ -131,6 +132,8 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
     apply_factories(sd)
     nonpersistent, rest = extract_matching_values(sd, lambda v: isinstance(v, LocalNonpersistentObject))
     sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase))
+    for sh in nested_values(sharded):
+        check_key(sh.key, type(sh).__name__)
     hidden = find_anywhere(common, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)) or is_dtensor(v))
     if hidden is not None:
         path, value, container = hidden

@@ -1,4 +1,5 @@
-"""Load strictness (:class:`StrictHandling`) and checks on what is saved and loaded."""
+"""Load strictness (:class:`StrictHandling`) and checks on what is saved and loaded (the
+common state's comparison across ranks lives in :mod:`.common_state`)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-import torch
 import torch.distributed as dist
 
-from .tensors.bytes_view import as_bytes
 from .exchange.collectives import (
-    all_gather_object, all_reduce_max_uint8, broadcast_object, error_message, exchange_objects, get_rank,
-    get_world_size, run_agreed, run_agreed_with_flags,
+    all_gather_object, all_reduce_max_uint8, exchange_objects, get_rank, get_world_size, run_agreed_with_flags,
 )
-from .core import CheckpointingException
+from .core import CheckpointingException, check_key
 from .integrity.manifest import MANIFEST_FNAME as INTEGRITY_FNAME  # noqa: F401 - Megatron-Core 0.19's names
 from .integrity.manifest import save_integrity_manifest, verify_integrity_manifest  # noqa: F401
-from .dict_utils import diff, extract_matching_values, nested_values
+from .common_state import check_common_state_consistency
+from .dict_utils import extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
@@ -119,6 +118,8 @@ class _KeySummary:
 def _summaries(items: Iterable[Any]) -> Dict[str, _KeySummary]:
     out: Dict[str, _KeySummary] = {}
     for sh in items:
+        if isinstance(sh, ShardedBase):
+            check_key(sh.key, type(sh).__name__)
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
             # flattened slices must tile every chunk: check them in the reformulated space
             shape, offsets, sizes = sh.reformulated_region()
@@ -272,12 +273,31 @@ def _layout_digest(local: Dict[str, _KeySummary], group: Optional[Any]) -> bytes
     return hashlib.blake2b(pickle.dumps(listed), digest_size=16).digest()
 
 
+def _problems(combined: Dict[str, _Combined], allow_gaps: bool) -> List[str]:
+    """The verdicts on the keys of ``combined`` that fail, by key."""
+    problems = []
+    for name in sorted(combined):
+        try:
+            verdict = _verdict(name, combined[name], allow_gaps)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the next collective
+            verdict = f"{name}: cannot be validated ({type(e).__name__}: {e})"
+        if verdict is not None:
+            problems.append(verdict)
+    return problems
+
+
 def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[Any] = None,
-                                allow_gaps: bool = False) -> None:
+                                allow_gaps: bool = False, *, common_state_dict: Optional[Any] = None) -> None:
     """Check, collectively, that the main replicas of every global tensor cover it exactly
     once, that every ShardedObject grid has exactly one main replica per piece, and that
     all ranks agree on each key's global shape and dtype. Raises
     :class:`CheckpointingException` on every rank if any key fails.
+
+    ``sharded_items`` are this rank's items — or, Megatron-Core's form, a list of every
+    rank's item lists (``determine_global_metadata(sd)[1]``): then each rank judges every
+    key itself from them, with no communication (the same verdict, raised on every rank
+    that calls it). ``common_state_dict`` (Megatron-Core's argument) is first compared
+    with rank 0's (collective, :func:`check_common_state_consistency`).
 
     Each key is judged by one rank (hash of its name); its summaries reach that rank
     combined per block of about sqrt(world) ranks by an aggregating rank (hash of the name
@@ -292,6 +312,18 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     the problem messages follows. ``allow_gaps`` (load requests may be partial) only
     rejects disagreeing shapes/dtypes and more main replicas than elements.
     """
+    if common_state_dict is not None:
+        check_common_state_consistency(common_state_dict, group)
+    sharded_items = list(sharded_items)
+    if sharded_items and all(isinstance(items, (list, tuple)) for items in sharded_items):
+        combined: Dict[str, _Combined] = {}
+        for rank, items in enumerate(sharded_items):
+            for name, summary in _summaries(items).items():
+                combined.setdefault(name, _Combined()).add(rank, _wire(summary))
+        problems = _problems(combined, allow_gaps)
+        if problems:
+            raise CheckpointingException("Sharding validation failed: " + "; ".join(problems))
+        return
     key = _memo_key(group, allow_gaps)
 
     def summarize() -> Tuple[Dict[str, _KeySummary], bytes]:
@@ -306,18 +338,11 @@ def validate_sharding_integrity(sharded_items: Iterable[Any], group: Optional[An
     _LAST_VALID.pop(key, None)
     world = get_world_size(group)
     received = exchange_objects(_to_aggregators(local, get_rank(group), world), group)
-    combined: Dict[str, _Combined] = {}
+    combined = {}
     for partials in exchange_objects(_to_judges(received, world), group):
         for name, wire in (partials or {}).items():
             combined.setdefault(name, _Combined()).merge(wire)
-    problems = []
-    for name in sorted(combined):
-        try:
-            verdict = _verdict(name, combined[name], allow_gaps)
-        except Exception as e:  # noqa: BLE001 - every rank must reach the next collective
-            verdict = f"{name}: cannot be validated ({type(e).__name__}: {e})"
-        if verdict is not None:
-            problems.append(verdict)
+    problems = _problems(combined, allow_gaps)
     if all_reduce_max_uint8([int(bool(problems))], group)[0]:
         everyone = [p for rank_problems in all_gather_object(problems, group) for p in rank_problems]
         raise CheckpointingException("Sharding validation failed: " + "; ".join(sorted(everyone)))
@@ -375,78 +400,6 @@ def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected
         if missing or any_unexpected:
             raise CheckpointingException(f"Strict load ({strict.value}) of {checkpoint_dir} failed: "
                                          + mismatch_message(missing, dict(enumerate(per_rank))))
-
-
-# ----------------------------------------------------------------------------- common state
-
-
-def _fingerprint(obj: Any, h: "hashlib._Hash") -> None:
-    if isinstance(obj, dict):
-        h.update(b"d%d" % len(obj))
-        for k in sorted(obj, key=repr):
-            h.update(repr(k).encode())
-            _fingerprint(obj[k], h)
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"l%d" % len(obj))
-        for v in obj:
-            _fingerprint(v, h)
-    elif isinstance(obj, torch.Tensor):
-        h.update(f"t{obj.dtype}{tuple(obj.shape)}{obj.device.type}".encode())
-        if obj.device.type != "meta":  # a meta tensor has no values to compare
-            h.update(as_bytes(obj.detach().cpu().contiguous()).numpy().tobytes())
-    else:
-        try:
-            h.update(pickle.dumps(obj))
-        except Exception:  # noqa: BLE001 - unpicklable: compare by repr
-            h.update(repr(obj).encode())
-
-
-def common_state_digest(common: Any) -> str:
-    """A digest of a (nested) common state; equal states have equal digests."""
-    h = hashlib.blake2b(digest_size=16)
-    _fingerprint(common, h)
-    return h.hexdigest()
-
-
-def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> Optional[str]:
-    """Compare every rank's common state with rank 0's (which is the one saved).
-
-    Costs one 32-byte ``all_reduce`` (MAX of the 16-byte digest and of its complement: all
-    digests are equal iff both agree); only when digests differ, rank 0's digest and state
-    are broadcast so that each differing rank can name the keys. Returns (and logs as
-    a warning) this rank's difference report, or ``None``. A digest that cannot be
-    computed on some rank raises on every rank.
-    """
-    digest = run_agreed(lambda: common_state_digest(common), "Digesting the common state", group)
-    mine = list(bytes.fromhex(digest))
-    agreed = all_reduce_max_uint8(mine + [255 - b for b in mine], group)
-    if agreed[:len(mine)] == [255 - b for b in agreed[len(mine):]]:  # max == min: one digest everywhere
-        return None
-    payload = None
-    if get_rank(group) == 0:
-        try:  # pickle here, so a failure cannot leave the other ranks waiting in the broadcast
-            payload = pickle.dumps(common)
-        except Exception:  # noqa: BLE001 - the others then report without key details
-            payload = None
-    digest0, payload = broadcast_object((digest, payload), group)
-    if digest == digest0:
-        return None
-    rank = get_rank(group)
-    # worded as Megatron-Core words it (its tests match the whole message)
-    prefix = f"Rank {rank} common state dict differs from rank 0 common state dict."
-    try:  # nothing collective follows: a failure here must not leave this rank behind
-        rank0_common = pickle.loads(payload)
-        only_rank0, only_here, different = diff(rank0_common, common)
-        if not (only_rank0 or only_here or different):
-            return None  # equal as Megatron-Core compares them (e.g. equal values of other dtypes)
-        mismatched = [entry[:3] for entry in different]
-        report = (f"{prefix} Keys only on rank 0: {only_rank0}, Keys only on {rank}: {only_here}, "
-                  f"Mismatched keys: {mismatched}")
-    except Exception as e:  # noqa: BLE001 - unpicklable or incomparable: report without details
-        reason = "cannot be pickled" if payload is None else f"cannot be compared here ({error_message(e)})"
-        report = f"{prefix} Rank 0's common state {reason}, so the differing keys are unknown"
-    logger.warning(report)
-    return report
 
 
 # ----------------------------------------------------------------------------- Megatron-Core's helpers

@@ -5,6 +5,7 @@ parallel wrappers."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import textwrap
@@ -428,3 +429,91 @@ def test_mcore_to_pyt_state_dict_keys_as_megatron_core():
     """Megatron-Core passes ``{name: [ShardedTensors of one key]}`` and gets ``name`` back;
     a nested state dict is keyed by the ShardedTensors' keys."""
     assert get_pool(1).run(_megatron_form) == [[["mdp", "w"], ["mdp.uneven_key", "w"]]]
+
+
+# ----------------------------------------------------------------------------- validate_sharding_integrity(global metadata)
+
+# A (8, 4) tensor "f" in 2 TP chunks of (4, 4), each split flat over 2 DP ranks, and a tensor
+# "w" in 2 TP chunks replicated over DP: per case, the flat slice of each (tp, dp) and the
+# replica ids of "w"'s chunks on tp 1 (both not 0: that chunk has no main replica).
+_OK = {(tp, dp): (8 * dp, 8 * dp + 8) for tp in range(2) for dp in range(2)}
+_GLOBAL_CASES = {
+    "ok": (_OK, (0, 1)),
+    "flat gap": ({**_OK, (0, 0): (0, 7)}, (0, 1)),
+    "flat overlap": ({**_OK, (1, 0): (0, 9)}, (0, 1)),
+    "flat gap hidden by an overlap": ({**_OK, (0, 0): (0, 9), (0, 1): (8, 15)}, (0, 1)),
+    "one slice twice": ({**_OK, (1, 1): (0, 8)}, (0, 1)),
+    "chunk without main replica": (_OK, (1, 1)),
+}
+
+
+def _virtual_items(v: int, case: str) -> list:
+    """The items of virtual rank ``v`` (tp = v // 2, dp = v % 2) in ``case``."""
+    slices, w_replicas = _GLOBAL_CASES[case]
+    tp, dp = divmod(v, 2)
+    a, b = slices[(tp, dp)]
+    return [ShardedTensor.from_rank_offsets_flat("f", torch.ones(b - a), (4, 4), (0, tp, 2), flattened_range=slice(a, b)),
+            ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, tp, 2), replica_id=dp if tp == 0 else w_replicas[dp])]
+
+
+def _global_verdicts(rank: int, world: int) -> dict:
+    from dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
+
+    verdicts = {}
+    for case in _GLOBAL_CASES:
+        sd = {f"{v}.{i}": item for v in range(4) if v % world == rank for i, item in enumerate(_virtual_items(v, case))}
+        try:  # (with Megatron-Core's common_state_dict: compared with rank 0's, a warning if it differs)
+            validate_sharding_integrity(determine_global_metadata(sd)[1], common_state_dict={"step": rank % 2})
+            verdicts[case] = "ok"
+        except dc.CheckpointingException as e:
+            verdicts[case] = f"raises: {e}"
+    return verdicts
+
+
+_GLOBAL_COMPARE = """
+    import json, sys, tempfile, numpy, torch, torch.distributed as dist
+    numpy.product = numpy.prod  # Megatron-Core 0.15's flattened check calls np.product, which NumPy 2 removed
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import validate_sharding_integrity
+    dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)
+    cases = json.loads(sys.argv[1])
+    verdicts = {}
+    for case, (slices, w_replicas) in cases.items():
+        global_metadata = []
+        for v in range(4):
+            tp, dp = divmod(v, 2)
+            a, b = slices[f'{tp},{dp}']
+            global_metadata.append([
+                ShardedTensor.from_rank_offsets_flat('f', torch.ones(b - a), (4, 4), (0, tp, 2), flattened_range=slice(a, b)),
+                ShardedTensor.from_rank_offsets('w', torch.ones(2), (0, tp, 2), replica_id=dp if tp == 0 else w_replicas[dp])])
+        try:
+            validate_sharding_integrity(global_metadata)   # rank 0 judges
+            verdicts[case] = 'ok'
+        except Exception as e:
+            verdicts[case] = 'raises: ' + type(e).__name__
+    print(json.dumps(verdicts))
+"""
+
+
+@needs_mcore
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_global_metadata_form_validates_as_megatron_core(world):
+    """``validate_sharding_integrity(determine_global_metadata(sd)[1])``, Megatron-Core's
+    calling convention (its ``test_flattened_tensors_are_properly_validated``): a gap or an
+    overlap of flattened ranges, a gap hidden by an overlap, a chunk without main replica
+    are refused as Megatron-Core 0.15 refuses them — here on every rank, naming the key —
+    and a correct layout passes."""
+    ours = get_pool(world).run(_global_verdicts, timeout=120)
+    assert all(r == ours[0] for r in ours), ours  # the same verdict on every rank
+    spec = {case: ({f"{tp},{dp}": s for (tp, dp), s in slices.items()}, list(replicas))
+            for case, (slices, replicas) in _GLOBAL_CASES.items()}
+    proc = launch.run(["-c", textwrap.dedent(_GLOBAL_COMPARE), json.dumps(spec)],
+                      env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), require("MCORE_SITE")]),
+                           "PYTHONWARNINGS": "ignore"}, timeout=slack(300))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert theirs == {c: "ok" if c == "ok" else "raises: CheckpointingException" for c in _GLOBAL_CASES}, theirs
+    for case, verdict in ours[0].items():
+        assert verdict.split(":")[0] == theirs[case].split(":")[0], (case, verdict, theirs[case])
+        if case != "ok":
+            assert ("'f'" if case != "chunk without main replica" else "'w'") in verdict, verdict

@@ -205,6 +205,11 @@ class LoadShardedStrategy(LoadStrategyBase):
                                          nbytes(tuple(sh.global_shape), sh.dtype), False)
                             for key, sh in sorted(self.load_tensors_metadata(checkpoint_dir).items())])
 
+    def stored_file_problems(self, checkpoint_dir: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        """``(problems, notes)`` of the files besides the metadata that a load may read
+        (e.g. an index), for the ``validate`` tool; the default has none."""
+        return [], []
+
     def offline_reader(self) -> "LoadShardedStrategy":
         """A strategy reading this backend for the offline tools, which read one whole
         tensor at a time: with the least memory (e.g. one reader thread) and no unsafe

@@ -370,6 +370,9 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
                      need_missing: bool) -> Optional[Tuple[Set[str], Set[str]]]:
         return self.base_strategy.key_mismatch(sharded_state_dict, checkpoint_dir, need_missing)
 
+    def stored_file_problems(self, checkpoint_dir: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        return self.base_strategy.stored_file_problems(checkpoint_dir)
+
     def offline_reader(self) -> LoadShardedStrategy:
         return self.base_strategy.offline_reader()
 

@@ -26,7 +26,7 @@ from .dcp_types import (
     TensorStorageMetadata,
 )
 
-from ..core import CheckpointingException
+from ..core import CheckpointingException, key_problem
 from ..storage import Storage
 
 _MAX_NDIM = 64
@@ -160,8 +160,9 @@ def _check_all(metadata: Metadata, path: Any) -> None:
         raise _fail(path, "state_dict_metadata", f"must be a mapping, not {type(metadata.state_dict_metadata).__name__}")
     chunk_bytes: Dict[tuple, int] = {}  # (key, chunk offsets) -> bytes of the chunk's values
     for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(key, str):
-            raise _fail(path, "state_dict_metadata", f"has a key {key!r:.100} that is not a string")
+        problem = key_problem(key)
+        if problem is not None:
+            raise _fail(path, "state_dict_metadata", f"holds a bad key: {problem}")
         if isinstance(md, TensorStorageMetadata):
             _check_tensor(key, md, path, chunk_bytes)
         elif not isinstance(md, BytesStorageMetadata):

@@ -30,7 +30,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 
-from ..core import CheckpointingException, open_storage
+from ..core import CheckpointingException, key_problem, open_storage
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..storage import RangeReader, Storage
@@ -83,7 +83,11 @@ class ZarrArray:
 
 
 def _checked_key(key: str, what: str, checkpoint: str) -> str:
-    """``key`` as a relative name inside the checkpoint (no absolute path, no ``..``)."""
+    """``key`` as a relative name inside the checkpoint (no absolute path, no ``..``; UTF-8
+    text, :func:`~..core.key_problem`: a directory name that is not UTF-8 is refused)."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise CheckpointingException(f"{what} of the zarr checkpoint {checkpoint}: {problem}")
     parts = key.split("/")
     if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
         raise CheckpointingException(f"{what} {key!r} is not a name inside the zarr checkpoint {checkpoint}")

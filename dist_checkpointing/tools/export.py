@@ -13,9 +13,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from ..tensors.bytes_view import nbytes
-from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
+from ..core import CheckpointingException, check_key, checkpoint_location, load_config, malformed, open_storage
 from ..integrity.overlap import refuse_overlap
-from .safetensors_stream import INDEX_FNAME, SafetensorsFileWriter, dtype_name, shard_names, write_index
+from .safetensors_stream import (INDEX_FNAME, SafetensorsFileWriter, dtype_name, key_refusal, read_back_header,
+                                 shard_names, write_index)
 from ..readers import load_tensors_metadata
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..integrity.stored_names import refuse_unkept_names
@@ -78,6 +79,8 @@ def export_checkpoint(
         raise CheckpointingException(f"Unknown export format {format!r}: choose 'safetensors' or 'torch'")
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise CheckpointingException(f"max_shard_bytes must be a positive number of bytes, not {max_shard_bytes!r}")
+    if key_prefix:
+        check_key(key_prefix, "The export's key prefix")
     refuse_overlap(checkpoint_dir, out, "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
@@ -172,8 +175,11 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
                     raise
                 written.append(torch_name)
             else:
-                for key in keys:
-                    dtype_name(key, reader.meta[key].dtype)  # refuse unsupported dtypes before writing
+                for key in keys:  # refuse what the format cannot hold before writing
+                    dtype_name(key, reader.meta[key].dtype)
+                    refusal = key_refusal(key)
+                    if refusal is not None:
+                        raise CheckpointingException(f"Cannot export {checkpoint_dir} as safetensors: {refusal}")
                 shards: List[List[str]] = [[]]
                 shard_bytes = 0
                 for key in keys:
@@ -196,6 +202,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
                         raise
                     writer.close()
                     written.append(name)
+                    read_back_header(out, name)
                 if len(shards) > 1:  # last: the index marks the sharded export complete
                     write_index(out, {k: name for name, shard in zip(names, shards) for k in shard}, total)
                     written.append(INDEX_FNAME)

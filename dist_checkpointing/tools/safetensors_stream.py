@@ -6,7 +6,10 @@ library's writers take every tensor of a file at once (all in memory); since the
 only needs shapes and dtypes, this writer emits the header first and then streams the
 tensors in, so a whole model can be exported holding one tensor at a time. The files are
 written through the storage layer (a local directory or an object-store prefix); they are
-read by ``safetensors.safe_open`` (tested).
+read by ``safetensors.safe_open`` (tested). A key the format cannot hold is refused before
+anything is written (:func:`key_refusal`), every header is parsed as a safetensors reader
+parses it before it is written (:func:`check_header`), and read back and parsed again once
+its file is complete.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..tensors.bytes_view import as_bytes
-from ..core import CheckpointingException
+from ..core import CheckpointingException, key_problem
 from ..storage import Storage
 
 DTYPE_NAMES = {
@@ -27,6 +30,65 @@ DTYPE_NAMES = {
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.complex64: "C64",
 }
 INDEX_FNAME = "model.safetensors.index.json"
+_METADATA_KEY = "__metadata__"  # the header's entry of free-form strings, not a tensor
+_MAX_HEADER_BYTES = 100_000_000  # what safetensors' reader accepts
+
+
+def key_refusal(key: str) -> Optional[str]:
+    """Why a tensor of the key ``key`` cannot be stored in a safetensors file (``None``: it can)."""
+    if key == _METADATA_KEY:
+        return f"tensor key {key!r} is the name safetensors reserves for its header's metadata"
+    return key_problem(key)
+
+
+def _strict_text(value: object) -> bool:
+    return isinstance(value, str) and key_problem(value) is None
+
+
+def check_header(encoded: bytes, where: str) -> None:
+    """Parse the JSON header ``encoded`` as safetensors' reader does (strict UTF-8, no lone
+    surrogates even as ``\\u`` escapes, an object of tensor entries with a known dtype,
+    a shape and back-to-back data offsets, ``__metadata__`` of strings only); raises
+    :class:`CheckpointingException` naming ``where`` and the entry otherwise."""
+    def bad(problem: str) -> CheckpointingException:
+        return CheckpointingException(f"{where}: the safetensors header would not be readable: {problem}")
+
+    if len(encoded) > _MAX_HEADER_BYTES:
+        raise bad(f"it is {len(encoded)} bytes long, readers accept at most {_MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(encoded.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"it is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("it is not a JSON object")
+    end = 0
+    names = set(DTYPE_NAMES.values())
+    for key, entry in header.items():
+        if not _strict_text(key):
+            raise bad(key_refusal(key) or f"key {key!r} is not text")
+        if key == _METADATA_KEY:
+            if not (isinstance(entry, dict) and all(_strict_text(k) and _strict_text(v) for k, v in entry.items())):
+                raise bad(f"{_METADATA_KEY} must map strings to strings")
+            continue
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(entry, dict) and entry.get("dtype") in names and isinstance(shape, list)
+                and all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and offsets[0] == end and offsets[1] >= end):
+            raise bad(f"the entry of {key!r} is not a tensor stored after the one before it")
+        end = offsets[1]
+
+
+def read_back_header(storage: Storage, name: str) -> None:
+    """Read the header of the written file ``name`` back and :func:`check_header` it."""
+    where = storage.describe(name)
+    reader = storage.open_reader(name)
+    try:
+        length = int.from_bytes(reader.read(0, 8), "little") if reader.size >= 8 else -1
+        if not 0 <= length <= min(_MAX_HEADER_BYTES, reader.size - 8):
+            raise CheckpointingException(f"{where}: the written file has no complete safetensors header")
+        check_header(reader.read(8, length), where)
+    finally:
+        reader.close()
 
 
 def dtype_name(key: str, dtype: torch.dtype) -> str:
@@ -57,6 +119,7 @@ class SafetensorsFileWriter:
             header["__metadata__"] = dict(metadata)
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned
+        check_header(encoded, self.path)
         self._file = storage.create_stream(name)
         self._file.write(len(encoded).to_bytes(8, "little") + encoded)
         self._next = 0

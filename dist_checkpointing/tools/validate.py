@@ -4,18 +4,20 @@ instead of raising. Tensors are read whole, one at a time."""
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
-from ..core import CheckpointingException, checkpoint_location, load_config, malformed, open_storage
+from ..core import (CheckpointingConfig, CheckpointingException, checkpoint_location, load_config, malformed,
+                    open_storage)
 from ..integrity.manifest import MANIFEST_FNAME, manifest_problems
+from ..integrity.save_claim import CLAIM_FNAME, describe_claim
 from ..mapping import ShardedObject
 from ..readers import get_default_load_sharded_strategy
 from ..storage import Storage, StorageOptions
-from ..strategies.base import StoredItems, StoredRange, StrategyAction, get_default_strategy
+from ..strategies.coverage import coverage_faults
+from ..strategies.base import LoadShardedStrategy, StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
 from .whole_tensors import TensorReader
 from .output import PathLike, Progress
@@ -38,22 +40,27 @@ class ValidationReport:
 
 
 def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[str]:
+    """Chunks outside the tensor, and every box of it stored in no chunk or in several
+    (:func:`~..strategies.coverage.coverage_faults`: what a load of it refuses)."""
     problems = []
     for offsets, sizes in chunks:
         if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             problems.append(f"tensor {key!r}: chunk at {offsets} of size {sizes} lies outside the shape {shape}")
-    volume = sum(math.prod(sizes) for _, sizes in chunks)
-    if volume != math.prod(shape):
-        problems.append(f"tensor {key!r}: its chunks hold {volume} elements, the tensor has {math.prod(shape)}")
-    if len(chunks) <= 4096:  # pairwise overlap check (exact cover = right volume and no overlap)
-        ordered = sorted(chunks)
-        for i, (o1, s1) in enumerate(ordered):
-            for o2, s2 in ordered[i + 1:]:
-                if o2[0] >= o1[0] + s1[0]:
-                    break
-                if all(a < b + t and b < a + s for a, s, b, t in zip(o1, s1, o2, s2)):
-                    problems.append(f"tensor {key!r}: chunks at {o1} and {o2} overlap")
-    return problems
+    faults = coverage_faults(((0,) * len(shape), shape), [c for c in chunks if len(c[0]) == len(shape)])
+    return problems + [f"tensor {key!r} of shape {shape}: {fault.describe()}" for fault in faults]
+
+
+def _leftovers(checkpoint_dir: Union[Path, Storage]) -> List[str]:
+    """Notes on what a save leaves that loads ignore: its claim (a save stopped between its
+    commit and removing the claim) and the temporary files of atomic writes."""
+    storage = open_storage(checkpoint_dir)
+    names = storage.list()
+    notes = [f"{storage.describe(name)} is left from a save that stopped while writing it (loads ignore it)"
+             for name in sorted(names) if name.startswith(".") and name.endswith(".tmp")]
+    if CLAIM_FNAME in names:
+        notes.append(f"{storage.describe(CLAIM_FNAME)} is left ({describe_claim(storage)}): the save committed but did "
+                     "not remove its claim; loads ignore it, a save into this directory is refused")
+    return notes
 
 
 def _stored_problem(items: StoredItems, what: str, location: Optional[StoredRange]) -> Optional[str]:
@@ -108,6 +115,18 @@ def _validate(checkpoint_dir: Union[Path, Storage], report: ValidationReport, pr
     # What load would refuse (an unknown backend or version) is a problem here too.
     strategy = get_default_load_sharded_strategy(checkpoint_dir)
     items = strategy.stored_items(checkpoint_dir)
+    # damage of other files loads read (an index) does not stop the items' checks: reported after them
+    file_problems, notes = strategy.stored_file_problems(checkpoint_dir)
+    report.notes += notes + _leftovers(checkpoint_dir)
+    try:
+        _check_items(checkpoint_dir, config, strategy, items, report, progress)
+    finally:
+        report.problems += file_problems
+
+
+def _check_items(checkpoint_dir: Union[Path, Storage], config: CheckpointingConfig, strategy: LoadShardedStrategy,
+                 items: StoredItems, report: ValidationReport, progress: Optional[Progress]) -> None:
+    """Check the catalog's sizes and coverage, then read every item."""
     if not items.located:
         report.problems.append(f"backend {config.sharded_backend!r} cannot be validated by this tool "
                                f"({type(strategy).__name__} does not say where it stores its items)")

@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from ..tensors.fp8 import float8_dtype, is_float8tensor, per_tensor_layout
+from ..core import check_key, key_problem
 from ..mapping import ShardedTensor
 
 try:  # DTensor is optional (older or stripped-down torch builds)
@@ -18,6 +19,18 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
 
+def check_state_keys(state: Any, path: Tuple[Any, ...] = ()) -> None:
+    """Every string key of the dicts nested in ``state`` (through dicts, lists and tuples)
+    passes :func:`~..core.key_problem`; raises :class:`CheckpointingException` naming the
+    first that does not, with where it is."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if isinstance(key, str) and key_problem(key) is not None:
+                check_key(key, f"The state's entry {''.join(f'[{p!r}]' for p in path + (key,))}")
+            check_state_keys(value, path + (key,))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            check_state_keys(value, path + (i,))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ..core import CheckpointingException, gc_paused
 from ..tensors.fp8 import float8_dtype, is_float8tensor
 from . import wire
 from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _wire_view
-from .leaves import DTensor, _Columns, _LeafError
+from .leaves import DTensor, _Columns, _LeafError, check_state_keys
 from .own_state import _OwnState
 from .plan import _alone
 from .staging import receive_staged, send_staged
@@ -128,6 +128,7 @@ class PGTransport:
         start = time.perf_counter()
         values, treespec = tree_flatten(state_dict)
         try:
+            check_state_keys(state_dict)
             columns, sources = _Columns.describe(values)
             meta = _Meta(treespec, columns, len(dsts))
             payload = _encode_meta(meta)  # once, for every receiver

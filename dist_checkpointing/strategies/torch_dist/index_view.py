@@ -12,6 +12,7 @@ caller reads ``.metadata`` as before.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -29,11 +30,11 @@ from ...exchange.collectives import (
     run_agreed_with_flags,
 )
 from ...core import CheckpointingException
-from ...integrity.checksums import recorded_checksum
+from ...integrity.checksums import read_file_verified, recorded_checksum
 from ...storage import RangeReader, Storage
 from ..metadata_checks import check_dcp_metadata
 from .format import INDEX_FNAME, METADATA_FNAME
-from .key_index import IndexHeader, bucket_of, partial_metadata, read_buckets, read_header, \
+from .key_index import IndexHeader, bucket_of, index_records, partial_metadata, read_buckets, read_header, \
     reader_buckets, reader_of, select_chunks
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,38 @@ def indexed_view(storage: Storage, requests: Callable[[], Requests], need_missin
     if need_missing:
         result.missing = _agreed_missing(unrequested, wanted, collective)
     return result
+
+
+def index_problems(storage: Storage, metadata: Metadata) -> Tuple[List[str], List[str]]:
+    """``(problems, notes)`` of the checkpoint's index for a whole-checkpoint check (the
+    ``validate`` tool), given the ``.metadata`` beside it: the whole file against its checksum
+    sidecar; then, if a load would use it (:func:`open_index`), every bucket as a load reads
+    it (checksum, parsing, the checks of ``.metadata``) and every key's record against
+    ``.metadata``'s. An index that loads do not use (a damaged header without a sidecar,
+    another ``.metadata``'s) is a note."""
+    if storage.info(INDEX_FNAME) is None:
+        return [], []
+    where = storage.describe(INDEX_FNAME)
+    try:
+        read_file_verified(storage, INDEX_FNAME)
+        opened = open_index(storage)
+        if opened is None:
+            return [], [f"{where} is not the index of the .metadata beside it (or its header is damaged): "
+                        "loads do not use it"]
+        reader, header = opened
+        try:
+            records = read_buckets(reader, header, range(header.n_buckets), where)
+        finally:
+            reader.close()
+        check_dcp_metadata(partial_metadata(records, header, where), where)
+    except CheckpointingException as e:
+        return [str(e)], []
+    expected = {k: json.loads(json.dumps(rec)) for k, rec in index_records(metadata).items()}
+    differ = sorted(set(expected) ^ set(records)) + sorted(k for k in expected if k in records and expected[k] != records[k])
+    if differ or header.n_keys != len(records):
+        return [f"{where} does not match the .metadata it indexes: the records of {len(differ)} keys differ "
+                f"(first {differ[:3]}), it holds {len(records)} keys and claims {header.n_keys}"], []
+    return [], []
 
 
 def _base_key(key: str, record: list) -> str:

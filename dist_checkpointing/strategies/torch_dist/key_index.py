@@ -28,7 +28,7 @@ from ..dcp_types import (
     TensorStorageMetadata,
 )
 
-from ...core import CheckpointingException
+from ...core import CheckpointingException, key_problem
 from ...integrity.checksums import ALGORITHM, SCOPE_DATA, SCOPE_RECORD, checksum, item_checksum_table, mismatch_error
 from ...storage import RangeReader
 from ..resharding import grid_chunks_overlapping, intersect
@@ -51,7 +51,7 @@ Record = List[Any]
 
 def bucket_of(key: str, n_buckets: int) -> int:
     """The bucket of ``key`` (a stable hash: the same in every process)."""
-    return checksum(key.encode("utf-8", "surrogatepass")) % n_buckets
+    return checksum(key.encode()) % n_buckets  # (keys are UTF-8 text: core.key_problem)
 
 
 def reader_buckets(rank: int, world: int, n_buckets: int) -> range:
@@ -90,23 +90,28 @@ def index_rows(metadata: Metadata) -> Dict[str, List[Any]]:
     return rows
 
 
-def encode_index(metadata: Metadata, metadata_checksum: int) -> bytes:
-    """The index of ``metadata`` (whose pickled bytes have checksum ``metadata_checksum``);
-    each key's chunks in offset order."""
-    sdm = metadata.state_dict_metadata
+def index_records(metadata: Metadata) -> Dict[str, Record]:
+    """Each key's record as the index of ``metadata`` holds it (in ``.metadata``'s order;
+    each key's chunks in offset order)."""
     rows = index_rows(metadata)
-    table = getattr(metadata, "checksums", None)
     mcore = getattr(metadata, "mcore_data", None) or {}
-    records: Dict[str, bytes] = {}
-    for key, md in sdm.items():
+    records: Dict[str, Record] = {}
+    for key, md in metadata.state_dict_metadata.items():
         located = rows.get(key, ())
         if isinstance(md, BytesStorageMetadata):
-            record = ["b"] + (located[0][2:] if located else [])
+            records[key] = ["b"] + (located[0][2:] if located else [])
         else:
             orig = (mcore.get(key) or {}).get("nd_reformulated_orig_global_shape")
-            record = ["t", str(md.properties.dtype)[6:], list(md.size), list(orig) if orig is not None else None,
-                      sorted(located, key=lambda c: tuple(c[0]))]
-        records[key] = json.dumps([key, record], separators=(",", ":")).encode()
+            records[key] = ["t", str(md.properties.dtype)[6:], list(md.size), list(orig) if orig is not None else None,
+                            sorted(located, key=lambda c: tuple(c[0]))]
+    return records
+
+
+def encode_index(metadata: Metadata, metadata_checksum: int) -> bytes:
+    """The index of ``metadata`` (whose pickled bytes have checksum ``metadata_checksum``)."""
+    table = getattr(metadata, "checksums", None)
+    records = {key: json.dumps([key, record], separators=(",", ":")).encode()
+               for key, record in index_records(metadata).items()}
     scope = table.get("scope", SCOPE_DATA) if table is not None else None
     return _index_file(records, metadata_checksum, scope if table is not None else None, table is not None)
 
@@ -239,7 +244,10 @@ def _parse_bucket(data: bytes, b: int, n_buckets: int, where: str) -> Dict[str, 
     try:
         out = {}
         for key, rec in json.loads(data):
-            if not isinstance(key, str) or bucket_of(key, n_buckets) != b:
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
+            if bucket_of(key, n_buckets) != b:
                 raise ValueError(f"key {key!r:.100} does not belong in this bucket")
             if rec[0] not in ("b", "t"):
                 raise ValueError(f"the record of {key!r:.100} is of unknown kind {rec[0]!r:.20}")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 from ..dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...exchange.collectives import run_agreed
-from ...core import CheckpointingException, open_storage
+from ...core import CheckpointingException, check_key, open_storage
 from ...dict_utils import dict_list_map_outplace, nested_values
 from ...integrity.checksums import SCOPE_RECORD, item_checksum_scope
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -24,7 +24,7 @@ from ..base import LoadShardedStrategy, StoredItems
 from ..metadata_checks import check_stored_sizes
 from ..resharding import TensorReformulationMetadata, is_nd_flattened_tensor
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
-from .index_view import Requests, indexed_view
+from .index_view import Requests, index_problems, indexed_view
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
 from .metadata import read_metadata, stored_items
@@ -37,6 +37,8 @@ def requested_regions(sharded_state_dict: ShardedStateDict, regions: bool = True
     regions (``None``: all of it, or without ``regions``), each object's unique key."""
     out: Requests = {}
     for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, (ShardedTensor, ShardedObject)):
+            check_key(sh.key, f"Loading {type(sh).__name__}")
         if isinstance(sh, ShardedTensor):
             boxes = out.setdefault(sh.key, [] if regions else None)
             if boxes is not None:
@@ -269,6 +271,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def stored_items(self, checkpoint_dir: Union[str, Path]) -> StoredItems:
         """Every tensor and object of ``.metadata``, located (:func:`.metadata.stored_items`)."""
         return stored_items(checkpoint_dir)
+
+    def stored_file_problems(self, checkpoint_dir: Union[str, Path]) -> Tuple[List[str], List[str]]:
+        """Damage of the per-key index, checked as loads read it (:func:`.index_view.index_problems`)."""
+        storage = open_storage(checkpoint_dir)
+        return index_problems(storage, read_metadata(storage))
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         """The common state of checkpoints that store it as the ``common_state`` object."""

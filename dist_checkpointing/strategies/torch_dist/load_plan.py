@@ -19,7 +19,7 @@ from ..dcp_types import (
     TensorStorageMetadata,
 )
 
-from ...core import CheckpointingException
+from ...core import CheckpointingException, check_key
 from ...dict_utils import nested_values
 from ...tensors.fp8 import fill_float8_, is_float8tensor
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor
@@ -33,6 +33,7 @@ from ..resharding import (
     linear_index,
     relative_slices,
 )
+from ..coverage import coverage_faults, describe_faults, tiles
 from .format import original_global_shape
 
 
@@ -124,6 +125,8 @@ def plan_load(sharded_state_dict: ShardedStateDict, metadata: Metadata, checkpoi
     post_copies: List[Callable[[], Any]] = []
     object_reads: Dict[int, ObjectRead] = {}
     for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, (ShardedTensor, ShardedObject)):
+            check_key(sh.key, f"Loading {type(sh).__name__}")
         if isinstance(sh, ShardedTensor):
             reads, copies = plan_tensor(sh, metadata, checkpoint_dir, scratch, strict_dtypes)
             tensor_reads.extend(reads)
@@ -200,8 +203,12 @@ def plan_tensor(sh: ShardedTensor, metadata: Metadata, checkpoint_dir: str, scra
 
 def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metadata, request: Region,
                   dest: torch.Tensor, checkpoint_dir: str) -> List[TensorRead]:
-    """Reads of the stored chunks overlapping ``request`` (in stored coordinates) into ``dest``."""
-    reads, covered = [], 0
+    """Reads of the stored chunks overlapping ``request`` (in stored coordinates) into ``dest``.
+
+    Every element of ``request`` must be stored exactly once (with ``allow_shape_mismatch``:
+    every element inside the stored tensor): a gap or an overlap, even one hidden by the
+    other (the same number of elements), is refused naming the key and the boxes."""
+    reads, overlaps = [], []
     for chunk_md in md.chunks:
         chunk = (tuple(chunk_md.offsets), tuple(chunk_md.sizes))
         overlap = intersect(request, chunk)
@@ -212,14 +219,19 @@ def _region_reads(sh: ShardedTensor, md: TensorStorageMetadata, metadata: Metada
             raise CheckpointingException(
                 f"Checkpoint {checkpoint_dir} has no storage entry for chunk {chunk[0]} of {sh.key!r}"
             )
-        covered += math.prod(overlap[1])
+        overlaps.append(overlap)
         reads.append(TensorRead(sh.key, storage, chunk, md.properties.dtype, dest, request[0], overlap))
-    if covered != math.prod(request[1]) and not sh.allow_shape_mismatch:
-        raise CheckpointingException(
-            f"Checkpoint {checkpoint_dir} does not cover the requested chunk of {sh.key!r} "
-            f"(offset {request[0]}, shape {request[1]}): {covered} of {math.prod(request[1])} "
-            "elements are stored"
-        )
+    checked = intersect(request, ((0,) * len(md.size), tuple(md.size))) if sh.allow_shape_mismatch else request
+    if checked is not None and not tiles(checked, overlaps):
+        faults = coverage_faults(checked, overlaps)
+        if faults:
+            layout = "" if original_global_shape(metadata, sh.key) is None else \
+                f" (coordinates of its stored flattened layout {tuple(md.size)})"
+            raise CheckpointingException(
+                f"Checkpoint {checkpoint_dir} does not cover the requested chunk of {sh.key!r} "
+                f"(offset {request[0]}, shape {request[1]}) exactly once{layout}: {describe_faults(faults)} "
+                "(saved with validate_access_integrity=False?)"
+            )
     return reads
 
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ...core import CheckpointingException
+from ...core import CheckpointingException, check_key
 from ...dict_utils import nested_values
 from ...tensors.fp8 import dequantize, is_float8tensor
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
@@ -39,6 +39,8 @@ def object_payload(obj: ShardedObject) -> bytes:
 def collect_save_items(sharded_state_dict: ShardedStateDict) -> List[SaveItem]:
     items: List[SaveItem] = []
     for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, (ShardedTensor, ShardedObject)):
+            check_key(sh.key, f"Saving {type(sh).__name__}")
         if not is_main_replica(sh.replica_id):
             continue
         if isinstance(sh, ShardedTensor):
