@@ -1,5 +1,5 @@
 """Load strictness (:class:`StrictHandling`) and checks on what is saved and loaded (the
-common state's comparison across ranks lives in :mod:`.common_state`)."""
+common state's comparison across ranks lives in :mod:`.integrity.common_state`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .exchange.collectives import (
 from .core import CheckpointingException, check_key
 from .integrity.manifest import MANIFEST_FNAME as INTEGRITY_FNAME  # noqa: F401 - Megatron-Core 0.19's names
 from .integrity.manifest import save_integrity_manifest, verify_integrity_manifest  # noqa: F401
-from .common_state import check_common_state_consistency
+from .integrity.common_state import check_common_state_consistency
 from .dict_utils import extract_matching_values, nested_values
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 

@@ -2,7 +2,8 @@
 names this package re-exports), Megatron-Core's SHA-256 manifest (:mod:`.manifest`), the
 claim that makes one save the owner of its directory (:mod:`.save_claim`, with
 :mod:`.liveness` telling whether its process still runs), outputs that never overlap their
-source (:mod:`.overlap`) and object names a store keeps as written (:mod:`.stored_names`).
+source (:mod:`.overlap`), object names a store keeps as written (:mod:`.stored_names`) and
+the common state every rank holds alike (:mod:`.common_state`).
 """
 
 from .checksums import (

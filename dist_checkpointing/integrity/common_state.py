@@ -10,9 +10,9 @@ from typing import Any, Optional
 
 import torch
 
-from .exchange.collectives import all_reduce_max_uint8, broadcast_object, error_message, get_rank, run_agreed
-from .dict_utils import diff
-from .tensors.bytes_view import as_bytes
+from ..exchange.collectives import all_reduce_max_uint8, broadcast_object, error_message, get_rank, run_agreed
+from ..dict_utils import diff
+from ..tensors.bytes_view import as_bytes
 
 logger = logging.getLogger("dist_checkpointing.validation")  # the logger users filter (as before the split)
 
