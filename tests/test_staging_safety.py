@@ -291,8 +291,9 @@ def test_arena_pool_never_gives_one_arena_to_two_threads():
 
 
 def _refused_saves(rank: int, world: int, root: str, mode: str) -> Dict[str, int]:
-    """One good save on a queue, then three refused because rank 1 holds an unpicklable
-    object: this rank's holds, arenas and staging memory after each step."""
+    """One good save on a queue, then three refused because the last rank holds an
+    unpicklable object (at world 1: this rank): this rank's holds, arenas and staging memory
+    after them. ``root`` may be a ``memory://`` URL (written from the queue's thread)."""
     def state(bad: bool) -> Dict[str, Any]:
         sd: Dict[str, Any] = _sharded(_state(rank, 4), rank, world)
         sd["obj"] = ShardedObject("obj", (lambda: 0) if bad else {"ok": 1}, (world,), (rank,))
@@ -303,12 +304,13 @@ def _refused_saves(rank: int, world: int, root: str, mode: str) -> Dict[str, int
     before = _staging_fds()
     queue = AsyncCallsQueue()
     strategy = TorchDistSaveShardedStrategy(async_snapshot=mode)
-    queue.schedule_async_request(dc.save(state(False), os.path.join(root, "good"), strategy, async_sharded_save=True))
+    where = (lambda name: f"{root}/{name}") if root.startswith("memory://") else (lambda name: os.path.join(root, name))
+    queue.schedule_async_request(dc.save(state(False), where("good"), strategy, async_sharded_save=True))
     queue.maybe_finalize_async_calls(blocking=True)
     refused = 0
     for i in range(3):
         try:
-            dc.save(state(rank == world - 1), os.path.join(root, f"bad{i}"), strategy, async_sharded_save=True)
+            dc.save(state(rank == world - 1), where(f"bad{i}"), strategy, async_sharded_save=True)
         except CheckpointingException as e:
             refused += "Cannot serialize ShardedObject" in str(e)
     held = torch_dist_save.ARENAS.held()
@@ -317,10 +319,13 @@ def _refused_saves(rank: int, world: int, root: str, mode: str) -> Dict[str, int
             "fds": max(0, _staging_fds() - before)}  # new ones (an older one may go)
 
 
-@pytest.mark.parametrize("mode", ["stream", "copy", "fork"])
-def test_refused_saves_release_their_staging(tmp_path, mode):
-    assert get_pool(2).run(_refused_saves, str(tmp_path), mode, timeout=120) == \
-        [{"refused": 3, "held": 0, "arenas": 0, "fds": 0}] * 2
+@pytest.mark.parametrize("mode, where, world", [  # memory:// is one process's store: world 1
+    *[(mode, "dir", world) for mode in ("stream", "copy", "fork") for world in (1, 2)],
+    ("stream", "memory", 1), ("copy", "memory", 1)])
+def test_refused_saves_release_their_staging(tmp_path, mode, where, world):
+    root = str(tmp_path) if where == "dir" else f"memory://refused-{mode}-{world}"
+    assert get_pool(world).run(_refused_saves, root, mode, timeout=120) == \
+        [{"refused": 3, "held": 0, "arenas": 0, "fds": 0}] * world
 
 
 def _refused_local_saves(rank: int, world: int, root: str) -> Dict[str, int]:
