@@ -242,7 +242,8 @@ class Bench:
         staging arena (its pages touched, kept across rounds) and its persistent writer
         (started, the arena handed over)."""
         _, _, size, _ = arena_plan(self.copy_strategy._plan_files(sd))
-        arena = self.copy_strategy._arenas.take(size)
+        arena, done = self.copy_strategy._arenas.take(size)
+        done()  # the save takes it next
         if arena.id not in self._warm_arenas:
             arena.flat.fill_(0)
             worker = persistent_worker.shared_worker()
