@@ -29,7 +29,7 @@ _EXPORTS = {
     **{name: ".serialization" for name in (
         "check_is_distributed_checkpoint", "load", "load_common_state_dict", "load_content_metadata",
         "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata", "remove_sharded_tensors", "save")},
-    "register_safe_globals": ".strategies.safe_globals",
+    "register_safe_globals": ".pickling.safe_globals",
     "StrictHandling": ".validation",
 }
 

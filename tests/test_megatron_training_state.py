@@ -31,8 +31,8 @@ import torch
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
-from dist_checkpointing.strategies import safe_globals
-from dist_checkpointing.strategies.safe_pickle import safe_torch_load
+from dist_checkpointing.pickling import safe_globals
+from dist_checkpointing.pickling.safe_load import safe_torch_load
 
 from .conftest import get_pool
 

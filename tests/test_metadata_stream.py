@@ -26,7 +26,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.core import CheckpointingException
 from dist_checkpointing.storage import storage_for
-from dist_checkpointing.strategies.safe_pickle import load_dcp_metadata
+from dist_checkpointing.pickling.safe_load import load_dcp_metadata
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from dist_checkpointing.strategies.torch_dist import key_index
 from dist_checkpointing.strategies.torch_dist.location_table import LocationTable, encode_checksums, encode_locations

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
-from dist_checkpointing.strategies.safe_pickle import safe_torch_load
+from dist_checkpointing.pickling.safe_load import safe_torch_load
 
 from .conftest import get_pool
 from .helpers import assert_all_raise

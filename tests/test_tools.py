@@ -664,6 +664,34 @@ def test_import_safetensors_round_trip(ckpt, tmp_path, capsys):
     _assert_same(loaded["x"], EXPECTED[FLAT_KEY][:, 3:])
 
 
+class _ImportedTokenizerConfig:
+    """A user class in a torch.save file: refused until the user allows it."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+
+def test_import_opens_the_file_under_the_one_pickle_policy(tmp_path, capsys, monkeypatch):
+    """``import`` reads the file as every stored pickle is read: the stand-ins apply (Megatron-LM's
+    ``args`` without Megatron), and the user's ``register_safe_globals`` classes are allowed."""
+    import argparse
+
+    from dist_checkpointing.pickling import safe_globals
+
+    monkeypatch.setattr(safe_globals, "_REGISTERED", [])  # restored after the test
+    src = {"w": torch.arange(4.0), "args": argparse.Namespace(lr=0.1), "tok": _ImportedTokenizerConfig(7)}
+    torch.save(src, tmp_path / "model.pt")
+    rc, _, err = _run_cli(capsys, "import", tmp_path / "model.pt", tmp_path / "refused")
+    assert rc == 1 and "outside the safe allow-list" in err, err
+    dc.register_safe_globals(_ImportedTokenizerConfig)
+    out = tmp_path / "ckpt"
+    rc, _, err = _run_cli(capsys, "import", tmp_path / "model.pt", out)
+    assert rc == 0, err
+    common = dc.load_common_state_dict(out)
+    assert common["args"].lr == 0.1 and common["tok"].vocab == 7
+    _assert_same(dc.load_plain_tensors(out)["w"], torch.arange(4.0))
+
+
 def test_import_refuses_occupied_output(tmp_path, capsys):
     torch.save({"w": torch.arange(4.0)}, tmp_path / "src.pt")
     out = tmp_path / "out"

@@ -27,6 +27,9 @@ MOVED: Dict[str, str] = {
     "convert": "tools.convert",
     "safetensors_stream": "tools.safetensors_stream",
     "whole_tensors": "tools.whole_tensors",
+    "strategies.safe_pickle": "pickling.safe_load",
+    "strategies.safe_globals": "pickling.safe_globals",
+    "strategies.stand_ins": "pickling.stand_ins",
 }
 _PKG = __name__.split(".")[0]
 _OLD = {f"{_PKG}.{old}": f"{_PKG}.{new}" for old, new in MOVED.items() if old != new}

@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..pickling.trusted import loads_trusted
 from ..core import CheckpointingException, error_message  # noqa: F401 - error_message: imported from here too
 
 T = TypeVar("T")
@@ -71,7 +72,7 @@ def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[List[Any]]:
              for r, buf in enumerate(buffers, start=1)]
     for work in works:
         work.wait()
-    return [obj] + [pickle.loads(buf.cpu().numpy().tobytes()) for buf in buffers]
+    return [obj] + [loads_trusted(buf.cpu().numpy().tobytes()) for buf in buffers]  # from the other ranks
 
 
 def broadcast_object(obj: Any, group: Optional[Any] = None) -> Any:
@@ -182,7 +183,7 @@ def exchange_objects(per_destination: List[Any], group: Optional[Any] = None) ->
                            group=group)
     data = recv.cpu().numpy().tobytes()
     ends = list(itertools.accumulate(counts))
-    return [pickle.loads(data[end - n:end]) if n else None for end, n in zip(ends, counts)]
+    return [loads_trusted(data[end - n:end]) if n else None for end, n in zip(ends, counts)]  # from the other ranks
 
 
 def all_reduce_max_uint8(flags: List[int], group: Optional[Any] = None) -> List[int]:

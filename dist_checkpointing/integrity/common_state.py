@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..pickling.trusted import loads_trusted
 from ..exchange.collectives import all_reduce_max_uint8, broadcast_object, error_message, get_rank, run_agreed
 from ..dict_utils import diff
 from ..tensors.bytes_view import as_bytes
@@ -72,7 +73,7 @@ def check_common_state_consistency(common: Any, group: Optional[Any] = None) -> 
     # worded as Megatron-Core words it (its tests match the whole message)
     prefix = f"Rank {rank} common state dict differs from rank 0 common state dict."
     try:  # nothing collective follows: a failure here must not leave this rank behind
-        rank0_common = pickle.loads(payload)
+        rank0_common = loads_trusted(payload)  # rank 0's, over the process group
         only_rank0, only_here, different = diff(rank0_common, common)
         if not (only_rank0 or only_here or different):
             return None  # equal as Megatron-Core compares them (e.g. equal values of other dtypes)

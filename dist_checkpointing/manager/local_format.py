@@ -32,7 +32,8 @@ from ..core import CheckpointingException
 from ..dict_utils import extract_matching_values
 from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ..tensors.sharded import ShardedTensor
-from ..strategies.safe_pickle import safe_torch_load
+from ..pickling.restricted import loads_plain
+from ..pickling.safe_load import safe_torch_load
 
 #: the header's format (2: it records what a normal save needs: ``structure``, ``fields``, ``sharded``)
 HEADER_FORMAT = 2
@@ -66,18 +67,6 @@ _FIELDS = {kind: tuple(f.name for f in fields(cls) if f.name != "data")
 _GET_FIELDS = {kind: attrgetter(*names) for kind, names in _FIELDS.items()}
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain data only (containers, strings, numbers, ``torch`` dtypes, slices):
-    any other global a pickle names is refused, never looked up or called."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) == ("builtins", "slice"):
-            return slice
-        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
-
-
 def encode_header(sharded_state_dict: ShardedStateDict, layout: List[Entry], values: Dict[str, Any]) -> bytes:
     """The header of a snapshot of ``sharded_state_dict`` whose tensors lie in a flat buffer
     as ``layout`` says and whose other leaves are ``values``: the plain parts pickled, the
@@ -105,7 +94,7 @@ def decode_header(data: bytes, where: str, length: int) -> Dict[str, Any]:
     :class:`CheckpointingException` for anything else — a header of an earlier version
     (values pickled inline), damaged or hostile data — without running any of it."""
     try:
-        header = _PlainUnpickler(io.BytesIO(data)).load()
+        header = loads_plain(data)
     except Exception as e:  # noqa: BLE001 - any malformed or refused pickle
         raise CheckpointingException(f"Local tier: the header of {where} is not one this version writes "
                                      f"(not loaded: {e})") from e

@@ -13,7 +13,7 @@ from ..integrity.checksums import read_file_verified, write_file_with_checksum
 from ..mapping import StateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy
 from .registry import StrategyAction, register_default_strategy
-from .safe_pickle import safe_torch_load
+from ..pickling.safe_load import safe_torch_load
 
 COMMON_STATE_FNAME = "common.pt"
 

@@ -18,6 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
+from ..pickling.trusted import loads_trusted
 from ..core import CheckpointingException
 from ..exchange.collectives import error_message
 from .process_qos import apply_writer_qos
@@ -212,7 +213,7 @@ class ForkedCall:
                 _exiting.append(self.pid)
             reap_exited_children()
             try:
-                return pickle.loads(data[8:])
+                return loads_trusted(data[8:])  # the forked child's report
             except Exception as e:  # noqa: BLE001 - a corrupt report
                 return False, f"{self.what}: unreadable report from process {self.pid}: {e}"
         with self._reap_lock:

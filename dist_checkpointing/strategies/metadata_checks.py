@@ -1,6 +1,6 @@
 """Checks of a DCP ``.metadata`` before anything trusts it.
 
-A ``.metadata`` file is unpickled with an allow-list of classes (``safe_pickle``), but the
+A ``.metadata`` file is unpickled with an allow-list of classes (:mod:`..pickling.safe_load`), but the
 values inside can still be anything: a string where a mapping belongs, a negative offset,
 a chunk larger than the bytes it is stored in, a global shape of a petabyte. Readers index
 and allocate by these values, so :func:`check_dcp_metadata` checks the types and the

@@ -4,23 +4,22 @@ Every tensor item of a torch_dist checkpoint is a complete ``torch.save`` zip ar
 Instead of ``torch.load`` (which copies the bytes twice), :func:`read_tensor_header`
 parses the archive's directory and its small ``data.pkl`` to find where the raw tensor
 bytes are, so the loader can read them straight into the destination tensor.
-The ``data.pkl`` is interpreted by an unpickler that only understands tensor rebuilds:
-nothing in the file is executed.
+The ``data.pkl`` is interpreted by an unpickler that only understands tensor rebuilds
+(:mod:`..pickling.blob_header`): nothing in the file is executed.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import pickle
 import struct
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..pickling.blob_header import load_blob_pickle
 from ..storage import RangeReader
 from .resharding import contiguous_strides
 
@@ -81,52 +80,6 @@ class TensorHeader:
 
 def _span_elements(size: Tuple[int, ...], stride: Tuple[int, ...]) -> int:
     return 0 if math.prod(size) == 0 else 1 + sum((s - 1) * st for s, st in zip(size, stride))
-
-
-@dataclass
-class _StorageRef:
-    dtype: Optional[torch.dtype]
-    key: str
-
-
-def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return ("tensor", storage, storage_offset, tuple(size), tuple(stride), storage.dtype)
-
-
-def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    return ("tensor", storage, storage_offset, tuple(size), tuple(stride), dtype)
-
-
-class _StorageClass:
-    def __init__(self, dtype: Optional[torch.dtype]):
-        self.dtype = dtype
-
-
-# ``torch.FloatStorage`` and the like, as pickles name them (the map torch's own safe
-# unpickler uses; reading the deprecated attributes themselves would warn)
-_LEGACY_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-
-class _HeaderUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageClass(None)
-        if module == "torch" and name in _LEGACY_STORAGE_DTYPES:
-            return _StorageClass(_LEGACY_STORAGE_DTYPES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return _StorageRef(pid[1].dtype, str(pid[2]))
 
 
 def _record_data_offset(file: RangeReader, blob_offset: int, blob_length: int, info: zipfile.ZipInfo) -> int:
@@ -203,7 +156,7 @@ def read_tensor_header(file: RangeReader, offset: int, length: int,
     pkl_start = _record_data_offset(file, offset, length, pkl_info)
     pkl = file.read(offset + pkl_start, pkl_info.file_size)
     try:
-        obj = _HeaderUnpickler(io.BytesIO(pkl)).load()
+        obj = load_blob_pickle(pkl)
     except (pickle.UnpicklingError, AttributeError, TypeError, EOFError):
         return None
     if not (isinstance(obj, tuple) and obj and obj[0] == "tensor"):

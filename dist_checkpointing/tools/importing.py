@@ -4,7 +4,6 @@ checkpoint of whole global tensors that loads under any layout."""
 from __future__ import annotations
 
 import logging
-import pickle
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, Tuple
@@ -14,6 +13,7 @@ import torch
 from ..core import CheckpointingException, malformed, open_storage
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
+from ..pickling.safe_load import safe_torch_load
 from ..integrity.overlap import refuse_overlap
 from .safetensors_stream import INDEX_FNAME
 from ..serialization import SAVED_FILE_NAMES, save
@@ -45,13 +45,13 @@ def _read_source(source: Path) -> Any:
                     state[key] = f.get_tensor(key)
         return state
     archive = zipfile.is_zipfile(source)  # torch.save's format; mmap needs it (older files are plain pickles)
-    try:
-        return torch.load(source, map_location="cpu", mmap=archive, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - not a torch.save file, or unsafe content
+    try:  # the policy of every stored pickle: the allow-list, the user's safe globals, the stand-ins
+        return safe_torch_load(source, str(source), mmap=archive)
+    except CheckpointingException as e:
         logger.debug("torch.load(%s) failed", source, exc_info=True)
         if not archive:
             reason = "neither a torch.save archive nor a plain pickle of tensors"
-        elif isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+        elif str(e).startswith("Refusing to unpickle"):
             reason = "it holds objects outside the safe allow-list"
         else:
             reason = "a damaged torch.save archive"

@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree
 
+from ..pickling.trusted import loads_trusted
 from .leaves import _Columns, _Leaf, _LeafColumns, _wire_dtypes
 from .plan import _plan_messages
 
@@ -114,8 +115,8 @@ def _pickle_treespec(treespec: Any) -> bytes:
 
 
 def _decode_meta(payload: bytes) -> _Meta:
-    spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = pickle.loads(payload)
-    treespec = pickle.loads(spec_pickle)
+    spec_pickle, *fields, receivers, bucket_bytes, alone_bytes = loads_trusted(payload)  # from the sending rank
+    treespec = loads_trusted(spec_pickle)
     return _Meta(treespec, _Columns(*fields), receivers, bucket_bytes, alone_bytes, spec_pickle)
 
 def _segments(meta: _Meta, members: List[int]) -> List[Tuple[torch.dtype, int, int, List[int]]]:

@@ -23,7 +23,7 @@ from ...core import CheckpointingException
 from ...dict_utils import nested_values
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from ..checkpointable import CheckpointableShardedTensor, LocalShardsContainer
-from ..safe_pickle import safe_torch_load
+from ...pickling.safe_load import safe_torch_load
 from .save_plan import object_payload
 
 

@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
+from ...pickling.trusted import loads_trusted
 from ..dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -31,7 +32,7 @@ from ...integrity.save_claim import current_save_id
 from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
-from ..safe_pickle import load_dcp_metadata
+from ...pickling.safe_load import load_dcp_metadata
 from .key_index import encode_index, encode_table_index
 from .location_table import ChecksumColumns, Location, LocationTable
 from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
@@ -172,7 +173,7 @@ def table_metadata(table: LocationTable) -> Metadata:
     """The ``Metadata`` last written from ``table`` (by :func:`write_table`), as objects."""
     from .metadata_writer import metadata_bytes
 
-    return pickle.loads(metadata_bytes(table, table.checksums, table.storage_meta))
+    return loads_trusted(metadata_bytes(table, table.checksums, table.storage_meta))  # built here
 
 
 def _write_both(storage: Storage, data: bytes, index: Callable[[int], bytes]) -> None:

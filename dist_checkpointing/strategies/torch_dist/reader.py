@@ -19,7 +19,7 @@ from ...integrity.checksums import RecordVerifier, checksum, mismatch_error
 from ...storage import RangeReader, Storage
 from ..filesystem_async import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices
-from ..safe_pickle import safe_torch_load
+from ...pickling.safe_load import safe_torch_load
 from ..torch_blob import Layouts, TensorHeader, read_tensor_header
 from .format import checked_data_file_name
 from .load_plan import ObjectRead, TensorRead

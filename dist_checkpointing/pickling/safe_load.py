@@ -1,4 +1,5 @@
-"""Loading pickled checkpoint content without executing arbitrary code.
+"""Loading pickled checkpoint content without executing arbitrary code (the policy every
+stored pickle is opened with: this allow-list, the user's safe globals, the stand-ins).
 
 * :func:`safe_torch_load` wraps ``torch.load(weights_only=True)`` with the allow-list of
   :mod:`.safe_globals` (stdlib, NumPy, Megatron-Core / TE stand-ins, registered classes);
@@ -12,31 +13,35 @@
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
 from typing import IO, Any, Union
 
 import torch
 
-from . import dcp_types
+from ..strategies import dcp_types
 from ..core import CheckpointingException, Location, open_storage
 from ..integrity.checksums import read_file_verified
+from .restricted import RestrictedUnpickler
 from .safe_globals import UnsafeCall, safe_globals_context
 from .stand_ins import StandInMismatch
 
 
-def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = False) -> Any:
-    """``torch.load`` of ``f`` (CPU) with the safe allow-list; ``what`` names it in errors."""
+def safe_torch_load(f: Union[IO[bytes], bytes, str, "os.PathLike[str]"], what: str, allow_pickle: bool = False,
+                    mmap: bool = False) -> Any:
+    """``torch.load`` of ``f`` (bytes, a file object or a path; CPU; ``mmap``: a path's
+    storages mapped, not read) with the safe allow-list; ``what`` names it in errors."""
     if isinstance(f, (bytes, bytearray, memoryview)):
         f = io.BytesIO(f)
     if allow_pickle:
         try:
-            return torch.load(f, map_location="cpu", weights_only=False)
+            return torch.load(f, map_location="cpu", weights_only=False, mmap=mmap)
         except Exception as e:  # noqa: BLE001 - corrupted data of any kind
             raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
     with safe_globals_context():
         try:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
         except (StandInMismatch, UnsafeCall) as e:
             hint = "import the real class before loading, or " if isinstance(e, StandInMismatch) else ""
             raise CheckpointingException(
@@ -56,10 +61,11 @@ def safe_torch_load(f: Union[IO[bytes], bytes], what: str, allow_pickle: bool = 
             raise CheckpointingException(f"Cannot load {what}: {type(e).__name__}: {e}") from e
 
 
-def _blocked_globals(f: IO[bytes]) -> str:
+def _blocked_globals(f: Any) -> str:
     """The globals of the torch.save archive ``f`` that the allow-list lacks ("" if unreadable)."""
     try:
-        f.seek(0)
+        if hasattr(f, "seek"):
+            f.seek(0)
         return ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(f))
     except Exception:  # noqa: BLE001 - not even a readable torch.save archive
         return ""
@@ -88,26 +94,9 @@ _ALLOWED.update({
     ("builtins", "frozenset"): frozenset,
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): MCoreMetadata,
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): MCoreSavePlan,
-    ("dist_checkpointing.strategies.safe_pickle", "MCoreMetadata"): MCoreMetadata,
+    ("dist_checkpointing.strategies.safe_pickle", "MCoreMetadata"): MCoreMetadata,  # this module's old path
+    ("dist_checkpointing.pickling.safe_load", "MCoreMetadata"): MCoreMetadata,
 })
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: IO[bytes], path: str):
-        super().__init__(f)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module in ("torch", "torch.distributed.checkpoint.metadata") and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
-        ):
-            return getattr(torch, name)
-        raise CheckpointingException(
-            f"{self._path}: DCP metadata refers to {module}.{name}, which is not on the "
-            "allow-list of classes a checkpoint's metadata may contain"
-        )
 
 
 def load_dcp_metadata(checkpoint_dir: Location, name: str = ".metadata",
@@ -117,7 +106,9 @@ def load_dcp_metadata(checkpoint_dir: Location, name: str = ".metadata",
     path = storage.describe(name)
     data = read_file_verified(storage, name, verify_checksum)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), str(path)).load()
+        metadata = RestrictedUnpickler(data, _ALLOWED, lambda module, name: CheckpointingException(
+            f"{path}: DCP metadata refers to {module}.{name}, which is not on the allow-list of classes a "
+            "checkpoint's metadata may contain")).load()
     except CheckpointingException:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or corrupted pickle
