@@ -26,8 +26,8 @@ import torch.distributed as dist
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointManager, CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.manager import local_snapshot
-from dist_checkpointing.manager.local_tier import LocalTier
+from dist_checkpointing.manager.local import snapshot as local_snapshot
+from dist_checkpointing.manager.local.tier import LocalTier
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
 from dist_checkpointing.strategies import staging
 from dist_checkpointing.strategies.async_callers import TemporalAsyncCaller, _ThreadCall

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
-from dist_checkpointing.manager.local_snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum
+from dist_checkpointing.manager.local.snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum
 from dist_checkpointing.strategies.staging import StagingArena
-from dist_checkpointing.manager.local_tier import FAIL_RECV_ENV
+from dist_checkpointing.manager.local.tier import FAIL_RECV_ENV
 
 from .conftest import get_pool
 from .helpers import assert_all_raise, flip_byte

@@ -19,7 +19,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, CheckpointManager, LocalNonpersistentObject, ShardedObject
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.integrity.checksums import checksum
-from dist_checkpointing.manager.local_marker import RUN_FNAME
+from dist_checkpointing.manager.local.marker import RUN_FNAME
 from dist_checkpointing.manager.layout import CONTENT_KEY
 
 from .conftest import get_pool

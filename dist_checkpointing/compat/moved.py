@@ -27,6 +27,8 @@ MOVED: Dict[str, str] = {
     "convert": "tools.convert",
     "safetensors_stream": "tools.safetensors_stream",
     "whole_tensors": "tools.whole_tensors",
+    **{f"manager.local_{m}": f"manager.local.{m}"
+       for m in ("tier", "snapshot", "files", "format", "marker", "restore", "convert")},
     "strategies.safe_pickle": "pickling.safe_load",
     "strategies.safe_globals": "pickling.safe_globals",
     "strategies.stand_ins": "pickling.stand_ins",

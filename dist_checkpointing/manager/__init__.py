@@ -5,13 +5,13 @@
 * :mod:`.retention` — the retention policies;
 * :mod:`.worker` — rank 0's background thread: index and tracker writes, deletions;
 * :mod:`.lock` — one manager per root;
-* :mod:`.local_tier`, :mod:`.local_restore`, :mod:`.local_format` — two-tier mode's local
-  tier: saving and replicating, restoring, the copies' headers;
-* :mod:`.local_convert` — a local-tier checkpoint converted into a normal one, offline;
+* :mod:`.agreement` — how the ranks agree on a step and on rank 0's decisions;
+* :mod:`.local` — two-tier mode's local tier (saving and replicating, restoring, the copies'
+  files and headers, converting a step into a normal checkpoint offline);
 * :mod:`.crash` — test-only crash points.
 """
 
-from .local_convert import LocalConversion, convert_local_checkpoint
+from .local.convert import LocalConversion, convert_local_checkpoint
 from .manager import CheckpointManager
 from .retention import RetentionPolicy
 

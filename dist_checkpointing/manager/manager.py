@@ -32,9 +32,9 @@ from .layout import (
     CONTENT_KEY, INDEX_FNAME, RELEASE, TRACKER_FNAME, Metrics, config_name, recorded_metrics, read_index, scan_root,
     step_dir, write_index, write_tracker,
 )
-from .local_restore import restore as restore_local, restored_state
-from .local_marker import load_run_id, normalise_root
-from .local_tier import LocalTier
+from .local.marker import load_run_id, normalise_root
+from .local.restore import restore as restore_local, restored_state
+from .local.tier import LocalTier
 from .lock import RootLock
 from .retention import RetentionPolicy, check_positive, metric_value
 from .worker import RootWorker
@@ -66,7 +66,7 @@ class CheckpointManager:
             ``{rank}`` are replaced) and replicates them to ``replication_factor - 1`` ranks on
             other nodes (``node_of_rank``: each rank's node; default from torchrun's
             ``LOCAL_WORLD_SIZE``); :meth:`load` restores the newest step of either tier
-            (:mod:`.local_tier`). ``local_snapshot``: ``"fork"`` (default; CPU tensors: a
+            (:mod:`.local.tier`). ``local_snapshot``: ``"fork"`` (default; CPU tensors: a
             local save blocks for a fork, a child copies the state) or ``"copy"`` (the
             copy on the training thread). Every local copy belongs to this job (the root and
             its run id, kept in the root): a ``local_dir`` holding another job's copies is

@@ -1,6 +1,6 @@
-"""The local tier's snapshot of one rank's state (:mod:`.local_tier`): every tensor in one
+"""The local tier's snapshot of one rank's state (:mod:`.tier`): every tensor in one
 flat, 64-byte aligned uint8 buffer (taken on the training thread, or by a forked child
-into shared memory), the pickled header (:mod:`.local_format`), the checksums, and the
+into shared memory), the pickled header (:mod:`.format`), the checksums, and the
 state as it travels between ranks on restore and is filled into the caller's tensors."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..tensors.bytes_view import as_bytes
-from ..core import CheckpointingException, malformed
-from ..integrity.checksums import new_hasher
-from ..dict_utils import extract_matching_values, merge
-from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..tensors.sharded import ShardedTensor
-from ..tensors.values import is_plain_values
-from ..strategies.forked_call import ForkedCall
-from ..strategies.memory_maps import not_isolated_by_fork
-from ..strategies.staging import Staged, stage_into
-from .local_format import Entry, dtype_of, encode_header, leaf_id, walk
+from ...tensors.bytes_view import as_bytes
+from ...core import CheckpointingException, malformed
+from ...integrity.checksums import new_hasher
+from ...dict_utils import extract_matching_values, merge
+from ...mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
+from ...tensors.sharded import ShardedTensor
+from ...tensors.values import is_plain_values
+from ...strategies.forked_call import ForkedCall
+from ...strategies.memory_maps import not_isolated_by_fork
+from ...strategies.staging import Staged, stage_into
+from .format import Entry, dtype_of, encode_header, leaf_id, walk
 
 #: test-only fault: a rank whose environment sets this has its forked snapshot die.
 FAIL_SNAPSHOT_ENV = "DIST_CKPT_LOCAL_FAIL_SNAPSHOT"

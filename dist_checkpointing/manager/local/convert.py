@@ -1,14 +1,14 @@
-"""Converting a local-tier checkpoint (:mod:`.local_tier`) into a normal one, offline: one
+"""Converting a local-tier checkpoint (:mod:`.tier`) into a normal one, offline: one
 process, no process group (``dist-ckpt convert-local``).
 
-Only the copies of one job (:mod:`.local_marker`) are ever combined: the node directories
+Only the copies of one job (:mod:`.marker`) are ever combined: the node directories
 may hold copies of several jobs, and a step held by more than one is refused unless the
 job is named by its persistent root. Every marker is validated before use (an invalid one
 is a damaged copy); nothing is allocated from a marker's numbers. Every rank's copy of
 the step is looked for in the given node-local directories, in their
 order; the first copy whose checksums hold is used (own copy or replica alike), mapped
-from its file rather than read into memory (:func:`.local_tier.map_copy`). Each copy's
-header describes its rank's sharded state dict (:mod:`.local_format`); their main
+from its file rather than read into memory (:func:`.tier.map_copy`). Each copy's
+header describes its rank's sharded state dict (:mod:`.format`); their main
 replicas together, with rank 0's common state, are saved as one ``torch_dist`` checkpoint
 by :func:`dist_checkpointing.save` (which checks that they cover every global tensor
 exactly once), so it loads under any layout and world size, and the manager takes it as
@@ -22,19 +22,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .. import serialization
-from ..exchange.collectives import get_world_size
-from ..core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
-from ..dict_utils import nested_values
-from ..mapping import ShardedObject, ShardedStateDict, is_main_replica
-from ..integrity.overlap import refuse_overlap
-from ..tensors.sharded import ShardedTensor
-from ..storage import StorageOptions, url_scheme
-from .layout import CONTENT_KEY
-from .local_format import rebuild
-from .local_files import local_step_dir, map_copy, payload_name, scan
-from .local_marker import describe_job, normalise_root
-from .local_snapshot import flat_checksum, tensor_views
+from ... import serialization
+from ...exchange.collectives import get_world_size
+from ...core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
+from ...dict_utils import nested_values
+from ...mapping import ShardedObject, ShardedStateDict, is_main_replica
+from ...integrity.overlap import refuse_overlap
+from ...tensors.sharded import ShardedTensor
+from ...storage import StorageOptions, url_scheme
+from ..layout import CONTENT_KEY
+from .format import rebuild
+from .files import local_step_dir, map_copy, payload_name, scan
+from .marker import describe_job, normalise_root
+from .snapshot import flat_checksum, tensor_views
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 directories, each replicated to partner ranks on other nodes over the process group.
 
 Every rank writes its own shards only (no cross-rank planning): a snapshot of its
-``sharded_state_dict`` (:mod:`.local_snapshot`: every tensor in one flat byte buffer
-reused from save to save, and a header, :mod:`.local_format`) goes into its node-local
-directory as a raw file and a marker written last (:mod:`.local_files`). The snapshot is
+``sharded_state_dict`` (:mod:`.snapshot`: every tensor in one flat byte buffer
+reused from save to save, and a header, :mod:`.format`) goes into its node-local
+directory as a raw file and a marker written last (:mod:`.files`). The snapshot is
 taken while ``save`` blocks (a fork, or a copy); checksumming, writing (the own copy while
 replicating) and replicating happen in a background thread, over a process group of its
 own.
@@ -13,9 +13,9 @@ replica (agreed at :meth:`LocalTier.finalize`); a step that failed anywhere is r
 everywhere and not counted; once a step counts, every other copy of this job in the
 node-local directory is removed (older steps, and those a restart can no longer use:
 newer steps of an abandoned history, steps of another world size). Restoring is in
-:mod:`.local_restore`.
+:mod:`.restore`.
 
-Every copy belongs to a job (:mod:`.local_marker`): a node-local directory holding copies
+Every copy belongs to a job (:mod:`.marker`): a node-local directory holding copies
 of another job is refused when the tier is set up, unless ``takeover`` (then those copies
 are removed); restore and cleanup only ever use this job's copies.
 """
@@ -32,18 +32,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..exchange.collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
-from ..core import CheckpointingException
-from ..mapping import ShardedStateDict
-from ..storage import Storage, storage_for, url_scheme
-from ..strategies.forked_call import ForkedCall
-from ..transport import PGTransport
-from .crash import crash_point
-from .local_files import remove_copies, scan, write_copy
-from .local_marker import Job, describe_job
-from .local_format import decode_header
-from ..strategies.staging import Staged, StagingArena
-from .local_snapshot import Snapshot, can_fork, flat_checksum
+from ...exchange.collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
+from ...core import CheckpointingException
+from ...mapping import ShardedStateDict
+from ...storage import Storage, storage_for, url_scheme
+from ...strategies.forked_call import ForkedCall
+from ...transport import PGTransport
+from ..crash import crash_point
+from .files import remove_copies, scan, write_copy
+from .marker import Job, describe_job
+from .format import decode_header
+from ...strategies.staging import Staged, StagingArena
+from .snapshot import Snapshot, can_fork, flat_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class LocalTier:
         snapshot: ``"fork"`` (CPU tensors: :meth:`save` blocks for a fork, a child copies)
             or ``"copy"`` (:meth:`save` copies on the calling thread).
         job: the identity this job's copies carry (the same on every rank:
-            :mod:`.local_marker`).
+            :mod:`.marker`).
         takeover: remove the copies of other jobs (and damaged ones) found in the node-local
             directories instead of refusing them.
     """

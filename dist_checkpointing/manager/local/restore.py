@@ -1,4 +1,4 @@
-"""Restoring from the local tier (:mod:`.local_tier`), collectively, with per-rank
+"""Restoring from the local tier (:mod:`.tier`), collectively, with per-rank
 collectives of fixed size (a few integers, or one integer per rank — never a rank's list of
 markers):
 
@@ -37,15 +37,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..exchange.collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
-from ..core import CheckpointingException
-from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..tensors.sharded import ShardedTensor
-from ..transport import PGTransport
-from .local_files import map_copy, read_copy, scan
-from .local_format import decode_header
-from .local_snapshot import LayoutMismatch, fill_received, receiving_state, restore_header, wire_state
-from .local_tier import LocalTier, exchange, partners
+from ...exchange.collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
+from ...core import CheckpointingException
+from ...mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
+from ...tensors.sharded import ShardedTensor
+from ...transport import PGTransport
+from .files import map_copy, read_copy, scan
+from .format import decode_header
+from .snapshot import LayoutMismatch, fill_received, receiving_state, restore_header, wire_state
+from .tier import LocalTier, exchange, partners
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _choose(held: Dict[int, Dict[str, Any]], tier: LocalTier) -> Optional[List[i
 def _prepare_sends(tier: LocalTier, held: Dict[int, Dict[str, Any]], source: List[int],
                    done: List[bool]) -> Tuple[Dict[int, Any], List[int]]:
     """The replicas this rank serves this round, mapped from their files (not hashed: the
-    owner verifies), by owner: each its header (:func:`.local_snapshot.restore_header`) and
+    owner verifies), by owner: each its header (:func:`.snapshot.restore_header`) and
     its tensors; and one flag per owner (1: the copy this rank was to serve cannot be
     opened — missing, short, a bad marker or header)."""
     sends: Dict[int, Any] = {}

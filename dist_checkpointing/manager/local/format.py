@@ -1,6 +1,6 @@
-"""What a local-tier copy's header records (:mod:`.local_tier`), and a rank's sharded state
+"""What a local-tier copy's header records (:mod:`.tier`), and a rank's sharded state
 dict rebuilt from a header and its flat buffer (for the offline conversion,
-:mod:`.local_convert`).
+:mod:`.convert`).
 
 Each leaf of a ``sharded_state_dict`` has an id: ``t:{key}@{global offset}`` for a
 ShardedTensor, ``o:{unique_key}`` for a ShardedObject, ``c:{path}`` for anything else.
@@ -28,12 +28,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..core import CheckpointingException
-from ..dict_utils import extract_matching_values
-from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
-from ..tensors.sharded import ShardedTensor
-from ..pickling.restricted import loads_plain
-from ..pickling.safe_load import safe_torch_load
+from ...core import CheckpointingException
+from ...dict_utils import extract_matching_values
+from ...mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
+from ...tensors.sharded import ShardedTensor
+from ...pickling.restricted import loads_plain
+from ...pickling.safe_load import safe_torch_load
 
 #: the header's format (2: it records what a normal save needs: ``structure``, ``fields``, ``sharded``)
 HEADER_FORMAT = 2

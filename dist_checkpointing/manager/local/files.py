@@ -1,7 +1,7 @@
-"""The local tier's files (:mod:`.local_tier`) in a node-local directory: per step
+"""The local tier's files (:mod:`.tier`) in a node-local directory: per step
 ``local_{step:07d}/``, per owner rank the raw flat buffer ``rank_{owner:05d}.pt`` and then
 its marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64 of
-both, the job that wrote it: :mod:`.local_marker`), written atomically without ``fsync``;
+both, the job that wrote it: :mod:`.marker`), written atomically without ``fsync``;
 reading them back (verified), listing (every marker validated), removing."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core import CheckpointingException
-from ..integrity.checksums import checksum, new_hasher
-from ..mapping import ShardedStateDict
-from ..storage import PosixStorage, RangeReader, Storage, storage_for
-from ..storage.base import byte_view
-from .local_format import decode_header, dtype_of
-from .local_marker import MAX_MARKER_BYTES, Job, parse_marker
-from .local_snapshot import check_ids, loaded_result, sharded_targets, target_tensor
+from ...core import CheckpointingException
+from ...integrity.checksums import checksum, new_hasher
+from ...mapping import ShardedStateDict
+from ...storage import PosixStorage, RangeReader, Storage, storage_for
+from ...storage.base import byte_view
+from .format import decode_header, dtype_of
+from .marker import MAX_MARKER_BYTES, Job, parse_marker
+from .snapshot import check_ids, loaded_result, sharded_targets, target_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def write_copy(node_dir: str, step: int, owner: int, world: int, flat: torch.Ten
 
 def read_header(node_dir: str, marker: Dict[str, Any]) -> Tuple[bytes, Dict[str, Any]]:
     """The encoded header a marker holds, and its content (checksum verified, decoded
-    safely: :func:`.local_format.decode_header`)."""
+    safely: :func:`.format.decode_header`)."""
     where = f"rank {marker['owner']}'s copy of step {marker['step']} in {node_dir}"
     try:
         header = base64.b64decode(marker["header"], validate=True)
@@ -136,7 +136,7 @@ def read_copy(node_dir: str, marker: Dict[str, Any], sharded_state_dict: Sharded
     """Read the copy a marker describes, verifying its checksum: the requested
     ShardedTensors into their own tensors, the saved plain tensors (common state) into new
     ones, the other tensors only hashed. Returns what ``dist_checkpointing.load`` returns
-    for the request (:func:`.local_snapshot.loaded_result`) and the pickled header.
+    for the request (:func:`.snapshot.loaded_result`) and the pickled header.
     :class:`CheckpointingException` if the copy is missing, short or damaged."""
     hasher = new_hasher()
     with _payload(node_dir, marker) as (reader, where, header, content):
@@ -174,7 +174,7 @@ _SCRATCH = 16 << 20  # bytes read at a time of a tensor that is only hashed
 
 def _read_marker(path: str) -> bytes:
     """A marker's bytes: a regular file (never a link, a FIFO or a device) of at most
-    :data:`.local_marker.MAX_MARKER_BYTES`."""
+    :data:`.marker.MAX_MARKER_BYTES`."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         st = os.fstat(fd)
@@ -191,7 +191,7 @@ def _read_marker(path: str) -> bytes:
 
 def scan(node_dir: str, damaged: Optional[List[Tuple[int, int]]] = None) -> List[Dict[str, Any]]:
     """The valid markers found in a node-local directory. A marker that cannot be read or
-    is not valid (:func:`.local_marker.parse_marker`) is a damaged copy: skipped (logged),
+    is not valid (:func:`.marker.parse_marker`) is a damaged copy: skipped (logged),
     its ``(step, owner)`` appended to ``damaged`` when given."""
     found: List[Dict[str, Any]] = []
     root = storage_for(node_dir)

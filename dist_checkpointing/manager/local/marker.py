@@ -1,4 +1,4 @@
-"""A local-tier copy's marker (:mod:`.local_files`) and the job that owns it.
+"""A local-tier copy's marker (:mod:`.files`) and the job that owns it.
 
 The marker (``rank_{owner:05d}.done``, JSON) describes one copy: its step, owner rank,
 world size, payload length, checksums, the encoded header — and the **job** that wrote
@@ -21,8 +21,8 @@ import re
 import uuid
 from typing import Any, Dict, Optional
 
-from ..core import CheckpointingException, read_small_json
-from ..storage import Storage, url_scheme
+from ...core import CheckpointingException, read_small_json
+from ...storage import Storage, url_scheme
 
 #: the file in the persistent root holding the run id of its local tier
 RUN_FNAME = "dist_checkpointing_local_run.json"
