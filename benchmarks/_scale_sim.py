@@ -24,7 +24,7 @@ prepended: every layer key is held by every rank). The job model is ``_gpt_job.p
 
 The simulated rank runs the library's own code unchanged — ``validate_sharding_integrity``
 and ``TorchDistSaveShardedStrategy._plan_files`` / ``_publish`` — with ``torch.distributed``
-replaced, inside ``dist_checkpointing.exchange.collectives`` only, by :class:`SimulatedNetwork`, which
+replaced, inside ``dist_checkpointing.runtime.collectives`` only, by :class:`SimulatedNetwork`, which
 delivers what the other ranks send, computed with the library's own code on their own state:
 each holder's ``_summaries`` of the keys the simulated rank judges (``_judge_of``), pickled as
 ``exchange_objects`` pickles them, and each writer's item locations (``collect_save_items``,
@@ -211,7 +211,7 @@ class _Done:
 
 class SimulatedNetwork:
     """``torch.distributed`` as one rank of a simulated world sees it, for the collectives of
-    ``dist_checkpointing.exchange.collectives`` on the success path: ``all_to_all_single`` delivers
+    ``dist_checkpointing.runtime.collectives`` on the success path: ``all_to_all_single`` delivers
     ``inboxes`` (one per ``exchange_objects``: rank r's payload for this rank), ``gather`` / ``irecv`` on rank 0 deliver
     ``gathered``, ``all_reduce`` returns this rank's flags (every rank agrees), the first
     rank's broadcast is ``None``. Counts calls and the bytes delivered to this rank as
@@ -293,7 +293,7 @@ class SimulatedNetwork:
 
 @contextlib.contextmanager
 def simulated(net: SimulatedNetwork) -> Iterator[SimulatedNetwork]:
-    """Route ``dist_checkpointing.exchange.collectives`` (and ``exchange``) through ``net`` within the block."""
+    """Route ``dist_checkpointing.runtime.collectives`` (and ``exchange``) through ``net`` within the block."""
     real = collectives.dist
     collectives.dist = distribution.dist = plan.dist = tensors.dist = net
     try:

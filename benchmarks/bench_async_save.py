@@ -83,7 +83,7 @@ import dist_checkpointing
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing import serialization as ser
 from dist_checkpointing.integrity.checksums import checksum
-from dist_checkpointing.strategies import persistent_worker
+from dist_checkpointing.runtime import persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist.writing import arena_plan
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, ForkedCall

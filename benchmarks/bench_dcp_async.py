@@ -43,7 +43,7 @@ from _common import add_scratch_and_output_flags, build_params, fsync_path, writ
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dist_checkpointing.strategies.async_request import AsyncRequest  # noqa: E402
+from dist_checkpointing.runtime.async_request import AsyncRequest  # noqa: E402
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync  # noqa: E402
 from dist_checkpointing.strategies.state_dict_saver import (  # noqa: E402

@@ -55,7 +55,7 @@ def _is_command_line() -> bool:
 
 
 def _is_writer_process() -> bool:
-    """Whether this process is a persistent writer (:mod:`.strategies.persistent_worker`,
+    """Whether this process is a persistent writer (:mod:`.runtime.persistent_worker`,
     whose parent sets this variable): it imports only what its calls need."""
     return "DIST_CKPT_WORKER_FDS" in os.environ
 

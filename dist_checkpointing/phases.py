@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional
 
 from .dict_utils import nested_values
-from .exchange.collectives import get_rank
+from .runtime.collectives import get_rank
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from .strategies.progress import ByteSink, reporting_bytes
+from .runtime.progress import ByteSink, reporting_bytes
 
 logger = logging.getLogger("dist_checkpointing.serialization")
 

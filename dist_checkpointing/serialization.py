@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from .exchange.collectives import broadcast_object, check_whole_world, error_message, get_rank, run_agreed
+from .runtime.collectives import broadcast_object, check_whole_world, error_message, get_rank, run_agreed
 from .core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -62,9 +62,9 @@ from .mapping import (
     apply_factory_merges,
 )
 from .phases import Phases, ProgressCallback, local_bytes
-from .strategies.async_request import AsyncRequest
+from .runtime.async_request import AsyncRequest
 from .strategies.async_strategies import check_async_strategy
-from .strategies.progress import reporting_bytes
+from .runtime.progress import reporting_bytes
 from .strategies.common import COMMON_STATE_FNAME
 from .strategies.common_object import COMMON_STATE_OBJECT_NAME as COMMON_STATE_OBJECT_BASE_KEY
 from .strategies.torch_dist.format import METADATA_FNAME

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 
 import torch.distributed as dist
 
-from .exchange.collectives import (
+from .runtime.collectives import (
     all_gather_object, all_reduce_max_uint8, exchange_objects, get_rank, get_world_size, run_agreed_with_flags,
 )
 from .core import CheckpointingException, check_key

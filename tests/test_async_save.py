@@ -26,7 +26,8 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.core import CONFIG_FNAME
-from dist_checkpointing.strategies import async_utils, forked_call, persistent_worker
+from dist_checkpointing.strategies import async_utils
+from dist_checkpointing.runtime import forked_call, persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall

@@ -18,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
-from dist_checkpointing.strategies import process_qos
-from dist_checkpointing.strategies.async_request import AsyncRequest
+from dist_checkpointing.runtime import process_qos
+from dist_checkpointing.runtime.async_request import AsyncRequest
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, _set_process_qos
 from dist_checkpointing.strategies.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, get_write_results_queue
-from dist_checkpointing.strategies.forked_call import ForkedCall
+from dist_checkpointing.runtime.forked_call import ForkedCall
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
 from dist_checkpointing.strategies.nvrx import has_nvrx_async_support, is_nvrx_min_version, make_nvrx_async_request
@@ -173,7 +173,7 @@ def test_warmup_persistent_caller_starts_the_writer_at_the_priorities():
         import os, subprocess
         from dist_checkpointing import CheckpointingException
         from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from dist_checkpointing.strategies.persistent_worker import shared_worker
+        from dist_checkpointing.runtime.persistent_worker import shared_worker
         try:
             AsyncCallsQueue.warmup_persistent_caller(0, mp_mode="threads")
         except CheckpointingException as e:

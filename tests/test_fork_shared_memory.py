@@ -22,8 +22,8 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writing
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from dist_checkpointing.strategies import memory_maps
-from dist_checkpointing.strategies.memory_maps import UnisolatedMemory, byte_extent, not_isolated_by_fork
+from dist_checkpointing.runtime import memory_maps
+from dist_checkpointing.runtime.memory_maps import UnisolatedMemory, byte_extent, not_isolated_by_fork
 
 from .conftest import get_pool
 

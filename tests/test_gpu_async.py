@@ -531,7 +531,7 @@ def test_dcp_async_writer_copies_cuda_state_without_forking(tmp_path):
     (never a fork of a process holding a CUDA context); the checkpoint is the state at the call."""
     import torch.distributed.checkpoint as dcp
 
-    from dist_checkpointing.strategies.async_request import AsyncRequest
+    from dist_checkpointing.runtime.async_request import AsyncRequest
     from dist_checkpointing.strategies.dcp_async_writer import write_dcp_files
     from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from dist_checkpointing.strategies.state_dict_saver import (

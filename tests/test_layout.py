@@ -20,7 +20,8 @@ ROOT = Path(dist_checkpointing.__file__).resolve().parent
 MEGATRON_CORE = {"core", "dict_utils", "exchange_utils", "mapping", "optimizer", "serialization", "state_dict_utils",
                  "tensor_aware_state_dict", "utils", "validation", "strategies"}
 ENTRY_POINTS = {"__init__", "__main__", "cli", "megatron", "readers", "phases"}
-PACKAGES = {"storage", "exchange", "transport", "manager", "integrity", "tensors", "tools", "compat", "pickling"}
+PACKAGES = {"storage", "exchange", "transport", "manager", "integrity", "tensors", "tools", "compat", "pickling",
+            "runtime"}
 
 
 def test_the_root_holds_megatron_cores_modules_entry_points_and_packages():

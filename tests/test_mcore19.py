@@ -81,7 +81,7 @@ def _trainer_rank(rank: int, world: int, site: str, root: str, name: str):
         FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
-    from dist_checkpointing.strategies.persistent_worker import shared_worker
+    from dist_checkpointing.runtime.persistent_worker import shared_worker
 
     _async_args(ARGS, name)
     nice_before = os.nice(0)

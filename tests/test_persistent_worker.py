@@ -13,8 +13,8 @@ import torch
 import xxhash
 
 from dist_checkpointing import CheckpointingException
-from dist_checkpointing.strategies.persistent_worker import PersistentWorker
-from dist_checkpointing.strategies.staging import ALIGN, ArenaPool, StagingArena, arena_layout, stage
+from dist_checkpointing.runtime.persistent_worker import PersistentWorker
+from dist_checkpointing.runtime.arenas import ALIGN, ArenaPool, StagingArena, arena_layout, stage
 
 from . import launch
 from .worker_calls import arena_digest, boom, die, has_torch, pid_and_args
@@ -146,7 +146,7 @@ sys.path.insert(0, {root!r})
 import dist_checkpointing as dc
 from dist_checkpointing import ShardedTensor
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
-from dist_checkpointing.strategies.persistent_worker import shared_worker
+from dist_checkpointing.runtime.persistent_worker import shared_worker
 print("module ran", os.getpid(), flush=True)
 t = torch.arange(1000.0)
 ckpt = sys.argv[1]

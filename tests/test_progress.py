@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_checkpointing as dc
-import dist_checkpointing.strategies.progress as progress
+import dist_checkpointing.runtime.progress as progress
 from dist_checkpointing import ShardedTensor
 
 from .conftest import get_pool

@@ -29,11 +29,11 @@ from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.manager.local import snapshot as local_snapshot
 from dist_checkpointing.manager.local.tier import LocalTier
 from dist_checkpointing.serialization import get_default_save_sharded_strategy
-from dist_checkpointing.strategies import staging
-from dist_checkpointing.strategies.async_callers import TemporalAsyncCaller, _ThreadCall
+from dist_checkpointing.runtime import arenas as staging
+from dist_checkpointing.runtime.async_callers import TemporalAsyncCaller, _ThreadCall
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from dist_checkpointing.strategies.staging import ArenaPool, StagingArena
+from dist_checkpointing.runtime.arenas import ArenaPool, StagingArena
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 

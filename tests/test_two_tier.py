@@ -13,7 +13,7 @@ import torch
 
 from dist_checkpointing import CheckpointingException, CheckpointManager, ShardedObject, ShardedTensor
 from dist_checkpointing.manager.local.snapshot import FAIL_SNAPSHOT_ENV, Snapshot, flat_checksum
-from dist_checkpointing.strategies.staging import StagingArena
+from dist_checkpointing.runtime.arenas import StagingArena
 from dist_checkpointing.manager.local.tier import FAIL_RECV_ENV
 
 from .conftest import get_pool

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_checkpointing import CheckpointingException, ShardedTensor
-from dist_checkpointing.exchange.collectives import exchange_objects
+from dist_checkpointing.runtime.collectives import exchange_objects
 from dist_checkpointing import validation
 from dist_checkpointing.validation import check_common_state_consistency, validate_sharding_integrity
 

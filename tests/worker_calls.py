@@ -8,7 +8,7 @@ import os
 
 import xxhash
 
-from dist_checkpointing.strategies import persistent_worker
+from dist_checkpointing.runtime import persistent_worker
 
 
 def pid_and_args(*args, **kwargs):

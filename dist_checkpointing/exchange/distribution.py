@@ -17,7 +17,7 @@ from typing import Any, Dict, Hashable, Iterable, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_object, get_rank, get_world_size
+from ..runtime.collectives import all_gather_object, get_rank, get_world_size
 from ..core import CheckpointingException
 from ..dict_utils import nested_values
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from .collectives import all_gather_object
+from ..runtime.collectives import all_gather_object
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedStateDict
 

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_max_uint8, error_message, exchange_objects, get_rank, get_world_size
+from ..runtime.collectives import all_reduce_max_uint8, error_message, exchange_objects, get_rank, get_world_size
 from ..core import CheckpointingException
 from .distribution import (
     ShardDistribution,

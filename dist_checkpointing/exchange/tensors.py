@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..tensors.bytes_view import as_bytes
-from .collectives import all_gather_object, get_rank, get_world_size
+from ..runtime.collectives import all_gather_object, get_rank, get_world_size
 from ..core import CheckpointingException
 from ..tensors.fp8 import dequantize, fill_float8_, is_float8tensor
 from ..mapping import ShardedTensor

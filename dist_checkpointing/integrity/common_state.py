@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ..pickling.trusted import loads_trusted
-from ..exchange.collectives import all_reduce_max_uint8, broadcast_object, error_message, get_rank, run_agreed
+from ..runtime.collectives import all_reduce_max_uint8, broadcast_object, error_message, get_rank, run_agreed
 from ..dict_utils import diff
 from ..tensors.bytes_view import as_bytes
 

@@ -25,7 +25,7 @@ import json
 import re
 from typing import Dict, List, Optional, Tuple
 
-from ..exchange.collectives import (
+from ..runtime.collectives import (
     all_gather_object, all_reduce_max_uint8, error_message, gather_object, get_rank, get_world_size, raise_if_any,
     run_agreed, scatter_object,
 )

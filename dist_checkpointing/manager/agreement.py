@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 from ..core import CheckpointingException
-from ..exchange.collectives import broadcast_object, error_message, get_rank
+from ..runtime.collectives import broadcast_object, error_message, get_rank
 
 T = TypeVar("T")
 

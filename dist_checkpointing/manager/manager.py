@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .. import serialization
-from ..exchange.collectives import broadcast_object, get_rank, run_agreed, run_agreed_with_flags
+from ..runtime.collectives import broadcast_object, get_rank, run_agreed, run_agreed_with_flags
 from ..core import CheckpointingException, open_storage
 from ..mapping import ShardedStateDict, StateDict
 from ..integrity.overlap import refuse_overlap

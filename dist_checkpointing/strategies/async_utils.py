@@ -19,14 +19,14 @@ import queue
 import threading
 from typing import Any, Dict, List, Optional
 
-from . import forked_call
-from .async_request import (  # noqa: F401  (_Chained: tests)
+from ..runtime import forked_call
+from ..runtime.async_request import (  # noqa: F401  (_Chained: tests)
     AsyncRequest, _Call, _Chained, _finalize, _preloaded, same_step_counts, step_counts)
-from .forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
-from ..exchange.collectives import all_reduce_max_uint8, is_distributed
+from ..runtime.forked_call import ForkedCall, reap_exited_children  # noqa: F401  (ForkedCall: re-exported)
+from ..runtime.collectives import all_reduce_max_uint8, is_distributed
 from ..core import CheckpointingException
-from .persistent_worker import check_mp_mode, shared_worker
-from .process_qos import set_process_qos, set_writer_qos
+from ..runtime.persistent_worker import check_mp_mode, shared_worker
+from ..runtime.process_qos import set_process_qos, set_writer_qos
 
 logger = logging.getLogger(__name__)
 
@@ -195,5 +195,5 @@ class AsyncCallsQueue:
 
 # Megatron-Core's names in this module: the async callers (the forked calls' settings live in
 # :mod:`.forked_call`, where they are read)
-from .async_callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc  # noqa: E402,F401
+from ..runtime.async_callers import AsyncCaller, PersistentAsyncCaller, TemporalAsyncCaller, _disable_gc  # noqa: E402,F401
 _set_process_qos = set_process_qos  # Megatron-Core's name (Megatron-LM lowers its deletion worker's priority with it)

@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..core import CheckpointingException, gc_paused, open_storage
-from ..exchange.collectives import error_message, get_rank
+from ..runtime.collectives import error_message, get_rank
 from .dcp_types import StorageInfo
 from .filesystem_async import Payload, payload_nbytes, write_file
-from .forked_call import ForkedCall
-from .memory_maps import needs_host_copy
+from ..runtime.forked_call import ForkedCall
+from ..runtime.memory_maps import needs_host_copy
 
 DcpFile = Tuple[str, List[Tuple[Any, Payload]]]  # a file's name and its (MetadataIndex, payload) items
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 
 from ..compat.lazy import lazy_exports
-from .persistent_worker import check_mp_mode
+from ..runtime.persistent_worker import check_mp_mode
 from ..tensors.bytes_view import as_bytes
 from ..tensors.values import plain_values
 from ..storage import Storage

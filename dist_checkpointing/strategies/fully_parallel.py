@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..exchange.collectives import (
+from ..runtime.collectives import (
     all_gather_object,
     all_reduce_max_uint8,
     error_message,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ... import serialization
-from ...exchange.collectives import get_world_size
+from ...runtime.collectives import get_world_size
 from ...core import CheckpointingException, Location, checkpoint_location, malformed, open_storage
 from ...dict_utils import nested_values
 from ...mapping import ShardedObject, ShardedStateDict, is_main_replica

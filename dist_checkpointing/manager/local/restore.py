@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...exchange.collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
+from ...runtime.collectives import all_gather_object, error_message, raise_if_any, run_agreed_with_flags
 from ...core import CheckpointingException
 from ...mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ...tensors.sharded import ShardedTensor

@@ -18,9 +18,9 @@ from ...dict_utils import extract_matching_values, merge
 from ...mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from ...tensors.sharded import ShardedTensor
 from ...tensors.values import is_plain_values
-from ...strategies.forked_call import ForkedCall
-from ...strategies.memory_maps import not_isolated_by_fork
-from ...strategies.staging import Staged, stage_into
+from ...runtime.forked_call import ForkedCall
+from ...runtime.memory_maps import not_isolated_by_fork
+from ...runtime.arenas import Staged, stage_into
 from .format import Entry, dtype_of, encode_header, leaf_id, walk
 
 #: test-only fault: a rank whose environment sets this has its forked snapshot die.
@@ -77,7 +77,7 @@ class Snapshot:
         forked child, which sees the tensors as they are now (copy-on-write; ``buffer``
         must be shared memory), except tensors in memory a fork does not isolate (shared
         or file-backed mappings), copied here first: returns the child at once; its result
-        is the checksum of the tensor bytes. Else from this thread (:func:`..strategies.staging.stage_into`:
+        is the checksum of the tensor bytes. Else from this thread (:func:`...runtime.arenas.stage_into`:
         CPU tensors at once, accelerator tensors on a side stream that later work on the
         current stream waits for; ``pinned``: ``buffer`` is page-locked): returns the
         copies' handle."""

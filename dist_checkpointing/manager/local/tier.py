@@ -32,17 +32,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ...exchange.collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
+from ...runtime.collectives import all_reduce_max_uint8, get_rank, get_world_size, run_agreed
 from ...core import CheckpointingException
 from ...mapping import ShardedStateDict
 from ...storage import Storage, storage_for, url_scheme
-from ...strategies.forked_call import ForkedCall
+from ...runtime.forked_call import ForkedCall
 from ...transport import PGTransport
 from ..crash import crash_point
 from .files import remove_copies, scan, write_copy
 from .marker import Job, describe_job
 from .format import decode_header
-from ...strategies.staging import Staged, StagingArena
+from ...runtime.arenas import Staged, StagingArena
 from .snapshot import Snapshot, can_fork, flat_checksum
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class LocalTier:
         into the shared snapshot buffer as they were at the fork), or for one copy into
         that buffer on this thread (CPU tensors otherwise); accelerator tensors are copied
         into it (pinned where CUDA is) on a side stream without blocking, and later work on
-        the current stream waits for the copies (:mod:`..strategies.staging`)."""
+        the current stream waits for the copies (:mod:`...runtime.arenas`)."""
 
         if self._pending is not None:  # its write still reads the snapshot buffer: finish it first
             self.finalize()

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ...exchange.collectives import get_rank, get_world_size, is_distributed
+from ...runtime.collectives import get_rank, get_world_size, is_distributed
 from ...core import CheckpointingException
 from ...dict_utils import nested_values
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica

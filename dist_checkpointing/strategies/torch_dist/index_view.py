@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ..dcp_types import Metadata
 
-from ...exchange.collectives import (
+from ...runtime.collectives import (
     all_reduce_max_uint8,
     broadcast_object,
     exchange_objects,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ..dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ...exchange.collectives import run_agreed
+from ...runtime.collectives import run_agreed
 from ...core import CheckpointingException, check_key, open_storage
 from ...dict_utils import dict_list_map_outplace, nested_values
 from ...integrity.checksums import SCOPE_RECORD, item_checksum_scope
@@ -28,7 +28,7 @@ from .index_view import Requests, index_problems, indexed_view
 from .load_plan import LoadPlan, ScratchArena, plan_load
 from .maintenance import remove_sharded_tensors
 from .metadata import read_metadata, stored_items
-from ..progress import ByteMeter, byte_meter
+from ...runtime.progress import ByteMeter, byte_meter
 from .reader import Reader, read_nbytes
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...exchange.collectives import (
+from ...runtime.collectives import (
     all_gather_object,
     all_reduce_max_uint8,
     broadcast_object,
@@ -30,9 +30,9 @@ from ...exchange.collectives import (
 )
 from ...core import CheckpointingException, gc_paused, open_storage
 from ...mapping import ShardedStateDict
-from ..async_request import AsyncRequest
+from ...runtime.async_request import AsyncRequest
 from ..async_strategies import check_async_strategy
-from ..forked_call import ForkedCall
+from ...runtime.forked_call import ForkedCall
 from ..base import AsyncSaveShardedStrategy
 from ...storage import Storage
 from ...storage.buffers import (
@@ -42,11 +42,11 @@ from ...storage.buffers import (
     return_staging_buffers,
 )
 from ..filesystem_async import HostStaging
-from ..persistent_worker import shared_worker
+from ...runtime.persistent_worker import shared_worker
 from ..records import write_from_arena
-from ..progress import SharedCount, current_sink, poll_count, reporting_bytes
-from ..staging import ArenaPool, Staged, StagingArena, stage
-from ..memory_maps import needs_host_copy
+from ...runtime.progress import SharedCount, current_sink, poll_count, reporting_bytes
+from ...runtime.arenas import ArenaPool, Staged, StagingArena, stage
+from ...runtime.memory_maps import needs_host_copy
 from .format import data_file_name
 from .location_table import (
     ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations, in_file_order,
@@ -244,7 +244,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def _stage_arena(self, reserved: "_Reserved", storage: Storage, written: Dict[str, Any],
                      wait: bool) -> Tuple[Callable[[], None], Staged]:
-        """Copy every tensor of the reserved plan into its arena (:mod:`..staging`; after the
+        """Copy every tensor of the reserved plan into its arena (:mod:`...runtime.arenas`; after the
         call's last collective); returns the request's ``async_fn`` (wait for the copies,
         then write from the persistent writer, or from this thread where the storage needs
         it) and the copies' handle. A failure of the copies ends the arena's hold (once the

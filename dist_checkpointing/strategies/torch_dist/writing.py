@@ -14,7 +14,7 @@ from ...tensors.bytes_view import nbytes
 from ..blob_template import blob_parts
 from ..filesystem_async import _exact_cpu_tensor, payload_nbytes, write_file
 from ..records import ArenaRecord, Span, write_record_files
-from ..staging import arena_layout
+from ...runtime.arenas import arena_layout
 from .metadata import Location
 from .save_plan import SaveItem
 

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable, Deque, Optional, Tuple, Union
 
-from ..exchange.collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
+from .collectives import all_gather_object, all_reduce_max_uint8, error_message, get_rank, raise_if_any
 from ..core import CheckpointingException, gc_paused
 from .async_request import AsyncRequest, _preloaded
 from .forked_call import ForkedCall

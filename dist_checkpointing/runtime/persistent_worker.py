@@ -5,7 +5,7 @@ imports no torch) and Megatron-Core's :class:`~.async_callers.PersistentAsyncCal
 
 Calls and their results travel pickled through pipes (CPU tensors in their arguments
 through shared memory, as ``torch.multiprocessing`` shares them). Shared host arenas
-(:class:`~.staging.StagingArena`) are handed over once, by file descriptor, and kept mapped
+(:class:`~.arenas.StagingArena`) are handed over once, by file descriptor, and kept mapped
 in the worker until forgotten, so a save's write reads the staged bytes in place. The
 worker exits when this process does (it watches its parent), and a worker that dies fails
 its pending calls with the exit code; the next call starts a new one.
@@ -189,7 +189,7 @@ class PersistentWorker:
                       _QOS_ENV: ",".join("" if v is None else str(v) for v in qos) if qos else ""})
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from dist_checkpointing.strategies.persistent_worker import main; main()"],
+                [sys.executable, "-c", "from dist_checkpointing.runtime.persistent_worker import main; main()"],
                 env=env, pass_fds=(theirs.fileno(), their_results.fileno()), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import CheckpointingException
-from ..exchange.collectives import (
+from .collectives import (
     all_gather_object, all_reduce_max_uint8, error_message, is_distributed, raise_if_any, run_agreed)
 
 logger = logging.getLogger(__name__)

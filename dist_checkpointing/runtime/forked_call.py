@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ..pickling.trusted import loads_trusted
 from ..core import CheckpointingException
-from ..exchange.collectives import error_message
+from .collectives import error_message
 from .process_qos import apply_writer_qos
 
 logger = logging.getLogger(__name__)
