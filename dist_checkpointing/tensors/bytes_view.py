@@ -23,3 +23,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes of a tensor of ``shape`` and ``dtype``."""
     return math.prod(shape) * dtype.itemsize
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a flat ``memoryview``, without a copy."""
+    return memoryview(as_bytes(t).numpy()).cast("B")

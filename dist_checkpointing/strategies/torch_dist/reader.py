@@ -14,10 +14,10 @@ import torch
 from ..dcp_types import StorageInfo as _StorageInfo
 
 from ...core import CheckpointingException
+from ...tensors.bytes_view import tensor_bytes
 from ...tensors.fp8 import dequantize, is_float8tensor
 from ...integrity.checksums import RecordVerifier, checksum, mismatch_error
 from ...storage import RangeReader, Storage
-from ..filesystem_async import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices
 from ...pickling.safe_load import safe_torch_load
 from ..torch_blob import Layouts, TensorHeader, read_tensor_header

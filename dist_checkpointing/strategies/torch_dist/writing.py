@@ -1,26 +1,72 @@
-"""Writing a rank's data files: :func:`write_files` (each file through
-:func:`~..filesystem_async.write_file` on its own thread), here or in the persistent writer
+"""Writing a rank's data files: :func:`write_files` (each file through :func:`write_file` on
+its own thread, its bytes by :func:`..records.write_records` into the storage: three modules
+from ``save`` to a :class:`~...storage.Storage`), here or in the persistent writer
 process from a staging arena (:func:`arena_plan`, then :func:`arena_records`, the files as
 :func:`~..records.write_from_arena` receives them there)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...storage import Storage
-from ...tensors.bytes_view import nbytes
+from ...tensors.bytes_view import as_bytes, nbytes, tensor_bytes
+from ...tensors.values import plain_values
 from ..blob_template import blob_parts
-from ..filesystem_async import _exact_cpu_tensor, payload_nbytes, write_file
-from ..records import ArenaRecord, Span, write_record_files
+from ..records import ArenaRecord, Record, Span, TensorRecord, write_record_files, write_records
 from ...runtime.arenas import arena_layout
 from .metadata import Location
 from .save_plan import SaveItem
 
 
-def _write_file(*args) -> List[Span]:
-    return write_file(*args)  # looked up at each call: tests slow or break it
+Payload = Union[torch.Tensor, bytes]
+
+
+def _exact_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with exactly ``t``'s elements as its storage (``torch.save`` writes the
+    whole storage, so a view of a large buffer must not drag the buffer along)."""
+    t = plain_values(t)  # the values: FP8 dequantized, no lazy conjugate or negative view
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
+        return t
+    if nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    # A new storage over the same memory, exactly the elements' bytes (no copy).
+    return torch.from_numpy(as_bytes(t).numpy()).view(t.dtype).view(t.shape)
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """The data bytes of a payload (a tensor's elements, or the bytes as is)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return len(payload)
+
+
+def _tensor_record(payload: Payload) -> Record:
+    """A payload as a record: a tensor's blob from its template, bytes as they are."""
+    if isinstance(payload, torch.Tensor):
+        t = _exact_cpu_tensor(payload)
+        prefix, suffix = blob_parts(t.dtype, t.shape, lambda: t)
+        return TensorRecord(prefix, tensor_bytes(t), suffix)
+    return payload
+
+
+def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
+               compute_checksums: bool = True,
+               on_written: Optional[Callable[[int], None]] = None) -> List[Tuple[int, int, Optional[int]]]:
+    """Write ``payloads`` (tensors as ``torch.save`` blobs, bytes as is) into the new file
+    ``name`` of ``storage`` (:func:`..records.write_records`): ``(offset, length, checksum)``
+    of each payload in the file. A tensor's blob is what ``torch.save`` writes with the zip
+    CRC off (:mod:`..blob_template`; neither ``torch.load`` nor DCP verifies the CRC), its
+    bytes written from the tensor's memory (a device tensor's host copy is made just
+    before). ``on_written(nbytes)``, if given, is called after each payload with its
+    :func:`payload_nbytes` (progress reports)."""
+    return write_records(storage, name, payloads, compute_checksums, on_written, _tensor_record, payload_nbytes)
 
 
 def write_files(files: Dict[str, List[SaveItem]], storage: Storage, checksums: bool,
@@ -29,7 +75,8 @@ def write_files(files: Dict[str, List[SaveItem]], storage: Storage, checksums: b
     every item written. The bytes written are reported to the caller's progress sink, if
     any (:mod:`..progress`)."""
     payloads = {fname: [it.payload for it in items] for fname, items in files.items()}
-    spans = write_record_files(_write_file, payloads, storage, checksums, thread_count, payload_nbytes)
+    # write_file looked up at each call: tests slow or break it
+    spans = write_record_files(write_file, payloads, storage, checksums, thread_count, payload_nbytes)
     return locations({fname: [(it.key, it.tensor_meta) for it in items] for fname, items in files.items()}, spans)
 
 
