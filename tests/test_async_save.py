@@ -1,5 +1,5 @@
 """Async saves: ``save(..., async_sharded_save=True)``, AsyncRequest, AsyncCallsQueue,
-the forked writer (ForkedCall) and HostStaging, through real gloo process groups.
+the forked writer (ForkedCall) and ForkHostCopies, through real gloo process groups.
 
 An async save snapshots the state when ``save`` returns (fork, copy-on-write), writes
 it in a child process, and is complete (``metadata.json``) only once an
@@ -33,7 +33,7 @@ from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writi
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
 from dist_checkpointing.strategies.base import SaveCommonStrategy, SaveShardedStrategy
 from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
-from dist_checkpointing.strategies.filesystem_async import HostStaging
+from dist_checkpointing.strategies.filesystem_async import ForkHostCopies
 from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 
@@ -1019,44 +1019,44 @@ def test_fully_parallel_async_save(world, ckpt_location):
     assert writers == {str(r) for r in range(world)}, writers
 
 
-# ----------------------------------------------------------------------------- 10. HostStaging
+# ----------------------------------------------------------------------------- 10. ForkHostCopies
 
 
-def test_host_staging_reuses_buffers():
-    staging = HostStaging()
+def test_fork_host_copies_reuse_buffers():
+    copies = ForkHostCopies()
     a = torch.arange(6.0).reshape(2, 3)
     b = torch.ones(4, dtype=torch.int32)
-    first = staging.stage([("a", a), ("b", b)])
+    first = copies.copy([("a", a), ("b", b)])
     assert [tuple(t.shape) for t in first] == [(2, 3), (4,)]
     assert first[0].data_ptr() != a.data_ptr() and torch.equal(first[0], a) and torch.equal(first[1], b)
     a.fill_(-1)
     assert torch.equal(first[0], torch.arange(6.0).reshape(2, 3))  # a copy, not a view
 
-    second = staging.stage([("a", a * 2), ("b", b * 3)])
+    second = copies.copy([("a", a * 2), ("b", b * 3)])
     assert second[0] is first[0] and second[1] is first[1]  # same slots, shapes, dtypes: reused
     assert torch.equal(second[0], torch.full((2, 3), -2.0)) and torch.equal(second[1], b * 3)
 
     grad = torch.ones(2, 3, requires_grad=True)
-    third = staging.stage([("a", grad.t()), ("b", b)])  # shape change: a new buffer
+    third = copies.copy([("a", grad.t()), ("b", b)])  # shape change: a new buffer
     assert third[0] is not first[0] and third[1] is first[1]
     assert tuple(third[0].shape) == (3, 2) and third[0].is_contiguous() and not third[0].requires_grad and torch.equal(third[0], grad.t())
 
-    fourth = staging.stage([("a", torch.zeros(3, 2, dtype=torch.float64))])  # dtype change; b unused
+    fourth = copies.copy([("a", torch.zeros(3, 2, dtype=torch.float64))])  # dtype change; b unused
     assert fourth[0] is not third[0] and fourth[0].dtype == torch.float64
-    fifth = staging.stage([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
+    fifth = copies.copy([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
     assert fifth[0] is fourth[0] and fifth[1] is not first[1]  # b's buffer was dropped
     assert torch.equal(fifth[1], b)
 
-    staging.release()
-    sixth = staging.stage([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
+    copies.release()
+    sixth = copies.copy([("a", torch.ones(3, 2, dtype=torch.float64)), ("b", b)])
     assert sixth[0] is not fifth[0] and sixth[1] is not fifth[1]
-    assert staging.stage([]) == []
-    seventh = staging.stage([("b", b)])
+    assert copies.copy([]) == []
+    seventh = copies.copy([("b", b)])
     assert seventh[0] is not sixth[1]
 
 
-def test_overlapping_writes_do_not_share_staging_buffers(tmp_path):
-    # The writer's staging buffers are shared mappings: forked writers must not reuse the
+def test_overlapping_writes_do_not_share_write_buffers(tmp_path):
+    # The writer's write buffers are shared mappings: forked writers must not reuse the
     # parent's pooled ones, or two saves in flight (or a sync save during an async one)
     # write into each other's buffers and the checkpoints come out corrupted.
     import dist_checkpointing as dc_
@@ -1085,12 +1085,12 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
 
     from dist_checkpointing.storage import buffers as fa
 
-    buf = fa.reserve_staging_buffers(1)
+    buf = fa.reserve_write_buffers(1)
     page_bytes = memoryview(buf[0])
     page_bytes[::4096] = b"\x01" * len(range(0, len(page_bytes), 4096))  # touched in the parent
 
     def child() -> int:
-        fa.adopt_staging_buffers(buf)
+        fa.adopt_write_buffers(buf)
         if map_in:
             fa.POOL.map_in(buf[0])
             fa.POOL.map_in(buf[0])  # once only: the second call does nothing
@@ -1103,7 +1103,7 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
         return ForkedCall(child, "adopted buffer").result()
     finally:
         page_bytes.release()
-        fa.return_staging_buffers(buf)
+        fa.return_write_buffers(buf)
 
 
 def test_forked_writer_maps_its_staging_buffers_in_before_use():
@@ -1136,7 +1136,7 @@ def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
         return {f"t{i}": dc_.ShardedTensor.from_rank_offsets(f"t{i}", torch.full((1 << 20,), float(val)))
                 for i in range(4)}
 
-    fa.release_staging_buffers()
+    fa.release_write_buffers()
     dc_.save(state(0), tmp_path / "sync0")  # fills the pool
     pooled = {id(b) for b in fa.POOL._free}
     assert pooled

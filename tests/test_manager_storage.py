@@ -16,7 +16,7 @@ from dist_checkpointing import CheckpointingException, CheckpointManager
 from dist_checkpointing.core import CONFIG_FNAME
 from dist_checkpointing.manager.layout import INDEX_FNAME, TRACKER_FNAME
 from dist_checkpointing.manager.lock import LOCK_FNAME
-from dist_checkpointing.manager.worker import RootWorker
+from dist_checkpointing.manager.bookkeeping import Bookkeeper
 from dist_checkpointing.storage import PosixStorage
 
 from .test_manager import _check_loaded, _dirs, _state
@@ -53,7 +53,7 @@ def test_deletion_waits_for_a_load_in_progress(tmp_path):
     for step in (1, 2):
         dc.save(_state(0, 1, step), str(tmp_path / f"iter_{step:07d}"))
     storage = PosixStorage(str(tmp_path))
-    worker = RootWorker(storage, lambda name: PosixStorage(str(tmp_path / name)))
+    worker = Bookkeeper(storage, lambda name: PosixStorage(str(tmp_path / name)))
     try:
         with worker.loading("iter_0000001"):
             worker.delete("iter_0000001", committed=True)

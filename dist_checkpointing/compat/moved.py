@@ -28,6 +28,7 @@ MOVED: Dict[str, str] = {
     **{f"strategies.{m}": f"runtime.{m}" for m in ("async_request", "async_callers", "forked_call", "memory_maps",
                                                    "persistent_worker", "process_qos", "progress")},
     "strategies.staging": "runtime.arenas",
+    "manager.worker": "manager.bookkeeping",
     "convert": "tools.convert",
     "safetensors_stream": "tools.safetensors_stream",
     "whole_tensors": "tools.whole_tensors",

@@ -3,7 +3,7 @@
 * :mod:`.manager` — :class:`CheckpointManager`, the entry point;
 * :mod:`.layout` — Megatron-LM's root layout (``iter_{step:07d}/``, the tracker), the index;
 * :mod:`.retention` — the retention policies;
-* :mod:`.worker` — rank 0's background thread: index and tracker writes, deletions;
+* :mod:`.bookkeeping` — rank 0's background thread: index and tracker writes, deletions;
 * :mod:`.lock` — one manager per root;
 * :mod:`.agreement` — how the ranks agree on a step and on rank 0's decisions;
 * :mod:`.local` — two-tier mode's local tier (saving and replicating, restoring, the copies'

@@ -37,11 +37,11 @@ from .local.restore import restore as restore_local, restored_state
 from .local.tier import LocalTier
 from .lock import RootLock
 from .retention import RetentionPolicy, check_positive, metric_value
-from .worker import RootWorker
+from .bookkeeping import Bookkeeper
 
 logger = logging.getLogger(__name__)
 
-Location = Union[str, "os.PathLike[str]"]
+PathOrUrl = Union[str, "os.PathLike[str]"]  # a local directory or a URL (no Storage: the manager opens it)
 
 
 class CheckpointManager:
@@ -79,10 +79,10 @@ class CheckpointManager:
     raised on every rank.
     """
 
-    def __init__(self, root: Location, *, save_interval_steps: Optional[int] = None, keep_last: Optional[int] = None,
+    def __init__(self, root: PathOrUrl, *, save_interval_steps: Optional[int] = None, keep_last: Optional[int] = None,
                  keep_every_n_steps: Optional[int] = None, keep_best: Optional[int] = None,
                  best_metric: Optional[str] = None, best_mode: str = "min", async_save: bool = False,
-                 storage_options: Optional[Dict[str, Any]] = None, local_dir: Optional[Location] = None,
+                 storage_options: Optional[Dict[str, Any]] = None, local_dir: Optional[PathOrUrl] = None,
                  local_interval: Optional[int] = None, replication_factor: int = 1,
                  node_of_rank: Optional[List[int]] = None, local_snapshot: str = "fork", local_takeover: bool = False):
         self.policy = RetentionPolicy(keep_last, keep_every_n_steps, keep_best, best_metric, best_mode)
@@ -96,7 +96,7 @@ class CheckpointManager:
         self.storage = self._open(self._root)
         self._rank = get_rank()
         self._lock: Optional[RootLock] = None
-        self._worker: Optional[RootWorker] = None  # rank 0: bookkeeping writes and deletions
+        self._bookkeeper: Optional[Bookkeeper] = None  # rank 0: bookkeeping writes and deletions
         self._queue: Optional[AsyncCallsQueue] = AsyncCallsQueue() if async_save else None
         self._pending: Optional[int] = None  # the step being saved (async: until finalized)
         self._closed = False
@@ -104,9 +104,9 @@ class CheckpointManager:
         self._steps, leftovers = decided_on_rank0(self._open_root,
                                                    f"Opening checkpoint root {self.storage.describe()}")
         if self._rank == 0:
-            self._worker = RootWorker(self.storage, self._child)
+            self._bookkeeper = Bookkeeper(self.storage, self._child)
             for name in leftovers:
-                self._worker.delete(name, committed=False)
+                self._bookkeeper.delete(name, committed=False)
         self.local: Optional[LocalTier] = None  # two-tier mode
         self.restored_from: Optional[Tuple[str, int]] = None  # ("local" | "persistent", step) of the last load
         if (local_dir is None) != (local_interval is None):
@@ -223,7 +223,7 @@ class CheckpointManager:
             return False, None
         if not (force or self.should_save(step)):
             return False, None
-        if self._worker is None:  # not rank 0: rank 0's metrics are recorded
+        if self._bookkeeper is None:  # not rank 0: rank 0's metrics are recorded
             return True, None
         if metrics is not None:
             try:
@@ -241,7 +241,7 @@ class CheckpointManager:
         if self.storage.kind(name) is not None:
             if self.storage.info(name) is not None or self.storage.info(config_name(step)) is not None:
                 raise CheckpointingException(f"CheckpointManager: {self.storage.describe(name)} is in the way")
-            self._worker.remove_now(name)  # the leftover of an interrupted save of this step
+            self._bookkeeper.remove_now(name)  # the leftover of an interrupted save of this step
             if self.storage.kind(name) is not None:
                 raise CheckpointingException(
                     f"CheckpointManager: {self.storage.describe(name)} holds files this library did not write")
@@ -275,8 +275,8 @@ class CheckpointManager:
             return self._save_local(step, local_state)
         commit = self._after_commit_fn(step, metrics)
         self._pending = step
-        if self._worker is not None:
-            self._worker.hold_deletions()  # until the save is committed or failed
+        if self._bookkeeper is not None:
+            self._bookkeeper.hold_deletions()  # until the save is committed or failed
         try:
             request = serialization.save(sharded_state_dict, self._checkpoint_dir(step),
                                          async_sharded_save=self.async_save, content_metadata=content)
@@ -308,7 +308,7 @@ class CheckpointManager:
 
     def _after_commit_fn(self, step: int, metrics: Metrics) -> Callable[[], None]:
         """What follows the commit of ``step`` on every rank (no collective): count it and
-        apply retention; rank 0's worker then writes the index, then the tracker, then
+        apply retention; rank 0's bookkeeper then writes the index, then the tracker, then
         deletes what retention dropped — in that order, in the background."""
 
         def after_commit() -> None:
@@ -317,7 +317,7 @@ class CheckpointManager:
             doomed = self.policy.to_delete(self._steps)
             for old in doomed:
                 del self._steps[old]
-            if self._worker is None:
+            if self._bookkeeper is None:
                 return
             kept = dict(self._steps)
 
@@ -326,23 +326,23 @@ class CheckpointManager:
                 crash_point("tracker", step)
                 write_tracker(self.storage, step)
 
-            self._worker.submit(record)
+            self._bookkeeper.submit(record)
             for old in doomed:
-                self._worker.delete(step_dir(old), committed=True)
+                self._bookkeeper.delete(step_dir(old), committed=True)
 
         return after_commit
 
     def _end_save(self) -> None:
         """The save in progress is over (committed or failed): deletions may go on."""
-        if self._pending is not None and self._worker is not None:
-            self._worker.release_deletions()
+        if self._pending is not None and self._bookkeeper is not None:
+            self._bookkeeper.release_deletions()
         self._pending = None
 
     def _discard(self, step: int) -> None:
         """After a failed save of ``step``: its directory is a leftover (rank 0 deletes it)."""
         self._end_save()
-        if self._worker is not None:
-            self._worker.delete(step_dir(step), committed=False)
+        if self._bookkeeper is not None:
+            self._bookkeeper.delete(step_dir(step), committed=False)
 
     def _finalize(self, blocking: bool) -> None:
         """Finalize the async save in flight if it is done (every rank agrees), or wait for it."""
@@ -383,8 +383,8 @@ class CheckpointManager:
         self._finalize(blocking=True)
         if self.local is not None:
             self.local.finalize()
-        if self._worker is not None:
-            self._worker.wait()
+        if self._bookkeeper is not None:
+            self._bookkeeper.wait()
 
     # -- loading -----------------------------------------------------------------------------
     def _pick(self, step: Optional[int]) -> int:
@@ -431,8 +431,8 @@ class CheckpointManager:
         with ExitStack() as held:
             def pick_and_hold() -> int:  # rank 0: the step, kept from deletion until every rank has read it
                 chosen = self._pick(step)
-                assert self._worker is not None
-                held.enter_context(self._worker.loading(step_dir(chosen)))
+                assert self._bookkeeper is not None
+                held.enter_context(self._bookkeeper.loading(step_dir(chosen)))
                 return chosen
 
             chosen = decided_on_rank0(pick_and_hold, "Loading")
@@ -454,9 +454,9 @@ class CheckpointManager:
         one rank alone."""
         self._check_open()
         chosen = self._pick(step)
-        if self._worker is None:
+        if self._bookkeeper is None:
             return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
-        with self._worker.loading(step_dir(chosen)):
+        with self._bookkeeper.loading(step_dir(chosen)):
             return serialization.load_common_state_dict(self._checkpoint_dir(chosen))
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -481,8 +481,8 @@ class CheckpointManager:
             if self._queue is not None:
                 self._queue.close(abort=abort)
             self._end_save()  # an aborted save in flight stays incomplete: a leftover
-            if self._worker is not None:
-                self._worker.stop(finish=not abort)
+            if self._bookkeeper is not None:
+                self._bookkeeper.stop(finish=not abort)
             if self._lock is not None:
                 self._lock.release()
 

@@ -32,7 +32,7 @@ def byte_view(data) -> memoryview:
 class WriteStream(io.RawIOBase):
     """A new file written front to back (``torch.save`` writes into it).
 
-    Bytes go into staging buffers and out to storage in large blocks in the background;
+    Bytes go into write buffers and out to storage in large blocks in the background;
     :meth:`close` writes the rest and makes the file durable (raising if any part of it
     failed); :meth:`abort` drops it after an error. ``start_checksum(hasher)`` /
     ``take_checksum()`` hash the bytes written in between, while they are hot in the CPU

@@ -1,4 +1,4 @@
-"""The staging buffers that streams write through: page-aligned, 16 MiB, kept in a
+"""The write buffers that streams write through: page-aligned, 16 MiB, kept in a
 process-wide pool for reuse across files and saves (freshly allocated memory is slow to
 touch); a forked writer gets its own set reserved by the parent."""
 
@@ -16,7 +16,7 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 
 
 class _BufferPool:
-    """Page-aligned staging buffers, kept for reuse (bounded by writer threads x
+    """Page-aligned write buffers, kept for reuse (bounded by writer threads x
     ``BUFFERS_PER_FILE``)."""
 
     def __init__(self) -> None:
@@ -69,24 +69,24 @@ def _forget_buffers_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_buffers_after_fork)
 
 
-def release_staging_buffers() -> None:
-    """Free the staging buffers kept for reuse."""
+def release_write_buffers() -> None:
+    """Free the write buffers kept for reuse."""
     POOL.release()
 
 
-def reserve_staging_buffers(n: int) -> List[mmap.mmap]:
-    """Take ``n`` staging buffers out of the pool for a forked writer (see
-    :func:`adopt_staging_buffers`); give them back with :func:`return_staging_buffers`
+def reserve_write_buffers(n: int) -> List[mmap.mmap]:
+    """Take ``n`` write buffers out of the pool for a forked writer (see
+    :func:`adopt_write_buffers`); give them back with :func:`return_write_buffers`
     once the writer is done."""
     return POOL.acquire(n)
 
 
-def return_staging_buffers(buffers: List[mmap.mmap]) -> None:
-    """Put buffers taken by :func:`reserve_staging_buffers` back into the pool."""
+def return_write_buffers(buffers: List[mmap.mmap]) -> None:
+    """Put buffers taken by :func:`reserve_write_buffers` back into the pool."""
     POOL.release_buffers(buffers)
 
 
-def adopt_staging_buffers(buffers: List[mmap.mmap]) -> None:
+def adopt_write_buffers(buffers: List[mmap.mmap]) -> None:
     """In a forked writer: use ``buffers`` (reserved by the parent, so nobody else writes
     them meanwhile) as this process's pool. Their pages exist already, which is cheaper
     than zero-filling new buffers, but a fork does not copy the page tables of shared

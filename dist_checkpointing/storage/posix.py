@@ -1,6 +1,6 @@
 """The POSIX implementation of the storage protocol: a local directory.
 
-Data files are streamed through page-aligned staging buffers (:mod:`.buffers`) and
+Data files are streamed through page-aligned write buffers (:mod:`.buffers`) and
 written with ``O_DIRECT`` where the file system allows it: this bypasses the page cache,
 whose write-back throughput collapses after a few GB of dirty pages. Where ``O_DIRECT``
 is refused (e.g. tmpfs) the same code writes through the page cache. Reads are
@@ -67,7 +67,7 @@ class StagedFileWriter(WriteStream):
 
     def start_checksum(self, hasher) -> None:
         """Feed every byte written from now on to ``hasher``, right after it is copied into
-        the staging buffer (hot in the CPU cache); see :meth:`take_checksum`."""
+        the write buffer (hot in the CPU cache); see :meth:`take_checksum`."""
         self._hasher, self._hashed = hasher, self._fill
 
     def take_checksum(self) -> int:
@@ -177,7 +177,7 @@ class StagedFileWriter(WriteStream):
 
 class PlainFileWriter(WriteStream):
     """A new file written with plain ``write`` calls straight from the caller's memory (no
-    staging buffers, no background thread): for a writer that hands over large pieces from
+    write buffers, no background thread): for a writer that hands over large pieces from
     a buffer it reuses, where staging would only add memory. Durable once closed."""
 
     def __init__(self, path: Union[str, Path]):

@@ -27,7 +27,7 @@ The prefix is a directory: ``iter_1`` holds the objects ``iter_1/…`` only, nev
 boundary, without a copy (obstore joins the part being filled with its head), and returns
 once obstore has dropped it; other bytes are copied once into parts of their own, at most
 ``BUFFERS_PER_FILE`` (3) per stream: the one being filled, the others queued or uploading
-(as many as the staging buffers of a file on disk). It is durable once
+(as many as the write buffers of a file on disk). It is durable once
 :meth:`S3WriteStream.close` returns (CompleteMultipartUpload), and
 :meth:`S3WriteStream.abort` aborts the upload. That a streamed file does not exist yet is
 checked with a HEAD (not atomic: the checkpoint's directory claim is). Small files are
@@ -179,7 +179,7 @@ class S3WriteStream(WriteStream):
 
     def _take_part(self) -> mmap.mmap:
         """A new part buffer, once fewer than :data:`BUFFERS_PER_FILE` parts of this stream
-        exist (being filled, queued or uploading), as the staging buffers of a file; a
+        exist (being filled, queued or uploading), as the write buffers of a file; a
         mapping of its own, unmapped as soon as obstore drops it (a 16 MiB ``bytearray``
         would stay in malloc's arenas)."""
         while not self._free_parts.acquire(timeout=0.2):

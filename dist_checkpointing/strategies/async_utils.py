@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S = 120.0  # starting the writer (a new interpreter) takes well under a second
 
 
-class _Worker:
+class _CallThread:
     """A background thread that runs calls one after another until stopped."""
 
     def __init__(self) -> None:
@@ -80,7 +80,7 @@ class AsyncCallsQueue:
         self.cpu_shm_mode = cpu_shm_mode
         self._calls: List[_Call] = []
         self._next_idx = 0
-        self._worker: Optional[_Worker] = None
+        self._worker: Optional[_CallThread] = None
         self._resources: Dict[int, Any] = {}
         self._closed = False
 
@@ -120,7 +120,7 @@ class AsyncCallsQueue:
         self._calls.append(call)
         if self.persistent:
             if self._worker is None:
-                self._worker = _Worker()
+                self._worker = _CallThread()
             self._worker.submit(call)
         else:
             threading.Thread(target=call.run, name=f"dist_checkpointing-async-{call.idx}", daemon=True).start()

@@ -1,5 +1,5 @@
 """Megatron-Core's module name for the writer of async saves: the host copies of fork-mode
-async saves (:class:`HostStaging`), Megatron-Core's results queue, and re-exports of where
+async saves (:class:`ForkHostCopies`), Megatron-Core's results queue, and re-exports of where
 the code lives — a data file's payloads are written by
 :func:`~.torch_dist.writing.write_file` (its bytes by :mod:`.records`), the background
 writer of plain DCP checkpoints is :mod:`.dcp_async_writer`'s ``FileSystemWriterAsync``
@@ -39,7 +39,7 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
         return _results_queue
 
 
-class HostStaging:
+class ForkHostCopies:
     """Host (CPU) copies of the tensors a fork-mode async save cannot leave to copy-on-write,
     kept for the next save of the same structure: a slot whose tensor keeps its shape and
     dtype reuses its buffer (already touched, so the copy runs at memory speed). Reuse is
@@ -48,7 +48,7 @@ class HostStaging:
     def __init__(self) -> None:
         self._buffers: Dict[Hashable, torch.Tensor] = {}
 
-    def stage(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
+    def copy(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
         """Copy each ``(slot, tensor)`` into its slot's buffer; buffers of slots not in this
         call are dropped."""
         buffers: Dict[Hashable, torch.Tensor] = {}

@@ -54,7 +54,7 @@ def write_records(storage: Storage, name: str, items: Sequence[Any], compute_che
 
     Returns the :data:`Span` of each record; the checksum (``None`` unless
     ``compute_checksums``) covers the record's bytes. It is computed piece by piece right
-    after each piece is copied into the stream's staging buffer (still in the CPU cache),
+    after each piece is copied into the stream's write buffer (still in the CPU cache),
     while the stream's I/O thread writes the previous buffer. A storage error is a
     :class:`CheckpointingException` naming the file. ``on_written(nbytes(item))``, if
     given, is called after each record (progress reports)."""

@@ -18,7 +18,7 @@ import torch
 from ...core import CheckpointingException
 
 # One location: (key, tensor_meta or None, file, offset, length, checksum or None)
-Location = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
+ItemLocation = Tuple[str, Optional[tuple], str, int, int, Optional[int]]
 
 _TAG = "dcloc1"
 _CS_TAG = "dccs1"
@@ -27,13 +27,13 @@ _KIND, _DTYPE, _FILE, _NDIM, _ORIG, _HAS_CS = range(6)
 _OFFSET, _LENGTH, _CS = range(3)
 
 
-def in_file_order(locations: List[Location]) -> List[Location]:
+def in_file_order(locations: List[ItemLocation]) -> List[ItemLocation]:
     """``locations`` by file, then offset: the order a rank sends them in (the same at every
     save of the same layout)."""
     return sorted(locations, key=lambda loc: (loc[2], loc[3]))
 
 
-def encode_locations(locations: List[Location]) -> tuple:
+def encode_locations(locations: List[ItemLocation]) -> tuple:
     """What a rank sends rank 0: its keys, file names and dtype names, then per location its
     small columns (``int16``: kind, dtype, file, ndim, original ndim + 1 or 0, checksum
     recorded), its large ones (``uint64``: offset, length, checksum) and its dimensions
@@ -65,7 +65,7 @@ def encode_locations(locations: List[Location]) -> tuple:
             (wide.astype(np.int32) if narrow else wide).tobytes(), 4 if narrow else 8)
 
 
-def encode_checksums(locations: List[Location]) -> tuple:
+def encode_checksums(locations: List[ItemLocation]) -> tuple:
     """What a rank sends rank 0 when its layout is unchanged (``cached_metadata``): its file
     names and per location (file, offset, checksum recorded, checksum)."""
     files: Dict[str, int] = {}
@@ -233,9 +233,9 @@ class LocationTable:
             out.append((name, 1, self.dtypes[self.dtype[i]], tuple(int(x) for x in self.dims[s:s + d]), orig))
         return out
 
-    def per_rank_locations(self) -> List[List[Location]]:
+    def per_rank_locations(self) -> List[List[ItemLocation]]:
         """The locations as the ranks had them (the input of :func:`.metadata.build_metadata`)."""
-        out: List[List[Location]] = [[] for _ in range(self.world)]
+        out: List[List[ItemLocation]] = [[] for _ in range(self.world)]
         cs = self.checksums
         for i in range(len(self.key)):
             s, d, od = int(self.start[i]), int(self.ndim[i]), int(self.orig_ndim[i])

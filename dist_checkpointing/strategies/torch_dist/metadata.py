@@ -34,7 +34,7 @@ from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
 from ..metadata_checks import check_dcp_metadata
 from ...pickling.safe_load import load_dcp_metadata
 from .key_index import encode_index, encode_table_index
-from .location_table import ChecksumColumns, Location, LocationTable
+from .location_table import ChecksumColumns, ItemLocation, LocationTable
 from .format import DCP_VERSION, INDEX_FNAME, METADATA_FNAME, checked_data_file_name, original_global_shape
 
 
@@ -49,7 +49,7 @@ def storage_meta(storage: Storage) -> StorageMeta:
     return StorageMeta(checkpoint_id=storage.describe(), save_id=current_save_id(storage) or uuid.uuid4().hex)
 
 
-def build_metadata(per_rank: List[List[Location]], storage: Storage) -> Metadata:
+def build_metadata(per_rank: List[List[ItemLocation]], storage: Storage) -> Metadata:
     """Global DCP metadata from every rank's item locations, with consistency checks (the
     object-by-object form of what a save streams from columns: :func:`write_table`)."""
     state_dict_metadata: Dict[str, Any] = {}

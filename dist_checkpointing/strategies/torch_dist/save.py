@@ -37,11 +37,11 @@ from ..base import AsyncSaveShardedStrategy
 from ...storage import Storage
 from ...storage.buffers import (
     BUFFERS_PER_FILE,
-    adopt_staging_buffers,
-    reserve_staging_buffers,
-    return_staging_buffers,
+    adopt_write_buffers,
+    reserve_write_buffers,
+    return_write_buffers,
 )
-from ..filesystem_async import HostStaging
+from ..filesystem_async import ForkHostCopies
 from ...runtime.persistent_worker import shared_worker
 from ..records import write_from_arena
 from ...runtime.progress import SharedCount, current_sink, poll_count, reporting_bytes
@@ -49,7 +49,7 @@ from ...runtime.arenas import ArenaPool, Staged, StagingArena, stage
 from ...runtime.memory_maps import needs_host_copy
 from .format import data_file_name
 from .location_table import (
-    ChecksumColumns, Location, LocationTable, encode_checksums, encode_locations, in_file_order,
+    ChecksumColumns, ItemLocation, LocationTable, encode_checksums, encode_locations, in_file_order,
 )
 from .metadata import assemble_table, table_metadata, write_table
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
@@ -117,12 +117,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.separation_hint = separation_hint
         # (layout digest, rank 0's LocationTable, or a Metadata plugged in) of the last save with cached metadata
         self._cache: Optional[Tuple[Optional[str], Union[None, Metadata, LocationTable]]] = None
-        self._staging = HostStaging()
+        self._host_copies = ForkHostCopies()
 
-    _runtime_attrs = ("_staging",)
+    _runtime_attrs = ("_host_copies",)
 
     def _new_runtime(self) -> Dict[str, Any]:
-        return {"_staging": HostStaging()}
+        return {"_host_copies": ForkHostCopies()}
 
     @property
     def _arenas(self) -> ArenaPool:
@@ -157,7 +157,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
         storage = open_storage(checkpoint_dir)
-        locations: List[Location] = []
+        locations: List[ItemLocation] = []
         error: Optional[str] = None
         try:
             locations = self._write_files(self._plan_files(sharded_state_dict), storage)
@@ -214,19 +214,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             request.staged = staged
             return request
         files = prepared
-        # The writer's file staging buffers: the pool's (already touched), reserved for it.
-        buffers = reserve_staging_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
+        # The writer's file write buffers: the pool's (already touched), reserved for it.
+        buffers = reserve_write_buffers(min(self.thread_count, max(1, len(files))) * BUFFERS_PER_FILE)
         count = written["count"] = SharedCount() if written["sink"] is not None else None
 
-        def write_in_child() -> List[Location]:
-            adopt_staging_buffers(buffers)
+        def write_in_child() -> List[ItemLocation]:
+            adopt_write_buffers(buffers)
             with reporting_bytes(count and count.sink):
                 return self._write_files(files, storage)
 
         try:
             writer = ForkedCall(write_in_child, f"Writing {storage.describe()} on rank {get_rank()}")
         except BaseException:
-            return_staging_buffers(buffers)
+            return_write_buffers(buffers)
             raise
         written["buffers"] = buffers
         return AsyncRequest(_wait_for_writer, (writer, written), [finalize], resources=[self])
@@ -291,7 +291,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def release(self) -> None:
         """Free the host buffers and arenas kept for staging the tensors of async saves."""
-        self._staging.release()
+        self._host_copies.release()
         self._arenas.release()
 
     def _stage(self, files: Dict[str, List[SaveItem]]) -> Dict[str, List[SaveItem]]:
@@ -301,7 +301,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                    if isinstance(it.payload, torch.Tensor)]
         needed = needs_host_copy([t for _, t in tensors])
         chosen = [slot_tensor for slot_tensor, need in zip(tensors, needed) if need]
-        copies = self._staging.stage(chosen)
+        copies = self._host_copies.copy(chosen)
         staged = {fname: list(items) for fname, items in files.items()}
         for ((fname, i), _), copy in zip(chosen, copies):
             staged[fname][i] = replace(staged[fname][i], payload=copy)
@@ -317,7 +317,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.last_written_bytes = sum(it.nbytes for it in items if it.tensor_meta is not None)
         return assign_files(items, get_rank(), self.thread_count, self.separation_hint)
 
-    def _publish(self, locations: List[Location], error: Optional[str], storage: Storage) -> None:
+    def _publish(self, locations: List[ItemLocation], error: Optional[str], storage: Storage) -> None:
         """Agree on every rank's write outcome; rank 0 writes ``.metadata`` (collective).
 
         One 2-byte ``all_reduce`` (did any rank fail? did any rank's layout change since the
@@ -373,19 +373,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if metadata_error is not None:
             raise CheckpointingException(f"Writing the checkpoint metadata failed on rank 0: {metadata_error}")
 
-    def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[Location]:
+    def _write_files(self, files: Dict[str, List[SaveItem]], storage: Storage) -> List[ItemLocation]:
         return write_files(files, storage, self.checksums, self.thread_count)
 
 
 def _wait_for_writer(writer: ForkedCall, written: Dict[str, Any]) -> None:
     """The ``async_fn`` of an async save: wait for the forked writer, keep its locations,
-    give its staging buffers back to the pool."""
+    give its write buffers back to the pool."""
     try:
         if written.get("count") is not None:
             poll_count(written["sink"], written["count"], writer.wait)
         written["locations"] = writer.result()
     finally:
-        return_staging_buffers(written.pop("buffers", []))
+        return_write_buffers(written.pop("buffers", []))
 
 
 def _forget_arena(arena: StagingArena) -> None:

@@ -16,7 +16,7 @@ from ...tensors.values import plain_values
 from ..blob_template import blob_parts
 from ..records import ArenaRecord, Record, Span, TensorRecord, write_record_files, write_records
 from ...runtime.arenas import arena_layout
-from .metadata import Location
+from .location_table import ItemLocation
 from .save_plan import SaveItem
 
 
@@ -70,7 +70,7 @@ def write_file(storage: Storage, name: str, payloads: Sequence[Payload],
 
 
 def write_files(files: Dict[str, List[SaveItem]], storage: Storage, checksums: bool,
-                thread_count: int) -> List[Location]:
+                thread_count: int) -> List[ItemLocation]:
     """Write each file (files in parallel on ``thread_count`` threads); the location of
     every item written. The bytes written are reported to the caller's progress sink, if
     any (:mod:`..progress`)."""
@@ -80,7 +80,7 @@ def write_files(files: Dict[str, List[SaveItem]], storage: Storage, checksums: b
     return locations({fname: [(it.key, it.tensor_meta) for it in items] for fname, items in files.items()}, spans)
 
 
-def locations(files: Dict[str, Sequence[Tuple[Any, ...]]], spans: Sequence[Sequence[Span]]) -> List[Location]:
+def locations(files: Dict[str, Sequence[Tuple[Any, ...]]], spans: Sequence[Sequence[Span]]) -> List[ItemLocation]:
     """The location of every item of ``files`` (each item's key and tensor_meta first) from
     the spans written for each file."""
     return [(item[0], item[1], fname, off, length, cs)

@@ -49,7 +49,7 @@ class _Task:
     fn: Optional[Callable[[], None]] = None
 
 
-class RootWorker:
+class Bookkeeper:
     """Runs rank 0's root tasks in a thread, one after another: :meth:`submit` (a write)
     and :meth:`delete` (a directory under ``storage``).
 
