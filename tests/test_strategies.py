@@ -474,16 +474,17 @@ def test_files_of_small_records_are_written_by_one_thread(tmp_path, monkeypatch)
     made 4,800 records of 8 KiB in two files 2.6x slower than one thread)."""
     import threading
 
-    from dist_checkpointing.strategies import filesystem_async, records
+    from dist_checkpointing.strategies import records
+    from dist_checkpointing.strategies.torch_dist import writing
 
     def save_and_watch(state, name):
         seen = {}
-        write = filesystem_async.write_records
-        monkeypatch.setattr(filesystem_async, "write_records", lambda storage, fname, *a, **k:
+        write = writing.write_records
+        monkeypatch.setattr(writing, "write_records", lambda storage, fname, *a, **k:
                             seen.setdefault(fname, threading.get_ident()) and write(storage, fname, *a, **k))
         dc.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}, tmp_path / name,
                 TorchDistSaveShardedStrategy(thread_count=2))
-        monkeypatch.setattr(filesystem_async, "write_records", write)
+        monkeypatch.setattr(writing, "write_records", write)
         out = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in state.items()},
                       tmp_path / name)
         assert all(torch.equal(out[k], v) for k, v in state.items())
