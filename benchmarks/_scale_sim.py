@@ -428,7 +428,7 @@ def measure_index_load(cfg: GPTConfig, ckpt_dir: str, rank: int) -> Dict[str, An
     ``Metadata`` and checked. Bytes read: the header, the ``.metadata`` sidecar, its table
     slice and buckets (counted on the storage reader)."""
     from dist_checkpointing.integrity.checksums import recorded_checksum
-    from dist_checkpointing.strategies.metadata_checks import check_dcp_metadata
+    from dist_checkpointing.strategies.torch_dist.metadata_checks import check_dcp_metadata
     from dist_checkpointing.strategies.torch_dist import key_index
     from dist_checkpointing.strategies.torch_dist.format import INDEX_FNAME
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
     ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
 )
 
-from dist_checkpointing.strategies.metadata_checks import check_dcp_metadata  # noqa: E402
+from dist_checkpointing.strategies.torch_dist.metadata_checks import check_dcp_metadata  # noqa: E402
 
 
 def build(keys: int, chunks: int) -> Metadata:

@@ -16,7 +16,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.storage import storage_for
 from dist_checkpointing.storage.zip_crc import zip_crc_disabled
-from dist_checkpointing.strategies.blob_template import blob_parts
+from dist_checkpointing.strategies.torch_dist.blob_template import blob_parts
 from dist_checkpointing.strategies.filesystem_async import _exact_cpu_tensor, _tensor_record
 from dist_checkpointing.runtime.persistent_worker import shared_worker
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
@@ -118,7 +118,7 @@ def test_async_saves_persistent_writer_imports_no_torch(ckpt_location):
 def test_a_reader_parses_each_layout_once_and_never_mixes_two(tmp_path, monkeypatch):
     """Blobs of one dtype and shape are parsed once per load; a blob of the same length but
     another shape or dtype (other bytes outside its data) is parsed on its own."""
-    from dist_checkpointing.strategies import torch_blob
+    from dist_checkpointing.strategies.torch_dist import torch_blob
 
     state = {"a": torch.randn(2, 3), "b": torch.randn(3, 2), "c": torch.arange(6, dtype=torch.int32).view(2, 3),
              **{f"same{i}": torch.randn(2, 3) for i in range(20)}}

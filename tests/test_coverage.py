@@ -16,7 +16,7 @@ import torch
 import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.cli import main as cli_main
-from dist_checkpointing.strategies.coverage import coverage_faults, tiles
+from dist_checkpointing.strategies.torch_dist.coverage import coverage_faults, tiles
 from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from dist_checkpointing.tools import validate_checkpoint
 

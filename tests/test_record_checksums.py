@@ -28,7 +28,7 @@ from dist_checkpointing.storage import PosixStorage
 from dist_checkpointing.storage.buffers import STAGING_BUFFER_BYTES
 from dist_checkpointing.strategies.filesystem_async import write_file
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
-from dist_checkpointing.strategies.torch_blob import read_tensor_header
+from dist_checkpointing.strategies.torch_dist.torch_blob import read_tensor_header
 from dist_checkpointing.tools import validate_checkpoint
 
 from .conftest import get_pool

@@ -474,7 +474,7 @@ def test_files_of_small_records_are_written_by_one_thread(tmp_path, monkeypatch)
     made 4,800 records of 8 KiB in two files 2.6x slower than one thread)."""
     import threading
 
-    from dist_checkpointing.strategies import records
+    from dist_checkpointing.strategies.torch_dist import records
     from dist_checkpointing.strategies.torch_dist import writing
 
     def save_and_watch(state, name):

@@ -29,6 +29,8 @@ MOVED: Dict[str, str] = {
                                                    "persistent_worker", "process_qos", "progress")},
     "strategies.staging": "runtime.arenas",
     "manager.worker": "manager.bookkeeping",
+    **{f"strategies.{m}": f"strategies.torch_dist.{m}"
+       for m in ("records", "blob_template", "torch_blob", "dcp_types", "metadata_checks", "coverage")},
     "convert": "tools.convert",
     "safetensors_stream": "tools.safetensors_stream",
     "whole_tensors": "tools.whole_tensors",

@@ -1,7 +1,7 @@
 """The ``data.pkl`` of a ``torch.save`` blob, read without torch's unpickler: only tensor
 rebuilds (as tuples describing the tensor), storage classes, dtypes and ``OrderedDict``
 are allowed; the storages are persistent ids, returned as :class:`StorageRef`
-(:mod:`..strategies.torch_blob` finds their bytes). Nothing in the blob is executed."""
+(:mod:`..strategies.torch_dist.torch_blob` finds their bytes). Nothing in the blob is executed."""
 
 from __future__ import annotations
 

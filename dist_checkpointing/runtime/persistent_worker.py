@@ -1,6 +1,6 @@
 """A worker process started once (a new interpreter: never a fork of the trainer, and it
 does not re-run the trainer's main module as ``multiprocessing``'s spawn does) that runs calls
-one after another: async saves' writers (:func:`.records.write_from_arena`; that worker
+one after another: async saves' writers (:func:`..strategies.torch_dist.records.write_from_arena`; that worker
 imports no torch) and Megatron-Core's :class:`~.async_callers.PersistentAsyncCaller`.
 
 Calls and their results travel pickled through pipes (CPU tensors in their arguments
@@ -301,7 +301,7 @@ _shared_lock = threading.Lock()
 
 def shared_worker() -> PersistentWorker:
     """This process's writer worker (one per process; started on its first call; it runs
-    :func:`.records.write_from_arena` and imports no torch)."""
+    :func:`..strategies.torch_dist.records.write_from_arena` and imports no torch)."""
     global _shared
     with _shared_lock:
         if _shared is None:

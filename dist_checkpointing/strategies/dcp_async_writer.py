@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from ..core import CheckpointingException, gc_paused, open_storage
 from ..runtime.collectives import error_message, get_rank
-from .dcp_types import StorageInfo
+from .torch_dist.dcp_types import StorageInfo
 from .filesystem_async import Payload, payload_nbytes, write_file
 from ..runtime.forked_call import ForkedCall
 from ..runtime.memory_maps import needs_host_copy

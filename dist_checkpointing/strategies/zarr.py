@@ -36,10 +36,10 @@ from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..storage import RangeReader, Storage
 from .async_strategies import check_async_strategy
 from .base import LoadShardedStrategy, StoredChunk, StoredItems, StoredRange, StoredTensor
-from .dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo,
+from .torch_dist.dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo,
                         TensorProperties, TensorStorageMetadata)
 from .resharding import contiguous_strides, grid_chunks_overlapping, intersect
-from .torch_blob import TensorHeader
+from .torch_dist.torch_blob import TensorHeader
 from .fully_parallel import FullyParallelLoadStrategyWrapper
 from .torch_dist.load import TorchDistLoadShardedStrategy, execute_reads, loaded_values
 from .torch_dist.load_plan import ScratchArena, TensorRead, plan_load

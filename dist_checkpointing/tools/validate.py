@@ -16,7 +16,7 @@ from ..integrity.save_claim import CLAIM_FNAME, describe_claim
 from ..mapping import ShardedObject
 from ..readers import get_default_load_sharded_strategy
 from ..storage import Storage, StorageOptions
-from ..strategies.coverage import coverage_faults
+from ..strategies.torch_dist.coverage import coverage_faults
 from ..strategies.base import LoadShardedStrategy, StoredItems, StoredRange, StrategyAction, get_default_strategy
 from ..strategies.common import TorchCommonLoadStrategy
 from .whole_tensors import TensorReader
@@ -41,7 +41,7 @@ class ValidationReport:
 
 def _coverage_problems(key: str, shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> List[str]:
     """Chunks outside the tensor, and every box of it stored in no chunk or in several
-    (:func:`~..strategies.coverage.coverage_faults`: what a load of it refuses)."""
+    (:func:`~..strategies.torch_dist.coverage.coverage_faults`: what a load of it refuses)."""
     problems = []
     for offsets, sizes in chunks:
         if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):

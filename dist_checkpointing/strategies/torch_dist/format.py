@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..dcp_types import Metadata
+from .dcp_types import Metadata
 
 from ...core import CheckpointingException
 

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from ..dcp_types import Metadata
+from .dcp_types import Metadata
 
 from ...runtime.collectives import (
     all_reduce_max_uint8,
@@ -32,7 +32,7 @@ from ...runtime.collectives import (
 from ...core import CheckpointingException
 from ...integrity.checksums import read_file_verified, recorded_checksum
 from ...storage import RangeReader, Storage
-from ..metadata_checks import check_dcp_metadata
+from .metadata_checks import check_dcp_metadata
 from .format import INDEX_FNAME, METADATA_FNAME
 from .key_index import IndexHeader, bucket_of, index_records, partial_metadata, read_buckets, read_header, \
     reader_buckets, reader_of, select_chunks

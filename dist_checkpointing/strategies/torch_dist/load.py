@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from ..dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from .dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...runtime.collectives import run_agreed
 from ...core import CheckpointingException, check_key, open_storage
@@ -21,7 +21,7 @@ from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ...storage import Storage
 from ..async_strategies import check_async_strategy
 from ..base import LoadShardedStrategy, StoredItems
-from ..metadata_checks import check_stored_sizes
+from .metadata_checks import check_stored_sizes
 from ..resharding import TensorReformulationMetadata, is_nd_flattened_tensor
 from .format import COMMON_STATE_OBJECT_KEY, original_global_shape
 from .index_view import Requests, index_problems, indexed_view

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from ..dcp_types import (
+from .dcp_types import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -33,7 +33,7 @@ from ..resharding import (
     linear_index,
     relative_slices,
 )
-from ..coverage import coverage_faults, describe_faults, tiles
+from .coverage import coverage_faults, describe_faults, tiles
 from .format import original_global_shape
 
 

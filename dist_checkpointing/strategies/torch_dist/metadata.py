@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from ...pickling.trusted import loads_trusted
-from ..dcp_types import (
+from .dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -31,7 +31,7 @@ from ...integrity.checksums import checksum, item_checksum_table, write_file_wit
 from ...integrity.save_claim import current_save_id
 from ...storage import Storage
 from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
-from ..metadata_checks import check_dcp_metadata
+from .metadata_checks import check_dcp_metadata
 from ...pickling.safe_load import load_dcp_metadata
 from .key_index import encode_index, encode_table_index
 from .location_table import ChecksumColumns, ItemLocation, LocationTable

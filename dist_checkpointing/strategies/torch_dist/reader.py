@@ -11,7 +11,7 @@ import threading
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-from ..dcp_types import StorageInfo as _StorageInfo
+from .dcp_types import StorageInfo as _StorageInfo
 
 from ...core import CheckpointingException
 from ...tensors.bytes_view import tensor_bytes
@@ -20,7 +20,7 @@ from ...integrity.checksums import RecordVerifier, checksum, mismatch_error
 from ...storage import RangeReader, Storage
 from ..resharding import contiguous_strides, relative_slices
 from ...pickling.safe_load import safe_torch_load
-from ..torch_blob import Layouts, TensorHeader, read_tensor_header
+from .torch_blob import Layouts, TensorHeader, read_tensor_header
 from .format import checked_data_file_name
 from .load_plan import ObjectRead, TensorRead
 

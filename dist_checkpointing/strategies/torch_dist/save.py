@@ -43,7 +43,7 @@ from ...storage.buffers import (
 )
 from ..filesystem_async import ForkHostCopies
 from ...runtime.persistent_worker import shared_worker
-from ..records import write_from_arena
+from .records import write_from_arena
 from ...runtime.progress import SharedCount, current_sink, poll_count, reporting_bytes
 from ...runtime.arenas import ArenaPool, Staged, StagingArena, stage
 from ...runtime.memory_maps import needs_host_copy

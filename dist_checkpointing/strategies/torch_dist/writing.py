@@ -13,8 +13,8 @@ import torch
 from ...storage import Storage
 from ...tensors.bytes_view import as_bytes, nbytes, tensor_bytes
 from ...tensors.values import plain_values
-from ..blob_template import blob_parts
-from ..records import ArenaRecord, Record, Span, TensorRecord, write_record_files, write_records
+from .blob_template import blob_parts
+from .records import ArenaRecord, Record, Span, TensorRecord, write_record_files, write_records
 from ...runtime.arenas import arena_layout
 from .location_table import ItemLocation
 from .save_plan import SaveItem

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from .resharding import Region, intersect
+from ..resharding import Region, intersect
 
 _Fault = Tuple[Tuple[int, ...], Tuple[int, ...], int]  # (offsets, sizes, chunk count) over trailing axes
 

@@ -26,8 +26,8 @@ from .dcp_types import (
     TensorStorageMetadata,
 )
 
-from ..core import CheckpointingException, key_problem
-from ..storage import Storage
+from ...core import CheckpointingException, key_problem
+from ...storage import Storage
 
 _MAX_NDIM = 64
 _MAX_INT = 1 << 62  # no file, offset or dimension is larger; Python ints could be

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..core import CheckpointingException
-from ..integrity.checksums import new_hasher
-from ..storage import Storage, WriteStream
-from ..runtime.persistent_worker import arena_bytes, report_progress
-from ..runtime.progress import byte_meter, reporting_bytes
+from ...core import CheckpointingException
+from ...integrity.checksums import new_hasher
+from ...storage import Storage, WriteStream
+from ...runtime.persistent_worker import arena_bytes, report_progress
+from ...runtime.progress import byte_meter, reporting_bytes
 
 #: where a record lies in its file: ``(offset, length, checksum or None)``
 Span = Tuple[int, int, Optional[int]]

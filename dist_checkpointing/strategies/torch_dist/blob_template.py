@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
-from ..core import CheckpointingException
-from ..storage.zip_crc import zip_crc_disabled
+from ...core import CheckpointingException
+from ...storage.zip_crc import zip_crc_disabled
 
 _CACHE: Dict[Tuple[torch.dtype, Tuple[int, ...]], Tuple[bytes, bytes]] = {}
 _CACHE_MAX = 4096  # distinct (dtype, shape) kept; a model has far fewer

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..pickling.blob_header import load_blob_pickle
-from ..storage import RangeReader
-from .resharding import contiguous_strides
+from ...pickling.blob_header import load_blob_pickle
+from ...storage import RangeReader
+from ..resharding import contiguous_strides
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_SIG = 0x04034B50
