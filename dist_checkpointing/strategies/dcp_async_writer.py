@@ -1,6 +1,9 @@
 """Megatron-Core's ``FileSystemWriterAsync`` (Megatron-Core's module: ``filesystem_async``,
 which re-exports it): the DCP storage writer of async saves of plain PyTorch DCP checkpoints,
-whose files are written by :func:`.filesystem_async.write_file`."""
+on the machinery of every save: the snapshot decision and host copies of
+:mod:`..runtime.snapshot`, the file packer :func:`.torch_dist.save_plan.pack_by_bytes`, the
+writer :func:`.torch_dist.writing.write_file` on :func:`.torch_dist.records.write_record_files`'s
+threads."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import itertools
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -21,9 +23,11 @@ from torch.futures import Future
 from ..core import CheckpointingException, gc_paused, open_storage
 from ..runtime.collectives import error_message, get_rank
 from .torch_dist.dcp_types import StorageInfo
-from .filesystem_async import Payload, payload_nbytes, write_file
+from .torch_dist.records import write_record_files
+from .torch_dist.save_plan import pack_by_bytes
+from .torch_dist.writing import Payload, payload_nbytes, write_file
 from ..runtime.forked_call import ForkedCall
-from ..runtime.memory_maps import needs_host_copy
+from ..runtime.snapshot import ForkHostCopies, fork_host_copies, snapshot_mode
 
 DcpFile = Tuple[str, List[Tuple[Any, Payload]]]  # a file's name and its (MetadataIndex, payload) items
 
@@ -73,34 +77,30 @@ class FileSystemWriterAsync(FileSystemWriter):
         self._write_id: Optional[str] = None
 
     def _files(self, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> Tuple[List[DcpFile], bool]:
-        """The plan's items grouped into this rank's files, and whether a fork may take the
-        snapshot (every tensor in CPU memory). With ``snapshot``, tensors are copied to host
-        memory where a fork would not isolate them, or all of them where it may not fork."""
+        """The plan's items grouped into this rank's files, and whether a fork takes the
+        snapshot (:func:`..runtime.snapshot.snapshot_mode`: never with accelerator tensors).
+        With ``snapshot``, tensors are copied to host memory where a fork would not isolate
+        them, or all of them without a fork (:func:`..runtime.snapshot.fork_host_copies`)."""
         items = [(item.index, planner.resolve_data(item)) for item in plan.items]
-        tensors = [i for i, (_, data) in enumerate(items) if isinstance(data, torch.Tensor)]
-        fork = self.async_snapshot == "auto" and all(items[i][1].device.type == "cpu" for i in tensors)
-        if not snapshot:
-            copy = [False] * len(tensors)
-        else:
-            copy = needs_host_copy([items[i][1] for i in tensors]) if fork else [True] * len(tensors)
-        for i, needed in zip(tensors, copy):
-            t = items[i][1].detach()
-            items[i] = (items[i][0], _host_copy(t) if needed else t)
+        tensors = [(i, data) for i, (_, data) in enumerate(items) if isinstance(data, torch.Tensor)]
+        fork = snapshot_mode(self.async_snapshot, [t for _, t in tensors], fork_safe=True, stream=False) == "fork"
+        if snapshot:
+            for i, copy in fork_host_copies(tensors, fork, ForkHostCopies()).items():
+                items[i] = (items[i][0], copy)
         groups: Dict[str, List[Tuple[Any, Payload]]] = {}
         for index, data in items:
             payload = data.getvalue() if isinstance(data, io.BytesIO) else data
+            if isinstance(payload, torch.Tensor):
+                payload = payload.detach()
             hinted = self.separation_hint and index.fqn.startswith(self.separation_hint)
             groups.setdefault(self.separation_hint if hinted else "", []).append((index, payload))
+        # DCP's file names: the raw separation hint, the plan's prefix, one count over the groups
         prefix = plan.storage_data.prefix
         files, count = [], itertools.count()
         for hint, entries in sorted(groups.items()):
-            bins: List[List[Tuple[Any, Payload]]] = [[] for _ in range(max(1, min(self.thread_count, len(entries))))]
-            sizes = [0] * len(bins)
-            for index, payload in sorted(entries, key=lambda x: -payload_nbytes(x[1])):  # largest first, to the emptiest
-                i = sizes.index(min(sizes))
-                bins[i].append((index, payload))
-                sizes[i] += payload_nbytes(payload)
-            files += [(f"{hint}{prefix}{next(count)}.distcp", b) for b in bins if b]
+            bins = pack_by_bytes(entries, min(self.thread_count, len(entries)), lambda x: payload_nbytes(x[1]),
+                                 in_order=False)
+            files += [(f"{hint}{prefix}{next(count)}.distcp", b) for b in bins]
         return files, fork
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
@@ -144,23 +144,15 @@ class FileSystemWriterAsync(FileSystemWriter):
         return outcome
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` that later changes to ``t`` do not reach."""
-    return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
-
-
 def _write(path: str, files: List[DcpFile], thread_count: int) -> List[WriteResult]:
-    """Write ``files`` into the checkpoint directory ``path``; their ``WriteResult`` s."""
-    storage = open_storage(path)
-
-    def write(entry: DcpFile) -> List[WriteResult]:
-        name, items = entry
-        spans = write_file(storage, name, [p for _, p in items], compute_checksums=False)
-        return [WriteResult(index=index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
-                for (index, _), (offset, length, _) in zip(items, spans)]
-
-    with ThreadPoolExecutor(max(1, min(thread_count, len(files)))) as pool:
-        return [r for results in pool.map(write, files) for r in results]
+    """Write ``files`` into the checkpoint directory ``path`` (by the writer of every save,
+    :func:`.torch_dist.writing.write_file` on :func:`.torch_dist.records.write_record_files`'s
+    threads); their ``WriteResult`` s."""
+    payloads = {name: [p for _, p in items] for name, items in files}
+    spans = write_record_files(write_file, payloads, open_storage(path), False, thread_count, payload_nbytes)
+    return [WriteResult(index=index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
+            for (name, items), file_spans in zip(files, spans)
+            for (index, _), (offset, length, _) in zip(items, file_spans)]
 
 
 def _record(write_id: str, run: Callable[[], Any]) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from ..compat.lazy import lazy_exports
 from ..runtime.persistent_worker import check_mp_mode
+from ..runtime.snapshot import ForkHostCopies  # noqa: F401 - re-exported (its old home)
 from ..tensors.bytes_view import tensor_bytes  # noqa: F401 - re-exported (its old home)
 from .torch_dist.writing import Payload, _exact_cpu_tensor, _tensor_record, payload_nbytes, write_file  # noqa: F401
 
@@ -37,35 +38,6 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
         if _results_queue is None:
             _results_queue = multiprocessing.get_context(mp_mode).Queue()
         return _results_queue
-
-
-class ForkHostCopies:
-    """Host (CPU) copies of the tensors a fork-mode async save cannot leave to copy-on-write,
-    kept for the next save of the same structure: a slot whose tensor keeps its shape and
-    dtype reuses its buffer (already touched, so the copy runs at memory speed). Reuse is
-    safe while an earlier writer runs: a forked writer has its own copy of the pages."""
-
-    def __init__(self) -> None:
-        self._buffers: Dict[Hashable, torch.Tensor] = {}
-
-    def copy(self, tensors: Sequence[Tuple[Hashable, torch.Tensor]]) -> List[torch.Tensor]:
-        """Copy each ``(slot, tensor)`` into its slot's buffer; buffers of slots not in this
-        call are dropped."""
-        buffers: Dict[Hashable, torch.Tensor] = {}
-        out = []
-        for slot, t in tensors:
-            buf = self._buffers.get(slot)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype)
-            buf.copy_(t.detach())
-            buffers[slot] = buf
-            out.append(buf)
-        self._buffers = buffers
-        return out
-
-    def release(self) -> None:
-        """Free every buffer."""
-        self._buffers = {}
 
 
 __getattr__, __dir__ = lazy_exports(__name__, {"FileSystemWriterAsync": "dist_checkpointing.strategies.dcp_async_writer"})

@@ -41,12 +41,11 @@ from ...storage.buffers import (
     reserve_write_buffers,
     return_write_buffers,
 )
-from ..filesystem_async import ForkHostCopies
 from ...runtime.persistent_worker import shared_worker
 from .records import write_from_arena
 from ...runtime.progress import SharedCount, current_sink, poll_count, reporting_bytes
 from ...runtime.arenas import ArenaPool, Staged, StagingArena, stage
-from ...runtime.memory_maps import needs_host_copy
+from ...runtime.snapshot import SNAPSHOT_MODES, ForkHostCopies, fork_host_copies, snapshot_mode
 from .format import data_file_name
 from .location_table import (
     ChecksumColumns, ItemLocation, LocationTable, encode_checksums, encode_locations, in_file_order,
@@ -54,8 +53,6 @@ from .location_table import (
 from .metadata import assemble_table, table_metadata, write_table
 from .save_plan import SaveItem, assign_files, collect_save_items, hint_prefix
 from .writing import arena_files, arena_plan, arena_records, locations, write_files
-
-SNAPSHOT_MODES = ("auto", "stream", "copy", "fork")
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -87,7 +84,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
               writes them; the call returns after the fork (a fraction of one memcpy), but
               every page the caller writes while the child runs is copied by the kernel on
               its first write; tensors a fork does not isolate are copied into host buffers
-              first (:func:`needs_host_copy`: other devices, pinned memory, shared and
+              first (:func:`...runtime.memory_maps.needs_host_copy`: other devices, pinned memory, shared and
               file-backed mappings; every CPU tensor where ``/proc/self/maps`` cannot be
               read).
 
@@ -232,15 +229,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(_wait_for_writer, (writer, written), [finalize], resources=[self])
 
     def _snapshot_mode(self, files: Dict[str, List[SaveItem]], storage: Storage) -> str:
-        """The snapshot this save takes (``async_snapshot`` with ``"auto"`` resolved)."""
-        mode = self.async_snapshot
-        if mode == "auto":
-            on_device = any(isinstance(it.payload, torch.Tensor) and it.payload.device.type != "cpu"
-                            for items in files.values() for it in items)
-            mode = "stream" if on_device else "fork"
-        if mode == "fork" and not storage.fork_safe:  # S3: obstore's runtime does not survive a fork
-            mode = "copy"
-        return mode
+        """The snapshot this save takes (:func:`...runtime.snapshot.snapshot_mode`)."""
+        tensors = [it.payload for items in files.values() for it in items if isinstance(it.payload, torch.Tensor)]
+        return snapshot_mode(self.async_snapshot, tensors, storage.fork_safe)
 
     def _stage_arena(self, reserved: "_Reserved", storage: Storage, written: Dict[str, Any],
                      wait: bool) -> Tuple[Callable[[], None], Staged]:
@@ -295,17 +286,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._arenas.release()
 
     def _stage(self, files: Dict[str, List[SaveItem]]) -> Dict[str, List[SaveItem]]:
-        """The same files with the tensors a fork does not snapshot (:func:`needs_host_copy`)
-        replaced by host copies."""
+        """The same files with the tensors a fork does not snapshot replaced by host copies
+        (:func:`...runtime.snapshot.fork_host_copies`)."""
         tensors = [((fname, i), it.payload) for fname, items in files.items() for i, it in enumerate(items)
                    if isinstance(it.payload, torch.Tensor)]
-        needed = needs_host_copy([t for _, t in tensors])
-        chosen = [slot_tensor for slot_tensor, need in zip(tensors, needed) if need]
-        copies = self._host_copies.copy(chosen)
-        staged = {fname: list(items) for fname, items in files.items()}
-        for ((fname, i), _), copy in zip(chosen, copies):
-            staged[fname][i] = replace(staged[fname][i], payload=copy)
-        return staged
+        copies = fork_host_copies(tensors, True, self._host_copies)
+        return {fname: [replace(it, payload=copies[(fname, i)]) if (fname, i) in copies else it
+                        for i, it in enumerate(items)] for fname, items in files.items()}
 
     def data_file_names(self, rank: int) -> List[str]:
         prefixes = {"", hint_prefix(self.separation_hint) if self.separation_hint else ""}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -75,9 +75,29 @@ def hint_prefix(separation_hint: str) -> str:
     return separation_hint.replace("/", "_")
 
 
+T = TypeVar("T")
+
+
+def pack_by_bytes(items: Sequence[T], bins: int, nbytes: Callable[[T], int], in_order: bool = True) -> List[List[T]]:
+    """The file packer of every writer: ``items`` into at most ``bins`` non-empty bins of
+    about equal bytes (largest first, each to the emptiest bin); each bin in the items'
+    order (``in_order``) or largest first."""
+    packed: List[List[T]] = [[] for _ in range(max(1, bins))]
+    loads = [0] * len(packed)
+    for item in sorted(items, key=lambda it: -nbytes(it)):
+        i = loads.index(min(loads))
+        packed[i].append(item)
+        loads[i] += nbytes(item)
+    if in_order:
+        order = {id(it): n for n, it in enumerate(items)}
+        packed = [sorted(b, key=lambda it: order[id(it)]) for b in packed]
+    return [b for b in packed if b]
+
+
 def assign_files(items: List[SaveItem], rank: int, thread_count: int,
                   separation_hint: Optional[str]) -> Dict[str, List[SaveItem]]:
-    """Split items into at most ``thread_count`` files per group, balancing bytes."""
+    """Split items into at most ``thread_count`` files per group (keys under
+    ``separation_hint`` apart, their files named with :func:`hint_prefix`), balancing bytes."""
     groups: Dict[str, List[SaveItem]] = {}
     for item in items:
         prefix = ""
@@ -86,14 +106,6 @@ def assign_files(items: List[SaveItem], rank: int, thread_count: int,
         groups.setdefault(prefix, []).append(item)
     files: Dict[str, List[SaveItem]] = {}
     for prefix, group in groups.items():
-        buckets: List[List[SaveItem]] = [[] for _ in range(max(1, thread_count))]
-        loads = [0] * len(buckets)
-        for item in sorted(group, key=lambda it: -it.nbytes):
-            i = loads.index(min(loads))
-            buckets[i].append(item)
-            loads[i] += item.nbytes
-        order = {id(it): n for n, it in enumerate(group)}
-        non_empty = [sorted(b, key=lambda it: order[id(it)]) for b in buckets if b]
-        for n, bucket in enumerate(non_empty):
+        for n, bucket in enumerate(pack_by_bytes(group, thread_count, lambda it: it.nbytes)):
             files[data_file_name(rank, n, prefix)] = bucket
     return files
