@@ -87,7 +87,7 @@ from dist_checkpointing.runtime import persistent_worker
 from dist_checkpointing.strategies.torch_dist import save as torch_dist_save
 from dist_checkpointing.strategies.torch_dist.writing import arena_plan
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, ForkedCall
-from dist_checkpointing.strategies.filesystem_async import tensor_bytes
+from dist_checkpointing.tensors.bytes_view import tensor_bytes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "benchmarks" / "results" / "bench_async_save.json"

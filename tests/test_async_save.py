@@ -33,7 +33,7 @@ from dist_checkpointing.strategies.torch_dist import writing as torch_dist_writi
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest, ForkedCall
 from dist_checkpointing.strategies.base import SaveCommonStrategy, SaveShardedStrategy
 from dist_checkpointing.strategies.common import TorchCommonSaveStrategy
-from dist_checkpointing.strategies.filesystem_async import ForkHostCopies
+from dist_checkpointing.runtime.snapshot import ForkHostCopies
 from dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy, read_metadata
 

@@ -17,7 +17,7 @@ from dist_checkpointing import ShardedObject, ShardedTensor
 from dist_checkpointing.storage import storage_for
 from dist_checkpointing.storage.zip_crc import zip_crc_disabled
 from dist_checkpointing.strategies.torch_dist.blob_template import blob_parts
-from dist_checkpointing.strategies.filesystem_async import _exact_cpu_tensor, _tensor_record
+from dist_checkpointing.strategies.torch_dist.writing import _exact_cpu_tensor, _tensor_record
 from dist_checkpointing.runtime.persistent_worker import shared_worker
 from dist_checkpointing.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 

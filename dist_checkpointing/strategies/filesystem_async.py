@@ -1,6 +1,5 @@
-"""Megatron-Core's module name for the writer of async saves: the host copies of fork-mode
-async saves (:class:`ForkHostCopies`), Megatron-Core's results queue, and re-exports of where
-the code lives — a data file's payloads are written by
+"""Megatron-Core's module name for the writer of async saves: Megatron-Core's results queue,
+and re-exports of where the code lives — a data file's payloads are written by
 :func:`~.torch_dist.writing.write_file` (its bytes by :mod:`.records`), the background
 writer of plain DCP checkpoints is :mod:`.dcp_async_writer`'s ``FileSystemWriterAsync``
 (imported on first use: the read-only tools import no DCP).
@@ -10,15 +9,11 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from typing import Any, Dict, Hashable, List, Sequence, Tuple
-
-import torch
+from typing import Any
 
 from ..compat.lazy import lazy_exports
 from ..runtime.persistent_worker import check_mp_mode
-from ..runtime.snapshot import ForkHostCopies  # noqa: F401 - re-exported (its old home)
-from ..tensors.bytes_view import tensor_bytes  # noqa: F401 - re-exported (its old home)
-from .torch_dist.writing import Payload, _exact_cpu_tensor, _tensor_record, payload_nbytes, write_file  # noqa: F401
+from .torch_dist.writing import write_file  # noqa: F401 - re-exported: its old path
 
 # Megatron-Core's writer reports through this process-wide queue, which Megatron-LM's
 # trainer creates (get_write_results_queue), shuts down and resets; ours reports through the

@@ -41,7 +41,7 @@ from ..integrity.stored_names import refuse_unkept_names
 from ..integrity.save_claim import CLAIM_FNAME, check_claim, claim_save_dir, current_save_id, release_claim
 from ..strategies.base import StoredItems
 from ..strategies.common import COMMON_STATE_FNAME
-from ..strategies.filesystem_async import write_file
+from ..strategies.torch_dist.writing import write_file
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..readers import get_default_load_sharded_strategy
 from ..strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name

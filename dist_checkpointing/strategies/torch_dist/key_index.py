@@ -18,6 +18,7 @@ import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
 from .dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,

@@ -16,6 +16,7 @@ import os
 from typing import Any, Dict, Iterable, Optional
 
 import torch
+
 from .dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
