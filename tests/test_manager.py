@@ -435,6 +435,8 @@ def _abort_while_writing(rank, world, root):
     step_dir = Path(root) / "iter_0000001"
     with slow_writes(0.3):
         _fail_during_a_save(rank, world, root)
+        if world > 1:  # the listing shows every rank's files: every manager has closed first
+            torch.distributed.barrier()
         after_close = sorted(os.listdir(step_dir))
         time.sleep(0.6)  # a writer still running would add its next file by now
         return after_close, sorted(os.listdir(step_dir))
