@@ -22,6 +22,7 @@ _MAX_CONFIG_BYTES = 1 << 16
 # Tell whether a file name is one a strategy writes into a checkpoint directory: registered
 # by the strategy registry (``strategies/registry.py``), which knows the formats' file names.
 _checkpoint_file_checks: List[Callable[[str], bool]] = []
+_implicit_configs: List[Callable[[List[str]], Optional["CheckpointingConfig"]]] = []
 
 
 # PyTorch DCP's exception, a base of ours whenever DCP is imported: always, except in the dist-ckpt
@@ -224,6 +225,13 @@ def register_checkpoint_files(is_checkpoint_file: Callable[[str], bool]) -> None
     _checkpoint_file_checks.append(is_checkpoint_file)
 
 
+def register_implicit_checkpoint(config_of: Callable[[List[str]], Optional[CheckpointingConfig]]) -> None:
+    """Declare a kind of checkpoint known by its files alone, without ``metadata.json``
+    (e.g. a directory of Hugging Face safetensors files): ``config_of(names)`` gives the
+    config of a directory holding the files ``names``, or ``None`` (:func:`load_config`)."""
+    _implicit_configs.append(config_of)
+
+
 def load_config(checkpoint_dir: Location) -> CheckpointingConfig:
     """Like :func:`maybe_load_config` but raises a clear error for a missing or partial checkpoint."""
     storage = open_storage(checkpoint_dir)
@@ -238,12 +246,17 @@ def load_config(checkpoint_dir: Location) -> CheckpointingConfig:
         raise CheckpointingException(f"Checkpoint path {checkpoint_dir} is not a directory")
     config = maybe_load_config(storage)
     if config is None:
-        partial = any(check(name) for name in storage.list() for check in _checkpoint_file_checks)
+        names = storage.list()
+        partial = any(check(name) for name in names for check in _checkpoint_file_checks)
         if partial:
             raise CheckpointingException(
                 f"{checkpoint_dir} is an incomplete checkpoint: it has data files but no "
                 f"{CONFIG_FNAME}, so its save did not complete (it failed or was killed)"
             )
+        for config_of in _implicit_configs:
+            config = config_of(names)
+            if config is not None:
+                return config
         raise CheckpointingException(
             f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing"
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -28,7 +28,7 @@ FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 
 __all__ = [
     "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId", "ShardedBase",
-    "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "apply_factories", "apply_factory_merges", "is_main_replica",
+    "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "KeyMap", "apply_key_map", "apply_factories", "apply_factory_merges", "is_main_replica",
 ]
 
 
@@ -176,3 +176,32 @@ class LocalNonpersistentObject:
     def unwrap(self) -> Any:
         """The wrapped object."""
         return self.obj
+
+
+KeyMap = Union[Dict[str, str], Callable[[str], str]]
+
+
+def apply_key_map(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap]) -> ShardedStateDict:
+    """A copy of the structure of ``sharded_state_dict`` in which every sharded item
+    (ShardedTensor, ShardedObject, ShardedTensorFactory) has the key ``key_map`` gives it:
+    a dict (keys it does not name are kept) or a callable ``key -> stored key``. The items
+    share their tensors with the originals (a load fills the caller's tensors)."""
+    if key_map is None:
+        return sharded_state_dict
+    mapped = (lambda k: key_map.get(k, k)) if isinstance(key_map, dict) else key_map
+    if not callable(mapped):
+        raise CheckpointingException(f"key_map must be a dict or a callable, not {type(key_map).__name__}")
+
+    def rekey(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: rekey(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rekey(v) for v in x]
+        if not isinstance(x, ShardedBase):
+            return x
+        new = mapped(x.key)
+        if not isinstance(new, str):
+            raise CheckpointingException(f"key_map gave {new!r} for the key {x.key!r}, not a string key")
+        return x if new == x.key else replace(x, key=new)
+
+    return rekey(sharded_state_dict)

@@ -58,8 +58,10 @@ from .mapping import (
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
+    KeyMap,
     apply_factories,
     apply_factory_merges,
+    apply_key_map,
 )
 from .phases import Phases, ProgressCallback, local_bytes
 from .runtime.async_request import AsyncRequest
@@ -364,6 +366,7 @@ def load(
     storage_options: StorageOptions = None,
     progress_bar: Optional[bool] = None,
     process_group: Optional[Any] = None,
+    key_map: Optional[KeyMap] = None,
 ) -> Union[StateDict, Tuple[StateDict, set, set]]:
     """Load the request ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -397,8 +400,15 @@ def load(
     ``process_group`` (Megatron-Core >= 0.16: the ranks that together describe one whole
     sharded state dict) may be ``None`` or a group of every rank: a load runs over all of
     them; a group of some ranks only is refused.
+
+    ``key_map`` names each requested item's key in the checkpoint: a dict (keys it does not
+    name are kept) or a callable ``key -> stored key``, e.g. from Megatron-style keys to a
+    Hugging Face checkpoint's (:func:`~.mapping.apply_key_map`); missing and unexpected keys
+    are reported under the stored names.
     """
     check_whole_world(process_group, "load")
+    if key_map is not None:
+        sharded_state_dict = run_agreed(lambda: apply_key_map(sharded_state_dict, key_map), "Mapping the keys")
     strict = parse_strict_flag(strict)
     checkpoint_dir = checkpoint_location(checkpoint_dir, storage_options)
     phases = Phases(progress_callback, progress_bar)

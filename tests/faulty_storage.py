@@ -30,7 +30,13 @@ class FaultyStorage(Storage):
         self.inner = inner if isinstance(inner, Storage) else PosixStorage(inner)
         self.op, self.pattern, self.nth = op, pattern, nth
         self.calls = {name: 0 for name in OPS}
+        self.bytes_read = 0  # bytes returned by ranged reads of its files
         self._lock = threading.Lock()
+
+    def count_read(self, n: int) -> int:
+        with self._lock:
+            self.bytes_read += n
+        return n
 
     def hit(self, op: str, name: str) -> bool:
         """Count one ``op`` on ``name``; whether it must fail."""
@@ -133,12 +139,14 @@ class _FaultyReader(RangeReader):
 
     def read(self, offset: int, n: int) -> bytes:
         n = self._limit(offset, n)
-        return self._inner.read(offset, n) if n else b""
+        data = self._inner.read(offset, n) if n else b""
+        self._storage.count_read(len(data))
+        return data
 
     def readinto(self, buf, offset: int) -> int:
         view = memoryview(buf).cast("B")
         n = self._limit(offset, view.nbytes)
-        return self._inner.readinto(view[:n], offset) if n else 0
+        return self._storage.count_read(self._inner.readinto(view[:n], offset) if n else 0)
 
     def close(self) -> None:
         self._inner.close()

@@ -28,7 +28,7 @@ from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrate
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from dist_checkpointing.strategies.torch_dist import key_index
 from dist_checkpointing.tools import export_checkpoint, validate_checkpoint
-from dist_checkpointing.tools.safetensors_stream import check_header
+from dist_checkpointing.strategies.safetensors.format import check_header
 from dist_checkpointing.transport import PGTransport
 from dist_checkpointing.validation import validate_sharding_integrity
 

@@ -32,7 +32,8 @@ MOVED: Dict[str, str] = {
     **{f"strategies.{m}": f"strategies.torch_dist.{m}"
        for m in ("records", "blob_template", "torch_blob", "dcp_types", "metadata_checks", "coverage")},
     "convert": "tools.convert",
-    "safetensors_stream": "tools.safetensors_stream",
+    "safetensors_stream": "strategies.safetensors",
+    "tools.safetensors_stream": "strategies.safetensors",
     "whole_tensors": "tools.whole_tensors",
     **{f"manager.local_{m}": f"manager.local.{m}"
        for m in ("tier", "snapshot", "files", "format", "marker", "restore", "convert")},

@@ -17,9 +17,9 @@ import importlib
 import threading
 from collections import defaultdict
 from enum import Enum
-from typing import Any, DefaultDict, Dict, Tuple
+from typing import Any, DefaultDict, Dict, List, Optional, Tuple
 
-from ..core import CheckpointingException, register_checkpoint_files
+from ..core import CheckpointingConfig, CheckpointingException, register_checkpoint_files, register_implicit_checkpoint
 
 
 class StrategyAction(Enum):
@@ -39,6 +39,8 @@ _PACKAGE = __name__.rsplit(".", 1)[0]
 _BUILTINS: Dict[Tuple[StrategyAction, str, int], str] = {
     (StrategyAction.LOAD_SHARDED, "torch_dist", 1): f"{_PACKAGE}.torch_dist.load:TorchDistLoadShardedStrategy",
     (StrategyAction.LOAD_SHARDED, "zarr", 1): f"{_PACKAGE}.zarr:ZarrLoadShardedStrategy",
+    (StrategyAction.LOAD_SHARDED, "safetensors", 1): f"{_PACKAGE}.safetensors.load:SafetensorsLoadShardedStrategy",
+    (StrategyAction.SAVE_SHARDED, "safetensors", 1): f"{_PACKAGE}.safetensors.save:SafetensorsSaveShardedStrategy",
     (StrategyAction.SAVE_SHARDED, "torch_dist", 1): f"{_PACKAGE}.torch_dist.save:TorchDistSaveShardedStrategy",
     (StrategyAction.LOAD_COMMON, "torch", 1): f"{_PACKAGE}.common:TorchCommonLoadStrategy",
     (StrategyAction.SAVE_COMMON, "torch", 1): f"{_PACKAGE}.common:TorchCommonSaveStrategy",
@@ -82,4 +84,11 @@ def is_builtin_checkpoint_file(name: str) -> bool:
     return any(_resolve(check)(name) for check in _BUILTIN_FILE_CHECKS)
 
 
+def builtin_implicit_config(names: List[str]) -> Optional[CheckpointingConfig]:
+    """The config of a directory without ``metadata.json`` that a built-in strategy reads
+    anyway: a Hugging Face safetensors checkpoint (:func:`.safetensors.source.implicit_config`)."""
+    return _resolve(f"{_PACKAGE}.safetensors.source:implicit_config")(names)
+
+
 register_checkpoint_files(is_builtin_checkpoint_file)
+register_implicit_checkpoint(builtin_implicit_config)

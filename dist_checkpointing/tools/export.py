@@ -15,8 +15,8 @@ import torch
 from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException, check_key, checkpoint_location, load_config, malformed, open_storage
 from ..integrity.overlap import refuse_overlap
-from .safetensors_stream import (INDEX_FNAME, SafetensorsFileWriter, dtype_name, key_refusal, read_back_header,
-                                 shard_names, write_index)
+from ..strategies.safetensors.file_writer import SafetensorsFileWriter, read_back_header
+from ..strategies.safetensors.format import INDEX_FNAME, dtype_name, file_groups, key_refusal, shard_names, write_index
 from ..readers import load_tensors_metadata
 from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..integrity.stored_names import refuse_unkept_names
@@ -180,14 +180,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
                     refusal = key_refusal(key)
                     if refusal is not None:
                         raise CheckpointingException(f"Cannot export {checkpoint_dir} as safetensors: {refusal}")
-                shards: List[List[str]] = [[]]
-                shard_bytes = 0
-                for key in keys:
-                    if shards[-1] and shard_bytes + sizes[key] > max_shard_bytes:
-                        shards.append([])
-                        shard_bytes = 0
-                    shards[-1].append(key)
-                    shard_bytes += sizes[key]
+                shards = file_groups(keys, sizes, max_shard_bytes)
                 names = shard_names(len(shards))
                 for name, shard in zip(names, shards):
                     writer = SafetensorsFileWriter(

@@ -15,7 +15,7 @@ from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedTensor
 from ..pickling.safe_load import safe_torch_load
 from ..integrity.overlap import refuse_overlap
-from .safetensors_stream import INDEX_FNAME
+from ..strategies.safetensors.format import INDEX_FNAME
 from ..serialization import SAVED_FILE_NAMES, save
 from ..storage import StorageOptions, url_scheme
 from ..strategies.torch_dist.format import data_file_name

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, List, Tuple, Union
 
 from ..core import CONFIG_FNAME, CheckpointingException, open_storage
 from ..integrity.overlap import output_location
-from .safetensors_stream import INDEX_FNAME
+from ..strategies.safetensors.format import INDEX_FNAME
 from ..storage import Storage, StorageOptions
 from ..storage.posix import fsync_dir
 

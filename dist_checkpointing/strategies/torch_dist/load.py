@@ -104,7 +104,7 @@ def execute_reads(plan: LoadPlan, reader: Reader, thread_count: int) -> None:
     try:
         tasks = [(reader.read_tensor, r) for r in tensor_reads] + [(reader.read_object, r) for r in object_reads.values()]
         tasks.sort(key=lambda t: (t[1].storage.relative_path, t[1].storage.offset))
-        reader.plan(arg.storage for _, arg in tasks)
+        reader.plan(arg for _, arg in tasks)
         meter = byte_meter("read", sum(read_nbytes(arg) for _, arg in tasks))
         if meter is not None:  # counted per item read
             tasks = [(_counted(fn, meter), arg) for fn, arg in tasks]

@@ -49,13 +49,14 @@ class Reader:
         self._planned: Dict[str, List[Tuple[int, int]]] = {}  # relative path -> runs (offset, n) to read
         self._lock = threading.Lock()
 
-    def plan(self, items: Iterable[_StorageInfo]) -> None:
-        """The items about to be read, by several threads: each file plans the runs of
+    def plan(self, reads: Iterable[Union[TensorRead, ObjectRead]]) -> None:
+        """The reads about to be run, by several threads: each file plans the runs of
         adjacent items smaller than :data:`PLANNED_ITEM_BYTES`
         (:meth:`~...storage.RangeReader.will_read_ranges`) when it is opened, so that an
         object store fetches many small records in a few large parallel requests, the next
         file's as soon as this one's are all being fetched (:meth:`_file`). (A larger item
         is announced by the thread that reads it: :func:`_read_into`.)"""
+        items = [read.storage for read in reads]
         valid = [i for i in items if isinstance(i.relative_path, str) and isinstance(i.offset, int)
                  and isinstance(i.length, int) and i.offset >= 0 and 0 < i.length < PLANNED_ITEM_BYTES]
         for item in sorted(valid, key=lambda i: (i.relative_path, i.offset)):  # (others fail when read)
