@@ -178,3 +178,45 @@ def test_save_to_and_load_from_an_object_store(tmp_path, s3_server, s3_env):
                                                        torch.empty(8, 6), (1, tp_rank, 2))}
         loaded = dc.load(req, prefix, key_map=megatron_to_hf)
         assert torch.equal(loaded["proj"], w.chunk(2, 1)[tp_rank])
+
+
+def test_export_with_a_key_map_is_the_reverse_of_a_load_with_it(tmp_path):
+    from dist_checkpointing.tools import export_checkpoint
+
+    full = full_state()
+    dc.save({k: ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in full.items()}, tmp_path / "ckpt")
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf", key_map=megatron_to_hf, max_shard_bytes=600)
+    got = stored_files(tmp_path / "hf")
+    assert sorted(got) == sorted(megatron_to_hf(k) for k in full)
+    index = json.loads((tmp_path / "hf" / INDEX).read_text())
+    assert sorted(index["weight_map"]) == sorted(got)
+    req = {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype)) for k, v in full.items()}
+    loaded = dc.load(req, tmp_path / "hf", key_map=megatron_to_hf)
+    assert all(torch.equal(loaded[k], v) for k, v in full.items())
+    with pytest.raises(CheckpointingException, match="the one name 'x'"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf2", key_map=lambda k: "x")
+    assert not (tmp_path / "hf2").exists()
+
+
+def _fine_tune_rank(rank: int, world: int, root: str, hf: str) -> bool:
+    from dist_checkpointing.manager import CheckpointManager
+
+    manager = CheckpointManager(root)
+    try:
+        state = sharded_state(rank, world)
+        expected = state["proj"].data.clone()
+        state["proj"].data.zero_()
+        loaded = manager.load_from(state, hf, key_map=megatron_to_hf, strict="assume_ok_unexpected")
+        ok = manager.restored_from == ("outside", hf) and torch.equal(loaded["proj"], expected)
+        manager.save(1, sharded_state(rank, world))
+        return ok and manager.latest_step() == 1
+    finally:
+        manager.close()
+
+
+def test_a_run_starts_from_a_hugging_face_model_through_the_manager(tmp_path):
+    full = full_state()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    safetensors_torch.save_file({megatron_to_hf(k): v for k, v in full.items()}, str(hf / "model.safetensors"))
+    assert get_pool(2).run(_fine_tune_rank, str(tmp_path / "run"), str(hf)) == [True, True]

@@ -73,7 +73,7 @@ class CheckpointManager:
             refused, unless ``local_takeover`` (then they are deleted).
 
     Collective (every rank calls them): the constructor, :meth:`save`, :meth:`load`,
-    :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
+    :meth:`load_from`, :meth:`wait_until_finished`, :meth:`close`. The queries (:meth:`latest_step`,
     :meth:`all_steps`, :meth:`best_step`, :meth:`metrics`, :meth:`should_save`) and
     :meth:`load_common` work on one rank alone. Errors are :class:`CheckpointingException`,
     raised on every rank.
@@ -108,7 +108,7 @@ class CheckpointManager:
             for name in leftovers:
                 self._bookkeeper.delete(name, committed=False)
         self.local: Optional[LocalTier] = None  # two-tier mode
-        self.restored_from: Optional[Tuple[str, int]] = None  # ("local" | "persistent", step) of the last load
+        self.restored_from: Optional[Tuple[str, Any]] = None  # ("local" | "persistent", step) or ("outside", dir)
         if (local_dir is None) != (local_interval is None):
             raise CheckpointingException("CheckpointManager: two-tier mode needs both local_dir and local_interval")
         if local_dir is not None:
@@ -127,9 +127,7 @@ class CheckpointManager:
         return open_storage(location, self._storage_options)
 
     def _location(self, name: str) -> str:
-        if url_scheme(self._root):
-            return f"{self._root.rstrip('/')}/{name}"
-        return os.path.join(self._root, name)
+        return f"{self._root.rstrip('/')}/{name}" if url_scheme(self._root) else os.path.join(self._root, name)
 
     def _child(self, name: str) -> Storage:
         return self._open(self._location(name))
@@ -144,8 +142,7 @@ class CheckpointManager:
         """Rank 0: create the root, take its lock, find its checkpoints (metrics from the
         index, else from the checkpoints themselves) and repair the tracker."""
         refuse_unkept_names(self.storage, [TRACKER_FNAME, INDEX_FNAME], "CheckpointManager")
-        kind = self.storage.kind()
-        if kind == "file":
+        if self.storage.kind() == "file":
             raise CheckpointingException(f"Checkpoint root {self.storage.describe()} is a file, not a directory")
         try:
             self.storage.make_root()
@@ -439,6 +436,16 @@ class CheckpointManager:
             result = serialization.load(sharded_state_dict, self._checkpoint_dir(chosen), strict=strict)
             run_agreed(lambda: None, "Loading")  # every rank is done reading
         self.restored_from = ("persistent", chosen)
+        return result
+
+    def load_from(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: PathOrUrl, **load_kwargs: Any) -> Any:
+        """Load a checkpoint from outside the run, e.g. the Hugging Face model a fine-tuning
+        starts from (collective): :func:`dist_checkpointing.load` with ``load_kwargs`` and the
+        manager's ``storage_options``; :attr:`restored_from` becomes ``("outside", checkpoint_dir)``."""
+        self._check_open()
+        self._finalize(blocking=True)
+        result = serialization.load(sharded_state_dict, checkpoint_dir, storage_options=self._storage_options, **load_kwargs)
+        self.restored_from = ("outside", checkpoint_dir)
         return result
 
     def _refuse_persisting_onto_local(self, step: int) -> None:

@@ -8,13 +8,14 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException, check_key, checkpoint_location, load_config, malformed, open_storage
 from ..integrity.overlap import refuse_overlap
+from ..mapping import KeyMap
 from ..strategies.safetensors.file_writer import SafetensorsFileWriter, read_back_header
 from ..strategies.safetensors.format import INDEX_FNAME, dtype_name, file_groups, key_refusal, shard_names, write_index
 from ..readers import load_tensors_metadata
@@ -49,6 +50,7 @@ def export_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     progress: Optional[Progress] = None,
     storage_options: StorageOptions = None,
+    key_map: Optional[KeyMap] = None,
 ) -> List[Union[Path, str]]:
     """Write the checkpoint's tensors, each whole in its original shape (flattened keys
     restored), to ``out`` (a local path or a URL); returns the files written (paths, or
@@ -71,6 +73,10 @@ def export_checkpoint(
     written last, so nothing half-written looks complete. An ``out`` that is the
     checkpoint, holds it or lies inside it is refused before anything is read. Raises only
     CheckpointingException.
+
+    ``key_map`` names each exported key in the output (a dict, keys it does not name kept,
+    or a callable ``key -> name``): e.g. Megatron-style keys to a Hugging Face model's, the
+    reverse of the ``key_map`` a load from that model takes. Two keys given one name are refused.
     """
     to_url = bool(url_scheme(out))
     local_source_to_url = to_url and not isinstance(checkpoint_dir, Storage) and not url_scheme(checkpoint_dir)
@@ -84,14 +90,28 @@ def export_checkpoint(
     refuse_overlap(checkpoint_dir, out, "export")
     with malformed(f"Cannot export {checkpoint_dir} to {out}"):
         load_config(checkpoint_dir)
-        keys = _select_keys(checkpoint_dir, key_prefix)
+        keys = _output_names(_select_keys(checkpoint_dir, key_prefix), key_map)
         if not to_url:
             refuse_existing(Path(out), force)
             return _export_local(checkpoint_dir, Path(out), format, keys, max_shard_bytes, progress)
         return _export_url(checkpoint_dir, str(out), format, keys, max_shard_bytes, progress, force, storage_options)
 
 
-def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: List[str],
+def _output_names(keys: List[str], key_map: Optional[KeyMap]) -> Dict[str, str]:
+    """``{stored key: its name in the output}`` (:func:`export_checkpoint`'s ``key_map``)."""
+    names: Dict[str, str] = {}
+    named: Dict[str, str] = {}
+    for key in keys:
+        name = key if key_map is None else (key_map.get(key, key) if isinstance(key_map, dict) else key_map(key))
+        if not isinstance(name, str):
+            raise CheckpointingException(f"key_map gave {name!r} for the key {key!r}, not a string")
+        if name in named:
+            raise CheckpointingException(f"key_map gives {named[name]!r} and {key!r} the one name {name!r}")
+        names[key], named[name] = name, key
+    return names
+
+
+def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: Dict[str, str],
                   max_shard_bytes: int, progress: Optional[Progress]) -> List[Union[Path, str]]:
     """Export into a new directory next to ``out``, then move it (or its one file) into place."""
     with staging_dir(out) as (tmp, location):
@@ -114,7 +134,7 @@ def _split_object_url(out: str) -> Tuple[str, str]:
     return parent, name
 
 
-def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, keys: List[str], max_shard_bytes: int,
+def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, keys: Dict[str, str], max_shard_bytes: int,
                 progress: Optional[Progress], force: bool, storage_options: StorageOptions) -> List[Union[Path, str]]:
     """Export into the prefix ``out`` (the object ``out`` for the torch format) in place."""
     if format == "torch":
@@ -141,11 +161,13 @@ def _export_url(checkpoint_dir: Union[Path, Storage], out: str, format: str, key
             for name in _export(checkpoint_dir, storage, "", format, keys, max_shard_bytes, progress, out)]
 
 
-def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str, format: str, keys: List[str],
+def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str, format: str, names: Dict[str, str],
             max_shard_bytes: int, progress: Optional[Progress], destination: str) -> List[str]:
     """Write the export into ``out`` (the torch format as the file ``torch_name``); returns
-    the names written. On failure, what was written is deleted. ``destination`` is where the
-    export ends up (``out`` may be a staging directory), for the log."""
+    the names written. ``names``: each stored key's name in the output. On failure, what was
+    written is deleted. ``destination`` is where the export ends up (``out`` may be a
+    staging directory), for the log."""
+    keys = list(names)
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())
@@ -164,7 +186,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
             if format == "torch":
                 state = {}
                 for key in keys:
-                    state[key] = reader.read(key).clone()
+                    state[names[key]] = reader.read(key).clone()
                     report(key)
                 stream = out.create_stream(torch_name)
                 try:
@@ -177,18 +199,18 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
             else:
                 for key in keys:  # refuse what the format cannot hold before writing
                     dtype_name(key, reader.meta[key].dtype)
-                    refusal = key_refusal(key)
+                    refusal = key_refusal(names[key])
                     if refusal is not None:
                         raise CheckpointingException(f"Cannot export {checkpoint_dir} as safetensors: {refusal}")
                 shards = file_groups(keys, sizes, max_shard_bytes)
-                names = shard_names(len(shards))
-                for name, shard in zip(names, shards):
+                files = shard_names(len(shards))
+                for name, shard in zip(files, shards):
                     writer = SafetensorsFileWriter(
-                        out, name, [(k, tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in shard],
+                        out, name, [(names[k], tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in shard],
                         {"format": "pt"})
                     try:
                         for key in shard:
-                            writer.write(key, reader.read(key))
+                            writer.write(names[key], reader.read(key))
                             report(key)
                     except BaseException:
                         writer.abort()
@@ -197,7 +219,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
                     written.append(name)
                     read_back_header(out, name)
                 if len(shards) > 1:  # last: the index marks the sharded export complete
-                    write_index(out, {k: name for name, shard in zip(names, shards) for k in shard}, total)
+                    write_index(out, {names[k]: name for name, shard in zip(files, shards) for k in shard}, total)
                     written.append(INDEX_FNAME)
         except BaseException:
             delete_quietly(out, written)
