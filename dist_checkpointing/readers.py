@@ -31,8 +31,9 @@ def sharded_load_strategy(config: CheckpointingConfig,
                           strategy: Union[None, LoadShardedStrategy, Tuple[str, int]]) -> LoadShardedStrategy:
     """The sharded load strategy for a checkpoint's ``config``: the registered one, or
     ``strategy`` (an instance or ``(backend, version)``) checked to be compatible. A
-    ``torch_dist`` strategy given for a ``zarr`` checkpoint reads it with the zarr strategy
-    and the same options (:func:`~.strategies.zarr.zarr_strategy_like`)."""
+    ``torch_dist`` strategy given for a ``zarr`` or ``safetensors`` checkpoint reads it with
+    that backend's strategy and the same options (:func:`~.strategies.zarr.zarr_strategy_like`,
+    :func:`~.strategies.safetensors.load.safetensors_strategy_like`)."""
     if strategy is None:
         return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version)
     if isinstance(strategy, tuple):  # (backend, version), as Megatron-Core accepts
@@ -41,6 +42,10 @@ def sharded_load_strategy(config: CheckpointingConfig,
         from .strategies.zarr import zarr_strategy_like
 
         strategy = zarr_strategy_like(strategy)
+    elif config.sharded_backend == "safetensors":  # ... or for a Hugging Face directory
+        from .strategies.safetensors.load import safetensors_strategy_like
+
+        strategy = safetensors_strategy_like(strategy)
     strategy.check_backend_compatibility(config.sharded_backend)
     strategy.check_version_compatibility(config.sharded_backend_version)
     return strategy

@@ -21,6 +21,7 @@ from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTen
 from dist_checkpointing.mapping import ShardedTensorFactory
 from dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from dist_checkpointing.strategies.safetensors.load import SafetensorsLoadShardedStrategy
+from dist_checkpointing.strategies.torch_dist.load import TorchDistLoadShardedStrategy
 
 from .conftest import get_pool
 from .faulty_storage import FaultyStorage
@@ -218,6 +219,11 @@ def test_readers_metadata_common_state_and_tools(tmp_path):
     assert info.sharded_backend == "safetensors" and len(info.tensors) == len(hf)
     report = validate_checkpoint(d)
     assert report.ok, report
+    from dist_checkpointing.cli import main
+
+    assert main(["validate", str(d)]) == 0 and main(["inspect", str(d)]) == 0
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 16)  # damaged: validate says so
+    assert main(["validate", str(d)]) != 0
     with pytest.raises(CheckpointingException, match="ShardedObject"):
         dc.load({"o": ShardedObject("rng", None, (1,), (0,))}, d)
 
@@ -336,7 +342,8 @@ def _tp_load_rank(rank: int, world: int, directory: str, parallel: bool) -> dict
     if parallel:
         req = {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype), replica_id=rank)
                for k, v in hf.items()}
-        strategy = FullyParallelLoadStrategyWrapper(SafetensorsLoadShardedStrategy())
+        # as Megatron-LM passes it whatever the checkpoint: made a safetensors strategy
+        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(thread_count=2))
         got = dc.load(req, storage, sharded_strategy=strategy)
         expected = hf
     else:

@@ -166,6 +166,9 @@ def test_save_to_and_load_from_an_object_store(tmp_path, s3_server, s3_env):
             got.update(safetensors_torch.load(storage.read_bytes(name)))
     full = full_state()
     assert all(torch.equal(got[megatron_to_hf(k)], v) for k, v in full.items())
+    req = {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype)) for k, v in full.items()}
+    loaded = dc.load(req, url, key_map=megatron_to_hf)
+    assert all(torch.equal(loaded[k], v) for k, v in full.items()) and loaded["iteration"] == 7
     # a Hugging Face directory uploaded as is loads from its prefix, each rank its ranges
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -445,3 +445,17 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             return sh
 
         return dict_list_map_outplace(fill, sharded_state_dict)
+
+
+def with_base_strategy(strategy: LoadShardedStrategy,
+                       convert: Callable[[LoadShardedStrategy], LoadShardedStrategy]) -> LoadShardedStrategy:
+    """``convert(strategy)``, or for a fully parallel wrapper a copy wrapping ``convert`` of
+    its base strategy (the wrapper itself where ``convert`` keeps the base as it is)."""
+    if not isinstance(strategy, FullyParallelLoadStrategyWrapper):
+        return convert(strategy)
+    base = with_base_strategy(strategy.base_strategy, convert)
+    if base is strategy.base_strategy:
+        return strategy
+    wrapped = copy.copy(strategy)
+    wrapped.base_strategy = base
+    return wrapped

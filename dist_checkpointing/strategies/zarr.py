@@ -18,7 +18,6 @@ filtered arrays, Fortran order and big-endian dtypes are refused, naming the arr
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -40,7 +39,7 @@ from .torch_dist.dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, M
                         TensorProperties, TensorStorageMetadata)
 from .resharding import contiguous_strides, grid_chunks_overlapping, intersect
 from .torch_dist.torch_blob import TensorHeader
-from .fully_parallel import FullyParallelLoadStrategyWrapper
+from .fully_parallel import with_base_strategy
 from .torch_dist.load import TorchDistLoadShardedStrategy, execute_reads, loaded_values
 from .torch_dist.load_plan import ScratchArena, TensorRead, plan_load
 from .torch_dist.reader import Reader
@@ -343,14 +342,10 @@ def zarr_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:
     inside a fully parallel wrapper) becomes a :class:`ZarrLoadShardedStrategy` with its
     options (Megatron-LM's trainer passes a ``TorchDistLoadShardedStrategy`` whatever the
     checkpoint's backend); any other strategy is returned as it is."""
-    if isinstance(strategy, FullyParallelLoadStrategyWrapper):
-        base = zarr_strategy_like(strategy.base_strategy)
-        if base is strategy.base_strategy:
-            return strategy
-        wrapped = copy.copy(strategy)
-        wrapped.base_strategy = base
-        return wrapped
-    if isinstance(strategy, TorchDistLoadShardedStrategy):
-        return ZarrLoadShardedStrategy(thread_count=strategy.thread_count, allow_pickle=strategy.allow_pickle,
-                                       strict_dtypes=strategy.strict_dtypes)
-    return strategy
+    def convert(base: LoadShardedStrategy) -> LoadShardedStrategy:
+        if isinstance(base, TorchDistLoadShardedStrategy):
+            return ZarrLoadShardedStrategy(thread_count=base.thread_count, allow_pickle=base.allow_pickle,
+                                           strict_dtypes=base.strict_dtypes)
+        return base
+
+    return with_base_strategy(strategy, convert)

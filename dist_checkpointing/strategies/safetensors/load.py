@@ -15,7 +15,8 @@ from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ...runtime.collectives import run_agreed
 from ...storage import Storage
 from ..async_strategies import check_async_strategy
-from ..base import StoredChunk, StoredItems, StoredRange, StoredTensor
+from ..base import LoadShardedStrategy, StoredChunk, StoredItems, StoredRange, StoredTensor
+from ..fully_parallel import with_base_strategy
 from ..torch_dist.load import TorchDistLoadShardedStrategy, execute_reads, loaded_values, requested_regions
 from ..torch_dist.load_plan import LoadPlan
 from .reader import SafetensorsReader
@@ -126,4 +127,17 @@ def _file_sizes(storage: Storage, names: List[str]) -> Dict[str, Optional[int]]:
     return sizes
 
 
-__all__ = ["SafetensorsLoadShardedStrategy"]
+def safetensors_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:
+    """``strategy`` made to read a safetensors checkpoint: a ``torch_dist`` load strategy
+    (also inside a fully parallel wrapper) becomes a :class:`SafetensorsLoadShardedStrategy`
+    with its options (Megatron-LM's trainer passes a ``TorchDistLoadShardedStrategy``
+    whatever the checkpoint); any other strategy is returned as it is."""
+    def convert(base: LoadShardedStrategy) -> LoadShardedStrategy:
+        if isinstance(base, TorchDistLoadShardedStrategy) and not isinstance(base, SafetensorsLoadShardedStrategy):
+            return SafetensorsLoadShardedStrategy(thread_count=base.thread_count, strict_dtypes=base.strict_dtypes)
+        return base
+
+    return with_base_strategy(strategy, convert)
+
+
+__all__ = ["SafetensorsLoadShardedStrategy", "safetensors_strategy_like"]

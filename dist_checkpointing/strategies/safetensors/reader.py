@@ -105,14 +105,15 @@ class SafetensorsReader(Reader):
         runs, exact = tensor_runs(read)
         total = sum(n for _, n in runs)
         direct = exact and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == read.dtype
-        buf = tensor_bytes(dest) if direct else memoryview(bytearray(total))
+        span = None if direct else torch.empty(total, dtype=torch.uint8)
+        buf = tensor_bytes(dest if direct else span)
         done = 0
         for offset, n in runs:
             _read_into(file, buf[done:done + n], offset, where, what)
             done += n
         if direct:
             return
-        values = torch.frombuffer(buf, dtype=read.dtype) if total else torch.empty(0, dtype=read.dtype)
+        values = span.view(read.dtype)
         if exact:
             src = values.view(tuple(read.overlap[1]))
         else:  # the span from the first run to the last: the overlap's strides within the stored tensor
