@@ -10,11 +10,14 @@ The steps (each agreed: an error on any rank is raised on every rank):
    ``max_file_bytes`` each, and at least one file per rank where there are enough keys),
    gives file ``i`` to rank ``i % world``, and sends each rank only its own part of the
    plan: the chunks it sends (to whom, under which tag) and the files it writes.
-2. **Write** — every rank posts its sends; each writer assembles one tensor at a time
-   from its own chunks and the ones it receives, and streams it into its file
+2. **Write** — each writer assembles one tensor at a time from its own chunks and the
+   ones it receives, and streams it into its file
    (:class:`.file_writer.SafetensorsFileWriter`, ``__metadata__ = {"format": "pt"}``),
-   then reads the header back. A writer that fails keeps receiving what was sent to it
-   (no rank is left waiting) and raises at the end.
+   then reads the header back. The transfers are numbered tensor by tensor across the
+   writers (every writer's first tensor, then every writer's second, ...), and every rank
+   runs its sends and receives in that order: the writers proceed side by side and no
+   backend can deadlock (NCCL orders point-to-point operations per stream). A writer that
+   fails keeps receiving what is sent to it (no rank is left waiting) and raises at the end.
 3. **Index** — once every file is written, rank 0 writes ``model.safetensors.index.json``
    (``weight_map``, ``metadata.total_size``) last; ``save`` then commits ``metadata.json``.
 
@@ -136,19 +139,24 @@ def plan_save(per_rank: List[List[Tuple[Any, ...]]], world: int, max_file_bytes:
     groups = file_groups(keys, sizes, max_file_bytes, files_at_least=world)
     names = shard_names(len(groups)) if groups else []
     plans = [RankPlan([], []) for _ in range(world)]
-    tag = 0
+    queues: List[List[Tuple[FilePlan, str]]] = [[] for _ in range(world)]  # each writer's tensors, in order
     for f, (name, group) in enumerate(zip(names, groups)):
-        writer = f % world
-        tensors = []
-        for key in group:
+        file = FilePlan(name, [])
+        plans[f % world].files.append(file)
+        queues[f % world] += [(file, key) for key in group]
+    tag = 0  # tensor j of every writer, then tensor j + 1: the writers go on side by side
+    for step in range(max((len(q) for q in queues), default=0)):
+        for writer, queue in enumerate(queues):
+            if step >= len(queue):
+                continue
+            file, key = queue[step]
             pieces = []
             for c in by_key[key]:
                 if c.rank != writer:
                     plans[c.rank].sends.append((c.index, writer, tag))
                 pieces.append(Piece(c.rank, tag, c.index, c.region, c.flat))
                 tag += 1
-            tensors.append((key, by_key[key][0].global_shape, by_key[key][0].dtype, pieces))
-        plans[writer].files.append(FilePlan(name, tensors))
+            file.tensors.append((key, by_key[key][0].global_shape, by_key[key][0].dtype, pieces))
     weight_map = {k: name for name, group in zip(names, groups) for k in group}
     return plans, weight_map, sum(sizes.values())
 
@@ -239,44 +247,54 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
 
     def _write(self, storage: Storage, chunks: List[ShardedTensor], own: RankPlan,
                outgoing: List[Tuple[torch.Tensor, int, int]], device: torch.device) -> Dict[str, int]:
-        """Post this rank's sends, receive and write its files; returns ``{file: size}``. A
-        write that fails does not stop the receiving (the senders would wait): the first
-        error is raised once everything sent to this rank has arrived."""
-        sends = [dist.isend(data, dest, tag=tag) for data, dest, tag in outgoing]
+        """Send this rank's chunks and receive, assemble and write its files, every transfer
+        in the plan's tag order (a send and its receive have the same place in both ranks'
+        orders: no backend can deadlock, NCCL included); returns ``{file: size}``. A write
+        that fails does not stop the transfers (the other ranks would wait): the first error
+        is raised once they are all done."""
+        steps: List[Tuple[int, int, Any]] = [(tag, 0, (data, dest)) for data, dest, tag in outgoing]
+        for f, file in enumerate(own.files):
+            for t, (_, _, _, pieces) in enumerate(file.tensors):
+                steps.append((pieces[0].tag, 1, (f, t)))
         written: Dict[str, int] = {}
         errors: List[Exception] = []
-        try:
-            for file in own.files:
-                writer = None
-                if not errors:
-                    try:
-                        writer = SafetensorsFileWriter(storage, file.name, [(k, s, d) for k, s, d, _ in file.tensors],
+        writers: Dict[int, Optional[SafetensorsFileWriter]] = {}
+
+        def fail(e: Exception, f: int) -> None:
+            errors.append(e)
+            if writers.get(f) is not None:
+                writers[f].abort()
+            writers[f] = None
+
+        for tag, kind, what in sorted(steps, key=lambda s: s[0]):
+            if kind == 0:
+                dist.send(what[0], what[1], tag=tag)
+                continue
+            f, t = what
+            file = own.files[f]
+            key, shape, dtype, pieces = file.tensors[t]
+            received = [self._receive(piece, dtype, chunks, device) for piece in pieces]
+            if f not in writers and not errors:
+                try:
+                    writers[f] = SafetensorsFileWriter(storage, file.name, [(k, s, d) for k, s, d, _ in file.tensors],
                                                        {"format": "pt"})
-                    except Exception as e:  # noqa: BLE001 - raised at the end
-                        errors.append(e)
-                for key, shape, dtype, pieces in file.tensors:
-                    received = [self._receive(piece, dtype, chunks, device) for piece in pieces]
-                    if writer is None:
-                        continue
-                    try:
-                        whole = torch.empty(shape, dtype=dtype)
-                        for piece, data in zip(pieces, received):
-                            _place(whole, piece, data.cpu())
-                        writer.write(key, whole)
-                    except Exception as e:  # noqa: BLE001 - raised at the end
-                        errors.append(e)
-                        writer.abort()
-                        writer = None
-                if writer is not None:
-                    try:
-                        writer.close()
-                        read_back_header(storage, file.name)
-                        written[file.name] = storage.info(file.name).size
-                    except Exception as e:  # noqa: BLE001 - raised at the end
-                        errors.append(e)
-        finally:
-            for work in sends:
-                work.wait()
+                except Exception as e:  # noqa: BLE001 - raised at the end
+                    fail(e, f)
+            if writers.get(f) is None:
+                continue
+            try:
+                whole = torch.empty(shape, dtype=dtype)
+                for piece, data in zip(pieces, received):
+                    _place(whole, piece, data.cpu())
+                writers[f].write(key, whole)
+                if t == len(file.tensors) - 1:
+                    writers.pop(f).close()
+                    read_back_header(storage, file.name)
+                    written[file.name] = storage.info(file.name).size
+            except Exception as e:  # noqa: BLE001 - raised at the end
+                fail(e, f)
+        for f in [f for f, w in writers.items() if w is not None]:
+            writers.pop(f).abort()
         if errors:
             raise errors[0]
         return written
