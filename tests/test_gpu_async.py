@@ -532,10 +532,8 @@ def test_dcp_async_writer_copies_cuda_state_without_forking(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from dist_checkpointing.runtime.async_request import AsyncRequest
-    from dist_checkpointing.strategies.dcp_async_writer import write_dcp_files
-    from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-    from dist_checkpointing.strategies.state_dict_saver import (
-        save_state_dict_async_finalize, save_state_dict_async_plan)
+    from dist_checkpointing.strategies.dcp.async_save import save_state_dict_async_finalize, save_state_dict_async_plan
+    from dist_checkpointing.strategies.dcp.async_writer import FileSystemWriterAsync, write_dcp_files
 
     state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(7.0, device="cuda"), "step": 3}
     expected = {k: v.clone().cpu() for k, v in state.items() if torch.is_tensor(v)}
