@@ -21,7 +21,7 @@ from .conftest import get_pool
 from .faulty_storage import FaultyStorage
 
 _TIMEOUT = 60.0
-N = 1 << 16  # elements per rank: several staging-buffer writes per file
+N = 1 << 16  # elements per rank: several write-buffer writes per file
 
 
 def check_storage_contract(storage: Storage) -> None:

@@ -44,6 +44,7 @@ MOVED: Dict[str, str] = {
     "strategies.cached_metadata_filesystem_reader": "strategies.dcp.cached_reader",
     "strategies.checkpointable": "strategies.dcp.checkpointable",
     "strategies.torch_dist.dcp_interop": "strategies.dcp",  # (split: the package re-exports both halves)
+    "transport.staging": "transport.host_bounce",
 }
 _PKG = __name__.split(".")[0]
 _OLD = {f"{_PKG}.{old}": f"{_PKG}.{new}" for old, new in MOVED.items() if old != new}

@@ -54,7 +54,7 @@ def _destination(sh: ShardedTensor, info: ShardInfo) -> torch.Tensor:
 
 class _Landing:
     """Where received bytes go: straight into ``dest`` when it is contiguous and on the
-    communication device, else into a staging tensor copied into ``dest`` at the end."""
+    communication device, else into a landing tensor copied into ``dest`` at the end."""
 
     def __init__(self, dest: torch.Tensor, device: torch.device):
         self.dest = dest
@@ -210,7 +210,7 @@ def exchange_loaded_tensors_gather_rounds(
     copies the bytes it needs out of the gathered buffers. Equal sizes keep it independent
     of uneven all_gather support, which gloo lacks. Peak extra memory per rank:
     (group size + 1) x ``ROUND_BYTES``, plus what the backend stages (gloo: another group
-    size x ``ROUND_BYTES``), staging for destinations that are not contiguous on the
+    size x ``ROUND_BYTES``), landing tensors for destinations that are not contiguous on the
     communication device and a contiguous copy of the one non-contiguous source shard
     being sent.
     """

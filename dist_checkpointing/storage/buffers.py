@@ -9,7 +9,8 @@ import os
 import threading
 from typing import List, Set
 
-STAGING_BUFFER_BYTES = 16 << 20
+WRITE_BUFFER_BYTES = 16 << 20
+STAGING_BUFFER_BYTES = WRITE_BUFFER_BYTES  # its earlier name
 BUFFERS_PER_FILE = 3
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
@@ -41,7 +42,7 @@ class _BufferPool:
     def acquire(self, n: int) -> List[mmap.mmap]:
         with self._lock:
             taken, self._free = self._free[:n], self._free[n:]
-        return taken + [mmap.mmap(-1, STAGING_BUFFER_BYTES) for _ in range(n - len(taken))]
+        return taken + [mmap.mmap(-1, WRITE_BUFFER_BYTES) for _ in range(n - len(taken))]
 
     def release_buffers(self, buffers: List[mmap.mmap]) -> None:
         with self._lock:

@@ -178,7 +178,7 @@ class StagedFileWriter(WriteStream):
 class PlainFileWriter(WriteStream):
     """A new file written with plain ``write`` calls straight from the caller's memory (no
     write buffers, no background thread): for a writer that hands over large pieces from
-    a buffer it reuses, where staging would only add memory. Durable once closed."""
+    a buffer it reuses, where a copy would only add memory. Durable once closed."""
 
     def __init__(self, path: Union[str, Path]):
         super().__init__()

@@ -22,7 +22,7 @@ from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..integrity.stored_names import refuse_unkept_names
 from .whole_tensors import TensorReader
 from .output import (OutputExistsError, PathLike, Progress, clear_url_output, delete_quietly, move_into_place,
-                     refuse_existing, staging_dir, url_output)
+                     refuse_existing, temp_output_dir, url_output)
 
 _TORCH_FNAME = "export.pt"  # the torch format's file while it is written locally
 
@@ -94,8 +94,8 @@ def export_checkpoint(
 def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: List[str],
                   max_shard_bytes: int, progress: Optional[Progress]) -> List[Union[Path, str]]:
     """Export into a new directory next to ``out``, then move it (or its one file) into place."""
-    with staging_dir(out) as (tmp, location):
-        # (plain writes: the tensors come from the reader's one reused buffer, staging would add memory)
+    with temp_output_dir(out) as (tmp, location):
+        # (plain writes: the tensors come from the reader's one reused buffer, a copy would add memory)
         names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
                         max_shard_bytes, progress, str(out))
         if format == "torch":
@@ -145,7 +145,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
             max_shard_bytes: int, progress: Optional[Progress], destination: str) -> List[str]:
     """Write the export into ``out`` (the torch format as the file ``torch_name``); returns
     the names written. On failure, what was written is deleted. ``destination`` is where the
-    export ends up (``out`` may be a staging directory), for the log."""
+    export ends up (``out`` may be a temporary output directory), for the log."""
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}
     total = sum(sizes.values())

@@ -58,7 +58,7 @@ def refuse_existing(out: Path, force: bool) -> None:
 
 
 @contextmanager
-def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
+def temp_output_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
     """``(tmp, location)``: a new directory to write an output in, next to ``location``
     (where ``out`` goes: :func:`~dist_checkpointing.integrity.overlap.output_location`, never
     inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
@@ -72,6 +72,9 @@ def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
         yield tmp, location
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+staging_dir = temp_output_dir  # its earlier name (public: dist_checkpointing.tools.staging_dir)
 
 
 def move_into_place(src: Path, out: Path) -> None:

@@ -38,12 +38,13 @@ side. (After a timeout the process group may be unusable: recreate it.)
 
 Accelerator tensors over a host-memory wire (CUDA state over gloo): with ``HOST_STAGING``
 on they travel through pinned host buffers, packed and unpacked on the device, the copies
-pipelined with the messages (:mod:`.staging`); off (the default until measured on a GPU),
+pipelined with the messages (:mod:`.host_bounce`); off (the default until measured on a GPU),
 each is copied to or from pageable host memory where it is packed or sent.
 
 The package: :mod:`.leaves` (describing leaves), :mod:`.plan` (the data messages),
 :mod:`.wire` (header, tags, tuning sizes, the metadata message), :mod:`.copies` (packing
-and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.staging`,
+and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.host_bounce` (device tensors through
+host buffers),
 :mod:`.protocol` (:class:`PGTransport`,
 :func:`recover_from_peer`). The tuning settings live in :mod:`.wire`, where they are read
 (``dist_checkpointing.transport.wire.BUCKET_BYTES = ...``, also ``ALONE_BYTES``,
