@@ -9,6 +9,12 @@ in :mod:`.core`).
 Every entry point takes a local directory, a URL (``s3://bucket/prefix``, or any scheme
 fsspec knows) with optional ``storage_options`` for its client, or a
 :class:`~.storage.Storage`.
+
+An async save (``async_sharded_save=True``) runs the same steps up to the common state, which
+rank 0 only serializes (``SaveCommonStrategy.stage_common``); the returned request's
+``async_fn`` first writes ``common.pt`` and its sidecar on the queue's thread
+(``AsyncRequest.add_async_step``), and one more finalize step has rank 0 write
+``metadata.json``. The commit and the save/load step orders: ``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,15 @@ file once written; no rename is needed anywhere (the commit of a checkpoint is w
 Errors are ``OSError`` (``FileNotFoundError``, ``FileExistsError``, …); the callers turn
 them into ``CheckpointingException`` naming :meth:`Storage.describe` of the file. This
 package imports nothing else of the library.
+
+Owns: the storage protocol, every byte of a checkpoint goes through it: ``Storage`` (one
+checkpoint location; files named by plain strings relative to it: ``create_stream``,
+``write_atomic``, ``create_exclusive``, ``read_bytes``, ``open_reader``, ``info``, ``kind``,
+``list``, ``subdirectory`` (a directory under it, opened with the same client options),
+``delete``, ``make_root``), ``WriteStream`` (a new file written front to back from write
+buffers, durable on ``close``, with the checksum hooks), ``RangeReader`` (ranged reads into
+the caller's buffers), ``FileInfo``; storage errors are ``OSError``s, which the callers turn
+into ``CheckpointingException``s naming the file.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The write buffers that streams write through: page-aligned, 16 MiB, kept in a
 process-wide pool for reuse across files and saves (freshly allocated memory is slow to
-touch); a forked writer gets its own set reserved by the parent."""
+touch); a forked writer gets its own set reserved by the parent.
+
+Owns: the process-wide pool of 16 MiB write buffers; reserving / adopting / returning them
+for a forked writer (``MADV_POPULATE_READ``).
+"""
 
 from __future__ import annotations
 

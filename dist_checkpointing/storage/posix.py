@@ -10,6 +10,15 @@ The fsync rules: a streamed file is fsynced when it is closed; a small file is w
 a temporary name of its own, fsynced, renamed over the target, and the directory fsynced
 (readers see the old file or the whole new one); an exclusively created file and a
 deletion are followed by a directory fsync.
+
+Owns: the POSIX implementation: ``StagedFileWriter`` (reused page-aligned write buffers,
+per-file I/O thread, ``O_DIRECT`` where allowed, ``fsync`` on close), ``PlainFileWriter``
+(``PosixStorage(root, staged=False)``: plain writes straight from the caller's memory, no
+buffers — ``export`` into its temporary output directory, which writes from the reader's one
+reused buffer), ``PosixReader`` (``pread``/``preadv``), ``open_regular`` (every read opens
+``O_NONBLOCK`` and checks ``fstat``: only a regular file, a FIFO or device is an error,
+never a hang), the fsync rules (``atomic_write_file``: exclusive temporary, ``fsync``,
+rename, directory ``fsync``; ``fsync_dir``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """``export``: a checkpoint's tensors, each whole in its original shape, to safetensors
 files (streamed, one tensor in memory at a time) or one ``torch.save`` file, in a local
-directory or at a URL."""
+directory or at a URL.
+
+Owns: ``export_checkpoint``: tensors whole to safetensors (streamed) or one ``torch.save``
+file.
+"""
 
 from __future__ import annotations
 

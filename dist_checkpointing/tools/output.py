@@ -2,7 +2,11 @@
 refuse to replace an existing output unless asked; a local output is written next to it
 and moved into place durably; a URL output (an object store cannot rename) is written in
 place, its marker of completeness last, after the old output (with ``force``) was deleted
-marker first — so nothing half-written or half-deleted looks complete."""
+marker first — so nothing half-written or half-deleted looks complete.
+
+Owns: writing an output safely (``OutputExistsError``, ``refuse_existing``, ``temp_output_dir`` (``staging_dir``, its earlier name),
+``move_into_place``), for the tools and ``tools/convert.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,13 @@
 """The transport's wire format: the header constants and message tags, the tuning sizes
 (``BUCKET_BYTES``, ``ALONE_BYTES``, and ``HOST_STAGING`` / ``STAGING_BYTES`` for
 accelerator tensors over a host-memory wire), and the metadata message (:class:`_Meta`), its
-encoding, and the byte runs of a planned data message."""
+encoding, and the byte runs of a planned data message.
+
+Owns: the wire format: magic, protocol version, message tags, the tuning sizes
+``BUCKET_BYTES`` / ``ALONE_BYTES``, the fixed-size first message (``HEAD_BYTES``, ``_head``
+/ ``_read_head``), the metadata message (``_Meta``) and its encoding, a message's dtype
+runs.
+"""
 
 from __future__ import annotations
 
