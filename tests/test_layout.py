@@ -94,6 +94,14 @@ def test_the_torch_dist_format_does_not_import_plain_dcp_interop():
     assert not upward, upward
 
 
+def test_runtime_imports_only_the_layers_below_it():
+    """The process services import each other, ``core``, ``tensors`` and the trusted unpickler."""
+    allowed = ("runtime", "core", "tensors", "pickling.trusted")
+    wrong = sorted((mod, target) for mod, targets in _imports().items() if mod.split(".")[0] == "runtime"
+                   for target in targets if not target.startswith(allowed))
+    assert not wrong, wrong
+
+
 def test_no_module_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
