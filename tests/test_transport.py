@@ -1094,7 +1094,7 @@ def test_decoding_metadata_leaves_the_warning_filters_alone():
         assert [str(w.message) for w in seen] == ["the user's own"] * len(emitted)
 
 
-# ----------------------------------------------------------------------------- 8. host bounce buffers (accelerator tensors over gloo)
+# ----------------------------------------------------------------------------- 8. host bounce (accelerator tensors over gloo)
 
 
 class _Bounced(PGTransport):

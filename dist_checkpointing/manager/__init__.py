@@ -45,6 +45,13 @@ running waits at its next 64 MiB piece (freeing a large file's blocks meets a sa
 ``fsync`` s in the journal: a 256 MiB save took 2.1-2.4x as long during a 1 GiB unlink).
 Cost per ``save`` call: one 17-byte ``all_reduce``, plus one ``broadcast_object`` of rank 0's
 metrics when it saves, at any world size; ``load`` adds a broadcast and an ``all_reduce``.
+
+The storage calls the manager uses: ``write_atomic``, ``create_exclusive``, ``read_bytes``,
+``list``, ``info``, ``kind``, ``delete``, and (added for it) ``entries`` / ``entry_kind``
+(what each entry itself is, links not followed), ``delete_many`` (each named entry, a link
+itself never its target, with a ``pause`` between pieces; POSIX truncates a large file from
+its end in 64 MiB pieces through an ``O_NOFOLLOW`` descriptor before the unlink; S3 deletes
+100 keys a request) and ``remove_dir`` (an empty directory).
 """
 
 from .local.convert import LocalConversion, convert_local_checkpoint

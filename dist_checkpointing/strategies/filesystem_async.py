@@ -35,4 +35,5 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
         return _results_queue
 
 
-__getattr__, __dir__ = lazy_exports(__name__, {"FileSystemWriterAsync": "dist_checkpointing.strategies.dcp.async_writer"})
+__getattr__, __dir__ = lazy_exports(__name__,
+                                    {"FileSystemWriterAsync": "dist_checkpointing.strategies.dcp.async_writer"})

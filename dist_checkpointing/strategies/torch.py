@@ -1,6 +1,7 @@
 """Megatron-Core's module name for the ``torch_dist`` strategy: a re-export of
 :mod:`dist_checkpointing.strategies.torch_dist`, where the code lives (one module per
-concept), and of the plain-DCP bridges and planners of :mod:`.dcp`, so model code written for ``megatron.core.dist_checkpointing.strategies.torch``
+concept), and of the plain-DCP bridges and planners of :mod:`.dcp`, so model code written
+for ``megatron.core.dist_checkpointing.strategies.torch``
 ports by changing the import prefix. ``get_async_strategy`` (Megatron-Core >= 0.16) lives in
 :mod:`.async_strategies`."""
 

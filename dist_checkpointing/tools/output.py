@@ -4,8 +4,8 @@ and moved into place durably; a URL output (an object store cannot rename) is wr
 place, its marker of completeness last, after the old output (with ``force``) was deleted
 marker first — so nothing half-written or half-deleted looks complete.
 
-Owns: writing an output safely (``OutputExistsError``, ``refuse_existing``, ``temp_output_dir`` (``staging_dir``, its earlier name),
-``move_into_place``), for the tools and ``tools/convert.py``.
+Owns: writing an output safely (``OutputExistsError``, ``refuse_existing``, ``temp_output_dir``
+(``staging_dir``, its earlier name), ``move_into_place``), for the tools and ``tools/convert.py``.
 """
 
 from __future__ import annotations
