@@ -3,7 +3,7 @@
 A :class:`Storage` is one checkpoint location (a directory, later an object-store
 prefix). Its files are named by plain strings relative to that root (``"common.pt"``,
 ``"__0_0.distcp"``); nothing above this layer builds paths. The protocol is what an
-object store can do too: stream a new file from staged buffers (:meth:`Storage.create_stream`),
+object store can do too: stream a new file from write buffers (:meth:`Storage.create_stream`),
 write a small file whole (:meth:`Storage.write_atomic`, :meth:`Storage.create_exclusive`),
 read ranges into the caller's buffers (:meth:`Storage.open_reader`), read a small file,
 list, stat, delete. Durability: a stream's bytes are durable once it is closed, a small

@@ -100,7 +100,7 @@ def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, 
     """Export into a new directory next to ``out``, then move it (or its one file) into place."""
     with temp_output_dir(out) as (tmp, location):
         # (plain writes: the tensors come from the reader's one reused buffer, a copy would add memory)
-        names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
+        names = _export(checkpoint_dir, PosixStorage(tmp, buffered=False), _TORCH_FNAME, format, keys,
                         max_shard_bytes, progress, str(out))
         if format == "torch":
             move_into_place(tmp / _TORCH_FNAME, location)
