@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from dist_checkpointing.runtime.async_request import AsyncRequest  # noqa: E402
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
-from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync  # noqa: E402
-from dist_checkpointing.strategies.state_dict_saver import (  # noqa: E402
+from dist_checkpointing.strategies.dcp.async_save import (  # noqa: E402
     save_state_dict_async_finalize, save_state_dict_async_plan)
+from dist_checkpointing.strategies.dcp.async_writer import FileSystemWriterAsync  # noqa: E402
 
 
 def ours(state: Dict[str, torch.Tensor], path: Path, queue: AsyncCallsQueue,

@@ -1,5 +1,5 @@
 """Peer-to-peer transfer of GPU state over gloo (issue 31, item 4): our ``PGTransport``
-with and without host staging against PyTorch's, on the same state, in the same run.
+with and without the host bounce buffers (``HOST_STAGING``) against PyTorch's, on the same state, in the same run.
 
 World size 2 (spawned processes, gloo on ``127.0.0.1``, one torch thread each), both ranks
 on the one GPU (``cuda:0``). The state is ``bench_transport.py``'s (``--tensors`` fp32/bf16

@@ -5,7 +5,7 @@ Every measurement runs in a fresh child process (``--child``), so that peak memo
 import time are the client's own. Operations, the same access pattern for every client:
 
 * ``put``: one object of ``--sizes`` MiB from a caller buffer (a numpy array standing for our
-  staging buffer), multipart with ``--part-mib`` MiB parts, ``--concurrency`` parts in flight
+  write buffer), multipart with ``--part-mib`` MiB parts, ``--concurrency`` parts in flight
   (obstore ``put(memoryview)``; boto3 ``upload_fileobj`` over a reader of the buffer, which
   copies each part; s3fs ``pipe_file(bytes(buffer))``: it takes no memoryview, so the whole
   object is copied first, then each part again);

@@ -99,7 +99,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             clean_dir(d, rank)
             return seconds
 
-        save("warmup", True, 0)  # first save allocates the writer's staging buffers
+        save("warmup", True, 0)  # first save allocates the writer's write buffers
         saves: Dict[str, List[float]] = {"on": [], "off": []}
         for n in range(args.runs):
             order = ("on", "off") if n % 2 == 0 else ("off", "on")

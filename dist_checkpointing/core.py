@@ -1,5 +1,13 @@
 """Core types: the library's exception and the checkpoint config (``metadata.json``, read and
-written through the storage layer)."""
+written through the storage layer).
+
+Owns: ``CheckpointingException``, ``malformed`` (any error while reading a damaged
+checkpoint as one naming what was read), ``open_storage`` (``storage_for``, an unknown
+scheme as a ``CheckpointingException``), ``CheckpointingConfig`` (``metadata.json``, read
+and written through the storage; the complete/incomplete checkpoint rule: which files count
+as a started save is asked of the checks strategies register with
+``register_checkpoint_files``).
+"""
 
 from __future__ import annotations
 

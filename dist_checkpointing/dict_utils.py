@@ -1,4 +1,9 @@
-"""Helpers for nested structures of dicts and lists (the shape of every state dict)."""
+"""Helpers for nested structures of dicts and lists (the shape of every state dict).
+
+Owns: nested dict/list helpers: extract, merge, diff (Megatron-Core's semantics: tensors by
+value, mismatch entries ``(path, type, type, …)``), map in/out of place; ``find_anywhere``
+(a value in any container, with its path).
+"""
 
 from __future__ import annotations
 

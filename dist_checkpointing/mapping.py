@@ -8,6 +8,10 @@ out of the checkpoint. Everything else in a state dict is *common state*.
 
 :class:`ShardedTensor` and the types every sharded item shares live in
 :mod:`.sharded_tensor`; every name is importable from here, where Megatron-Core has it.
+
+Owns: the data model as Megatron-Core names it: ``ShardedObject``, ``ShardedTensorFactory``,
+``LocalNonpersistentObject``, ``apply_factories``, ``apply_factory_merges``; re-exports
+``tensors/sharded.py``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ install first). :func:`install` is idempotent; :func:`uninstall` removes the fin
 aliases. The few modules of Megatron-Core's package that are model logic rather than
 checkpointing (:data:`MEGATRON_OWN`) come from the installed Megatron-Core itself, and run
 on this package's types.
+
+Owns: the switch: ``install()`` / ``uninstall()`` of a ``sys.meta_path`` finder aliasing
+``megatron.core.dist_checkpointing[.X]`` to this package (the modules of ``MEGATRON_OWN``,
+model logic such as 0.19's ``gpt_checkpoint_interop``, come from the installed
+Megatron-Core, running on this package); ``python -m dist_checkpointing.megatron SCRIPT``.
 """
 
 from __future__ import annotations

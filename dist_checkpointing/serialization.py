@@ -9,6 +9,22 @@ in :mod:`.core`).
 Every entry point takes a local directory, a URL (``s3://bucket/prefix``, or any scheme
 fsspec knows) with optional ``storage_options`` for its client, or a
 :class:`~.storage.Storage`.
+
+An async save (``async_sharded_save=True``) runs the same steps up to the common state, which
+rank 0 only serializes (``SaveCommonStrategy.stage_common``); the returned request's
+``async_fn`` first writes ``common.pt`` and its sidecar on the queue's thread
+(``AsyncRequest.add_async_step``), and one more finalize step has rank 0 write
+``metadata.json``. The commit and the save/load step orders: ``docs/architecture.md``.
+
+A load's collectives by ``strict`` mode (success path; nothing is gathered unless something
+is wrong): the default ``ASSUME_OK_UNEXPECTED`` makes 7 one-byte ``all_reduce`` s
+(agreements and the validation verdict) plus validation's four ``all_to_all_single`` (none
+for a request validated before); ``LOG_UNEXPECTED`` / ``RETURN_UNEXPECTED`` / ``IGNORE_ALL``
+add an agreement on reading the keys, ``RAISE_UNEXPECTED`` also a flag (and a gather of the
+unexpected keys only when some rank has them), the ``*_ALL`` modes an ``all_reduce`` of one
+byte per checkpoint key. With the per-key index every mode adds its two ``exchange_objects``
+and three agreements in the strategy's ``load``, and ``*_ALL`` replaces the per-key bitmap by
+a flag (and a gather of the keys no rank asked for only when there are some).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Preparing a state dict for saving and loading, as Megatron-Core's
 ``dist_checkpointing.state_dict_utils`` names the steps (its local checkpointing and
-``MCoreTensorAwareStateDict`` go through them)."""
+``MCoreTensorAwareStateDict`` go through them).
+
+Owns: ``save_preprocess`` / ``load_preprocess`` / ``filter_out_empty_flatten_tensor``
+(Megatron-Core's names).
+"""
 
 from __future__ import annotations
 

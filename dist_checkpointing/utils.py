@@ -5,6 +5,9 @@ Splitting a state dict by the kind of its leaves (``extract_*``: each returns
 (``add_prefix_for_sharding``, ``replace_prefix_for_sharding``, ``apply_prefix_mapping``),
 turning FP8 tensors into their high-precision values, and the debug-timing helpers
 Megatron-Core's code logs through (``logger_stack``, ``debug_time``, ``debug_msg``).
+
+Owns: megatron-Core's ``utils``: ``extract_*`` splits, key prefix helpers, ``zip_strict``,
+``force_all_tensors_to_non_fp8``, debug-timing helpers.
 """
 
 from __future__ import annotations

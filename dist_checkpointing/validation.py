@@ -1,5 +1,44 @@
 """Load strictness (:class:`StrictHandling`) and checks on what is saved and loaded (the
-common state's comparison across ranks lives in :mod:`.integrity.common_state`)."""
+common state's comparison across ranks lives in :mod:`.integrity.common_state`).
+
+**Sharding validation** (:func:`validate_sharding_integrity`, step 2 of a save; of a load
+with ``allow_gaps=True``) proves, without exchanging any chunk list, that the main replicas
+cover every global tensor exactly once. Each chunk ``[o, o+n) x ...`` gets an additive
+fingerprint ``F = prod_axis sum_{i=o}^{o+n-1} r_axis^i (mod 2^61 - 1)`` with a fixed base per
+axis: ``F`` of disjoint chunks adds up to ``F`` of their union, so the main replicas cover a
+tensor exactly once iff their volumes add up to its size *and* their fingerprints to
+``F(whole tensor)`` (up to a probability of about ``ndim / 2^61``).
+
+1. Every rank summarises its items per key (``"tensor:<key>"`` / ``"object:<key>"``): kind,
+   global shape and dtype (objects: the grid shape) and, over its main replicas, their
+   number, volume and fingerprint sum (non-main replicas give shape and dtype only).
+2. Each key is judged by one rank (``blake2b(key) mod world``). The summaries reach it in two
+   hops, each a :func:`~.runtime.collectives.exchange_objects` (two ``all_to_all_single``):
+   to an aggregating rank per key and block of ``ceil(sqrt(world))`` ranks, which adds up the
+   block's volumes and fingerprints, then to the judge. A summary is the key plus ~35 bytes
+   whatever the number of chunks; a key held by all of 8,192 ranks costs its judge 91
+   messages. (A rank whose summaries cannot be pickled sends size -1: every rank raises.)
+3. The verdict: a rank holds the key in two layouts; ranks disagree on shape/dtype; main
+   replicas overlap (volume too large), leave gaps (too small), or both (right volume, wrong
+   fingerprint); for objects, duplicate main replicas of a piece or pieces with none.
+4. One 1-byte ``all_reduce`` (MAX): did any judge find a problem? Only then an
+   ``all_gather_object`` of the problems, and every rank raises the same message.
+
+Repeated saves: each rank keeps a 16-byte digest of its summaries from the last validation
+that passed (per process group and mode); the 2-byte ``all_reduce`` that opens the check
+says whether any rank's digest changed, and if none did the exchanges are skipped.
+
+**Strict handling** finds missing keys without gathering key lists: every rank builds a
+``uint8`` bitmap over the sorted checkpoint keys (1 where it requests the key) and one
+``all_reduce`` (MAX) marks the keys some rank requests. The ``RAISE_*`` modes agree with a
+1-byte ``all_reduce`` whether any rank has unexpected keys, and only then gather the lists,
+so every rank raises the same message naming the ranks.
+
+Owns: ``StrictHandling`` and the ``strict`` argument,
+``determine_missing_and_unexpected_keys``, ``handle_mismatched_keys``;
+``validate_sharding_integrity`` (exact-cover fingerprints; also Megatron-Core's form, every
+rank's gathered metadata).
+"""
 
 from __future__ import annotations
 

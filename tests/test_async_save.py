@@ -1106,12 +1106,12 @@ def _faults_writing_adopted_buffer(map_in: bool) -> int:
         fa.return_write_buffers(buf)
 
 
-def test_forked_writer_maps_its_staging_buffers_in_before_use():
+def test_forked_writer_maps_its_write_buffers_in_before_use():
     # A fork does not copy the page tables of shared mappings: the child's first write to
     # each page of an inherited buffer would fault. map_in populates a buffer in one call.
     import mmap
 
-    from dist_checkpointing.storage.buffers import _MADV_POPULATE_READ, STAGING_BUFFER_BYTES
+    from dist_checkpointing.storage.buffers import _MADV_POPULATE_READ, WRITE_BUFFER_BYTES
     probe = mmap.mmap(-1, 4096)
     try:
         probe.madvise(_MADV_POPULATE_READ)
@@ -1119,13 +1119,13 @@ def test_forked_writer_maps_its_staging_buffers_in_before_use():
         pytest.skip("the kernel has no MADV_POPULATE_READ (Linux < 5.14): pages fault in on first use")
     finally:
         probe.close()
-    pages = STAGING_BUFFER_BYTES // 4096
+    pages = WRITE_BUFFER_BYTES // 4096
     assert _faults_writing_adopted_buffer(map_in=False) >= pages // 2
     assert _faults_writing_adopted_buffer(map_in=True) < pages // 20
 
 
-def test_writer_staging_buffers_are_reserved_then_returned(tmp_path):
-    # A forked writer gets file staging buffers taken out of the pool (already touched,
+def test_writer_write_buffers_are_reserved_then_returned(tmp_path):
+    # A forked writer gets file write buffers taken out of the pool (already touched,
     # so the child maps them instead of zero-filling new ones); nobody else uses them while
     # it writes, and they are back in the pool for the next save once it is done.
     import dist_checkpointing as dc_

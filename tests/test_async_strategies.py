@@ -21,13 +21,14 @@ from dist_checkpointing import CheckpointingException, ShardedTensor
 from dist_checkpointing.runtime import process_qos
 from dist_checkpointing.runtime.async_request import AsyncRequest
 from dist_checkpointing.strategies.async_utils import AsyncCallsQueue, _set_process_qos
-from dist_checkpointing.strategies.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
-from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, get_write_results_queue
+from dist_checkpointing.strategies.dcp.async_save import save_state_dict_async_finalize, save_state_dict_async_plan
+from dist_checkpointing.strategies.dcp.async_writer import FileSystemWriterAsync
+from dist_checkpointing.strategies.dcp.cached_reader import CachedMetadataFileSystemReader
+from dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 from dist_checkpointing.runtime.forked_call import ForkedCall
 from dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
 from dist_checkpointing.strategies.nvrx import has_nvrx_async_support, is_nvrx_min_version, make_nvrx_async_request
-from dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
 from dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy, get_async_strategy)
 
@@ -333,7 +334,7 @@ def test_dcp_async_writer_is_a_plain_dcp_storage_writer(tmp_path):
 
 @pytest.mark.parametrize("snapshot,forked", [("auto", True), ("copy", False)])
 def test_dcp_async_writer_forks_only_for_cpu_state_in_auto(tmp_path, snapshot, forked):
-    from dist_checkpointing.strategies.dcp_async_writer import _collect_forked_write, write_dcp_files
+    from dist_checkpointing.strategies.dcp.async_writer import _collect_forked_write, write_dcp_files
 
     writer = FileSystemWriterAsync(tmp_path, async_snapshot=snapshot)
     planned = save_state_dict_async_plan({"a": torch.ones(3)}, writer)

@@ -128,7 +128,7 @@ def test_inspect_and_validate_print_sizes_alike(ckpt, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
-def test_export_logs_its_final_output_not_the_staging_folder(ckpt, tmp_path, caplog, fmt):
+def test_export_logs_its_final_output_not_the_temporary_folder(ckpt, tmp_path, caplog, fmt):
     out = tmp_path / ("hf" if fmt == "safetensors" else "all.pt")
     with caplog.at_level("INFO", logger="dist_checkpointing"):
         export_checkpoint(ckpt, out, format=fmt, key_prefix="layer1")

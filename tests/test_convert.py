@@ -216,7 +216,7 @@ print(result.nbytes, peak_rss() - before)
 
 def test_memory_stays_near_the_largest_tensor(tmp_path):
     """8 flattened tensors of 24 MiB (192 MiB): the converting process grows by about one
-    tensor (plus the writer's 48 MiB of staging buffers), not by the checkpoint."""
+    tensor (plus the writer's 48 MiB of write buffers), not by the checkpoint."""
     n, count = 6 << 20, 8  # float32 elements per tensor
     sd = {f"t{i}": [ShardedTensor.from_rank_offsets_flat(f"t{i}", piece, (n // 1024, 1024), replica_id=0,
                                                          flattened_range=slice(a, a + piece.numel()))

@@ -476,7 +476,7 @@ def _tensors(state: Dict[str, object]) -> List[torch.Tensor]:
     return [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
-def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List[str]:
+def _transport_world2(rank: int, world: int, device: str, host_bounce: bool) -> List[str]:
     """Rank 0 sends its state (CUDA tensors: both ranks on the one GPU) with work still
     queued on its current stream that changes every tensor; rank 1 receives in place into
     its own tensors (non-contiguous ones included). The leaves that differ."""
@@ -487,7 +487,7 @@ def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List
     if device == "cuda":
         torch.cuda.set_device(0)
     old = transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES
-    transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES = staging, 256 << 10  # several buckets
+    transport.wire.HOST_STAGING, transport.wire.BUCKET_BYTES = host_bounce, 256 << 10  # several buckets
     try:
         state = _transport_state(device)
         expected = [t.clone() for t in _tensors(state)]
@@ -517,12 +517,12 @@ def _transport_world2(rank: int, world: int, device: str, staging: bool) -> List
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("staging", [False, True], ids=["pageable", "host_staging"])
-def test_transport_world2_gloo_every_dtype_bit_exact(device, staging):
+@pytest.mark.parametrize("host_bounce", [False, True], ids=["pageable", "host_bounce"])
+def test_transport_world2_gloo_every_dtype_bit_exact(device, host_bounce):
     """Transport over gloo at world 2 (CUDA: both ranks on the one GPU), with and without
     ``HOST_STAGING``: every dtype and layout arrives bit-exact in the receiver's own tensors,
     and the sender sends its tensors as its queued work leaves them."""
-    assert get_pool(2).run(_transport_world2, device, staging, timeout=300) == [[], []]
+    assert get_pool(2).run(_transport_world2, device, host_bounce, timeout=300) == [[], []]
 
 
 @cuda_only
@@ -532,10 +532,8 @@ def test_dcp_async_writer_copies_cuda_state_without_forking(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from dist_checkpointing.runtime.async_request import AsyncRequest
-    from dist_checkpointing.strategies.dcp_async_writer import write_dcp_files
-    from dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-    from dist_checkpointing.strategies.state_dict_saver import (
-        save_state_dict_async_finalize, save_state_dict_async_plan)
+    from dist_checkpointing.strategies.dcp.async_save import save_state_dict_async_finalize, save_state_dict_async_plan
+    from dist_checkpointing.strategies.dcp.async_writer import FileSystemWriterAsync, write_dcp_files
 
     state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(7.0, device="cuda"), "step": 3}
     expected = {k: v.clone().cpu() for k, v in state.items() if torch.is_tensor(v)}

@@ -291,8 +291,9 @@ def _uneven_dcp(rank: int, world: int, plain: str) -> List[str]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 
-    from dist_checkpointing.strategies.checkpointable import CheckpointableShardedTensor, LocalShardsContainer
-    from dist_checkpointing.strategies.torch import MCoreLoadPlanner, MCoreSavePlanner, mcore_to_pyt_state_dict
+    from dist_checkpointing.strategies.dcp.checkpointable import CheckpointableShardedTensor, LocalShardsContainer
+    from dist_checkpointing.strategies.dcp.planners import MCoreLoadPlanner, MCoreSavePlanner
+    from dist_checkpointing.strategies.dcp.state_dict import mcore_to_pyt_state_dict
 
     full = torch.arange(16.0)
     sizes = [3, 13] if world == 2 else [16]  # uneven: no axis_fragmentations

@@ -25,7 +25,7 @@ import dist_checkpointing as dc
 from dist_checkpointing import CheckpointingException, ShardedObject, ShardedTensor
 from dist_checkpointing.integrity.checksums import checksum, write_file_with_checksum
 from dist_checkpointing.storage import PosixStorage
-from dist_checkpointing.storage.buffers import STAGING_BUFFER_BYTES
+from dist_checkpointing.storage.buffers import WRITE_BUFFER_BYTES
 from dist_checkpointing.strategies.filesystem_async import write_file
 from dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
 from dist_checkpointing.strategies.torch_dist.torch_blob import read_tensor_header
@@ -135,8 +135,8 @@ def test_flipped_byte_anywhere_in_a_record_is_detected(clean, region, tmp_path):
 
 def test_writer_checksums_are_those_of_whole_records(tmp_path):
     """Hashed write by write as they are staged, the checksums equal the one-shot digest
-    of each record: small ones, one that straddles two staging buffers, bytes payloads."""
-    payloads = [torch.arange(10.0), b"x" * 100, torch.ones(STAGING_BUFFER_BYTES - 1000, dtype=torch.uint8),
+    of each record: small ones, one that straddles two write buffers, bytes payloads."""
+    payloads = [torch.arange(10.0), b"x" * 100, torch.ones(WRITE_BUFFER_BYTES - 1000, dtype=torch.uint8),
                 torch.arange(3, dtype=torch.int64), torch.empty(0), b"y" * (70 << 10)]
     spans = write_file(PosixStorage(tmp_path), "f", payloads)
     raw = (tmp_path / "f").read_bytes()

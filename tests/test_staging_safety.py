@@ -108,7 +108,7 @@ def fake_pinning(monkeypatch):
 class _AfterCopies:
     """Counts, inside one rank, the collectives (on the default group, or on any group) and
     host waits for copies that the calling thread makes after its first copy was queued into
-    a staging buffer (background threads wait as they please)."""
+    a staging arena (background threads wait as they please)."""
 
     def __init__(self, monkeypatch: Any, default_group_only: bool = False):
         self._armed = False

@@ -21,7 +21,7 @@ from .conftest import get_pool
 from .faulty_storage import FaultyStorage
 
 _TIMEOUT = 60.0
-N = 1 << 16  # elements per rank: several staging-buffer writes per file
+N = 1 << 16  # elements per rank: several write-buffer writes per file
 
 
 def check_storage_contract(storage: Storage) -> None:
@@ -80,9 +80,9 @@ def check_subdirectory(storage: Storage) -> None:
     assert again.read_bytes("a") == b"a" and storage.read_bytes("sub/a") == b"a"
 
 
-@pytest.mark.parametrize("staged", [True, False])
-def test_posix_storage_contract(staged, tmp_path):
-    storage = PosixStorage(tmp_path / "ckpt", staged=staged)
+@pytest.mark.parametrize("buffered", [True, False])
+def test_posix_storage_contract(buffered, tmp_path):
+    storage = PosixStorage(tmp_path / "ckpt", buffered=buffered)
     assert storage.kind() is None
     check_storage_contract(storage)
     reader = storage.open_reader("data")

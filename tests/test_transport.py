@@ -1094,20 +1094,20 @@ def test_decoding_metadata_leaves_the_warning_filters_alone():
         assert [str(w.message) for w in seen] == ["the user's own"] * len(emitted)
 
 
-# ----------------------------------------------------------------------------- 8. host staging (accelerator tensors over gloo)
+# ----------------------------------------------------------------------------- 8. host bounce (accelerator tensors over gloo)
 
 
-class _Staged(PGTransport):
+class _Bounced(PGTransport):
     """The transport with every tensor taken for an accelerator tensor on a host-memory
-    wire: with ``HOST_STAGING`` on, every data message goes through host staging buffers
-    (:mod:`dist_checkpointing.transport.staging`), the CPU standing in for the device (the
+    wire: with ``HOST_STAGING`` on, every data message goes through host bounce buffers
+    (:mod:`dist_checkpointing.transport.host_bounce`), the CPU standing in for the device (the
     code CUDA state over gloo runs; the copies are synchronous here, and not pinned)."""
 
     def _through_host(self, t: torch.Tensor) -> bool:
         return True
 
 
-class _staging:
+class _host_bounce:
     """Set ``HOST_STAGING`` and ``STAGING_BYTES`` inside a rank function (restored on exit)."""
 
     def __init__(self, on: bool, limit: int = 64 << 20):
@@ -1121,7 +1121,7 @@ class _staging:
         transport.wire.HOST_STAGING, transport.wire.STAGING_BYTES = self.old
 
 
-def _staged_state(seed: int) -> Dict[str, Any]:
+def _bounced_state(seed: int) -> Dict[str, Any]:
     """Every dtype and kind of leaf (the rich state), small and alone tensors around the
     bucket's threshold, and the layouts of the in-place test."""
     return {"rich": _rich_state(seed),
@@ -1129,24 +1129,24 @@ def _staged_state(seed: int) -> Dict[str, Any]:
             "layout": _layout_state(seed * 10)}
 
 
-def _staged_transfer(rank: int, world_size: int, limit: int) -> Any:
-    with _staging(True, limit), _bucket(SMALL_BUCKET):
-        exp = _staged_state(1)
+def _bounced_transfer(rank: int, world_size: int, limit: int) -> Any:
+    with _host_bounce(True, limit), _bucket(SMALL_BUCKET):
+        exp = _bounced_state(1)
         spy = _SpyPG()
         if rank == 0:
-            _Staged(spy, T, "cpu").send_checkpoint(list(range(1, world_size)), exp)
+            _Bounced(spy, T, "cpu").send_checkpoint(list(range(1, world_size)), exp)
             sent = [(p, n) for _, p, n, _ in spy.data_sent()]
-            # staged: even a large contiguous tensor goes out of a host buffer, not its own memory
+            # bounced: even a large contiguous tensor goes out of a host buffer, not its own memory
             assert (exp["layout"]["big"].data_ptr(), 12000) not in sent, sent
             return len(sent) // (world_size - 1)
-        if rank == 2:  # new tensors: nothing to stage on the receiver (they are host tensors)
-            out = _Staged(spy, T, "cpu").recv_checkpoint(0)
+        if rank == 2:  # new tensors: nothing to bounce on the receiver (they are host tensors)
+            out = _Bounced(spy, T, "cpu").recv_checkpoint(0)
             _check_rich(out["rich"], exp["rich"], None)
             for k, v in {**dict(enumerate(exp["mixed"])), **exp["layout"]}.items():
                 got = out["mixed"][k] if isinstance(k, int) else out["layout"][k]
                 _assert_bits(got, v, str(k))
             return len(spy.data_received())
-        mine = _staged_state(2)
+        mine = _bounced_state(2)
         # non-contiguous destinations (their bases keep other bytes)
         base = torch.full((100, 50), -3.0)
         mine["layout"]["big_colslice"] = base[:, 10:30]
@@ -1156,7 +1156,7 @@ def _staged_transfer(rank: int, world_size: int, limit: int) -> Any:
         mine["mixed"][9] = torch.zeros(5, 3, dtype=torch.complex64).t()
         leaves = [v for v in tree_flatten_with_path(mine)[0]]
         ptrs = [(str(p), v.data_ptr()) for p, v in leaves if isinstance(v, torch.Tensor)]
-        out = _Staged(spy, T, "cpu", state_dict=lambda: mine).recv_checkpoint(0)
+        out = _Bounced(spy, T, "cpu", state_dict=lambda: mine).recv_checkpoint(0)
         _check_rich(out["rich"], exp["rich"], mine["rich"])
         for k, v in exp["layout"].items():
             assert out["layout"][k] is mine["layout"][k], k
@@ -1168,26 +1168,26 @@ def _staged_transfer(rank: int, world_size: int, limit: int) -> Any:
         assert (base[:, :10] == -3).all() and (base[:, 30:] == -3).all(), "bytes outside the column slice changed"
         _assert_bits(tbase, exp["layout"]["big_transposed"].t(), "transposed base")
         received = [(p, n) for _, p, n, _ in spy.data_received()]
-        assert (mine["layout"]["big"].data_ptr(), 12000) not in received, "staged: received into a host buffer"
+        assert (mine["layout"]["big"].data_ptr(), 12000) not in received, "bounced: received into a host buffer"
         return len(received)
 
 
 @pytest.mark.parametrize("limit", [1, 64 << 20], ids=["one_message_at_a_time", "default_limit"])
-def test_host_staging_every_dtype_and_layout_world3(limit):
-    """The staged path (CPU standing in for the device): every dtype, scalars, empty
+def test_host_bounce_every_dtype_and_layout_world3(limit):
+    """The host-bounce path (CPU standing in for the device): every dtype, scalars, empty
     tensors, views and non-contiguous destinations, bit-exact; rank 1 in place, rank 2 into
     new tensors; with a limit of 1 byte the pipeline holds the fewest messages it can (one
-    staged ahead on the sender, two receives posted)."""
-    sent, inplace, new = get_pool(3).run(_staged_transfer, limit, timeout=POOL_TIMEOUT)
+    copied out ahead on the sender, two receives posted)."""
+    sent, inplace, new = get_pool(3).run(_bounced_transfer, limit, timeout=POOL_TIMEOUT)
     assert sent == inplace == new > 10, (sent, inplace, new)
 
 
-def _cpu_state_with_staging_on(rank: int, world_size: int) -> str:
-    with _staging(True):
+def _cpu_state_with_host_bounce_on(rank: int, world_size: int) -> str:
+    with _host_bounce(True):
         return _inplace_layouts(rank, world_size)
 
 
-def test_host_staging_leaves_cpu_state_on_its_path(pool2):
+def test_host_bounce_leaves_cpu_state_on_its_path(pool2):
     """With ``HOST_STAGING`` on, CPU state over gloo still travels straight from and into the
     tensors' own memory (the checks of the in-place test)."""
-    assert pool2.run(_cpu_state_with_staging_on, timeout=POOL_TIMEOUT) == ["sent", "ok"]
+    assert pool2.run(_cpu_state_with_host_bounce_on, timeout=POOL_TIMEOUT) == ["sent", "ok"]

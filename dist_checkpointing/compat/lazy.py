@@ -1,4 +1,9 @@
-"""Modules whose public names are imported on first use (PEP 562)."""
+"""Modules whose public names are imported on first use (PEP 562).
+
+Owns: ``lazy_exports``: a package's public names imported on first use (PEP 562), for the
+package itself in the ``dist-ckpt`` and persistent writer processes, ``tools/`` and
+``strategies/torch_dist/``.
+"""
 
 from __future__ import annotations
 

@@ -40,6 +40,12 @@ MOVED: Dict[str, str] = {
     "strategies.safe_pickle": "pickling.safe_load",
     "strategies.safe_globals": "pickling.safe_globals",
     "strategies.stand_ins": "pickling.stand_ins",
+    "strategies.dcp_async_writer": "strategies.dcp.async_writer",
+    "strategies.state_dict_saver": "strategies.dcp.async_save",
+    "strategies.cached_metadata_filesystem_reader": "strategies.dcp.cached_reader",
+    "strategies.checkpointable": "strategies.dcp.checkpointable",
+    "strategies.torch_dist.dcp_interop": "strategies.dcp",  # (split: the package re-exports both halves)
+    "transport.staging": "transport.host_bounce",
 }
 _PKG = __name__.split(".")[0]
 _OLD = {f"{_PKG}.{old}": f"{_PKG}.{new}" for old, new in MOVED.items() if old != new}

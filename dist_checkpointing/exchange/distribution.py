@@ -6,6 +6,19 @@ Shards are identified by :func:`shard_id`; ranks in a :class:`ShardDistribution`
 from one ``all_gather_object`` of per-shard summaries inside the group and a deterministic
 greedy assignment (:func:`distribute_shards_to_ranks`) that every rank runs on the same
 input, so no further communication is needed to agree on it.
+
+The greedy rule: shards are ordered -- those whose main replica lies outside the group
+last (cross-group loads), then fewest holders first, then largest first, then shard id --
+and each goes to its least-loaded holder (bytes so far; lowest group rank on a tie).
+Holders with the same set of ranks share one heap of ``(load, rank)`` whose out-of-date
+entries are refreshed when they reach the top, so an assignment is ``O(log holders)``:
+8,192 ranks x 100,000 shards take 0.3-1 s on one core (``benchmarks/bench_distribution.py``).
+Holder lists that are the same Python list are read once (the planner shares them).
+
+Owns: shard identity (``shard_id``, ``ShardInfo``), ``distribute_shards_to_ranks`` (greedy
+balanced assignment), ``local_tensor_summary``, ``collect_holders``,
+``distribution_from_summaries``, ``ShardDistribution`` and
+``determine_main_replica_uniform_distribution``; the group's device and global ranks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """How ShardedObjects loaded in a group reach the ranks that need them: which rank reads
-each, and the exchange of what was read."""
+each, and the exchange of what was read.
+
+Owns: how loaded ShardedObjects travel: ``object_loaders``, ``local_object_keys``,
+``exchange_loaded_objects_gather_object``.
+"""
 
 from __future__ import annotations
 

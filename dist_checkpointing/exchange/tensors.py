@@ -6,6 +6,20 @@ Every exchange moves raw bytes (each tensor viewed as ``uint8``), so any dtype t
 bit-exact over any backend — gloo cannot carry int16, unsigned or float8 tensors, NCCL can
 carry bytes of everything — and tensors are staged through the backend's device (CPU for
 gloo, the current CUDA device for NCCL) only when they are not already there.
+
+A received shard lands straight in the request's tensor when that is contiguous and on the
+communication device, else in a landing tensor copied into it. The algorithms:
+
+* ``broadcast`` (default): one ``broadcast`` per shard above 1 MiB from its reader; smaller
+  shards of one reader packed into buckets of up to 16 MiB, one ``broadcast`` each. Peak
+  extra memory: one shard or bucket (ranks that do not need it receive into one reused
+  scratch buffer).
+* ``gather_rounds``: each member's exchanged shards form one byte stream of known length;
+  round ``k`` covers bytes ``[k, k+1) x ROUND_BYTES`` of every stream, padded to the round's
+  common size, in one ``all_gather`` of equal-sized ``uint8`` tensors (gloo has no uneven
+  ``all_gather``); ``ceil(L / 16 MiB)`` calls for the longest stream ``L``.
+* ``gather_object``: one ``all_gather_object``, about 3x the exchanged bytes in memory --
+  for debugging and small states.
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ def _destination(sh: ShardedTensor, info: ShardInfo) -> torch.Tensor:
 
 class _Landing:
     """Where received bytes go: straight into ``dest`` when it is contiguous and on the
-    communication device, else into a staging tensor copied into ``dest`` at the end."""
+    communication device, else into a landing tensor copied into ``dest`` at the end."""
 
     def __init__(self, dest: torch.Tensor, device: torch.device):
         self.dest = dest
@@ -210,7 +224,7 @@ def exchange_loaded_tensors_gather_rounds(
     copies the bytes it needs out of the gathered buffers. Equal sizes keep it independent
     of uneven all_gather support, which gloo lacks. Peak extra memory per rank:
     (group size + 1) x ``ROUND_BYTES``, plus what the backend stages (gloo: another group
-    size x ``ROUND_BYTES``), staging for destinations that are not contiguous on the
+    size x ``ROUND_BYTES``), landing tensors for destinations that are not contiguous on the
     communication device and a contiguous copy of the one non-contiguous source shard
     being sent.
     """

@@ -5,6 +5,29 @@ recorded in the checkpoint metadata, so a rank that reads part of a checkpoint v
 exactly what it reads. Whole files written by one rank (``common.pt``, ``.metadata``) get
 a small JSON sidecar ``{name}.checksum``. Files without checksums (e.g. written by
 Megatron-Core) load unverified.
+
+Off the critical path. **Save**: :func:`..strategies.torch_dist.records.write_records`
+hashes each record between ``WriteStream.start_checksum`` and ``take_checksum`` -- every
+``write`` (blob prefix, tensor data, suffix; an object's blob) right after it is copied
+into the file's write buffer, while still in the CPU cache, on the thread that serializes
+the file while its I/O thread writes the previous buffer (``scope: "record"``). The
+checksum rides in the item location already sent to rank 0 (8 bytes, no extra collective)
+and is stored in ``.metadata`` (``checksums``). A sidecar is written by
+:func:`write_file_with_checksum`: old sidecar removed, file replaced atomically, new
+sidecar written atomically, so a file never sits next to a sidecar that does not describe it.
+
+**Load**: a :class:`RecordVerifier` hashes the blob's bytes before the data (one read),
+each 1 MiB piece of the data as it arrives (``RangeReader.readinto``), then the bytes after
+it, and compares (no extra pass, no collective). A request for part of a chunk reads and
+verifies the whole chunk (``verify_checksums=False`` reads only the needed span). Object
+blobs, blobs that need ``torch.load`` and whole files are hashed before unpickling, so
+damaged bytes never reach an unpickler. Tables without ``scope`` (earlier versions) are
+verified on the data bytes alone.
+
+Switches: ``TorchDistSaveShardedStrategy(checksums=False)``;
+``TorchDistLoadShardedStrategy(verify_checksums=False)`` and
+``TorchCommonLoadStrategy(verify_checksums=False)``. ``.metadata`` is always verified when
+its sidecar exists. Checksums detect damage; they do not establish trust.
 """
 
 from __future__ import annotations

@@ -1,5 +1,16 @@
 """Comparing every rank's common state with rank 0's before a save (only rank 0's is
-saved): a digest per rank, and the differing keys named only when digests differ."""
+saved): a digest per rank, and the differing keys named only when digests differ.
+
+Every rank computes a 16-byte BLAKE2b digest of its (preprocessed) common state (dict keys
+sorted, tensors by dtype, shape and bytes, other values pickled, or their ``repr``); one
+32-byte ``all_reduce`` (MAX) of the digest and its complement (255 - b) tells every rank
+whether all digests are equal (max = min byte by byte). Only if not, one
+``broadcast_object`` of rank 0's digest and common state, and each differing rank logs the
+differing key paths (:func:`..dict_utils.diff`, Megatron-Core's semantics and wording) on
+the ``dist_checkpointing.validation`` logger. A difference never fails the save: rank 0's
+common state is saved. If rank 0's state cannot be pickled it broadcasts ``None`` and the
+differing ranks report the difference without the key details.
+"""
 
 from __future__ import annotations
 

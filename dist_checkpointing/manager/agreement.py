@@ -1,6 +1,11 @@
 """How the ranks of a :class:`~.manager.CheckpointManager` agree: a decision rank 0 takes
 for every rank (:func:`decided_on_rank0`), and the step every rank passes (:func:`step_flags`
-reduced with max, then :func:`same_on_every_rank`; :func:`check_step` first)."""
+reduced with max, then :func:`same_on_every_rank`; :func:`check_step` first).
+
+Owns: how the manager's ranks agree: ``decided_on_rank0`` (rank 0 decides, one broadcast,
+its error on every rank), ``step_flags`` / ``same_on_every_rank`` (the same step everywhere,
+in one ``all_reduce``), ``check_step``.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ touches the root's own files (lock, index, tracker) and deletes checkpoints, in 
 background thread. Every rank decides whether to save from the same state and one small
 ``all_reduce`` agrees (rank 0's metrics are broadcast when it saves); rank 0 picks the step
 to load and broadcasts it; retention is a pure function of state every rank holds alike.
-The commit order is what makes a kill at any moment safe (docs/architecture.md):
+The commit order is what makes a kill at any moment safe (the package docstring):
 checkpoint data → ``metadata.json`` (the library's commit) → index → tracker → deletions.
 """
 

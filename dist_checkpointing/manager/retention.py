@@ -1,5 +1,9 @@
 """Retention: which complete checkpoints to keep. A pure function of the steps and their
-metrics, so every rank computes the same answer from the same inputs."""
+metrics, so every rank computes the same answer from the same inputs.
+
+Owns: ``RetentionPolicy``: which complete checkpoints to keep, a pure function of the steps
+and their metrics.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,11 @@ stored pickle is opened with: this allow-list, the user's safe globals, the stan
 * :func:`load_dcp_metadata` unpickles a DCP ``.metadata`` file with an allow-list of
   PyTorch DCP classes, mapping Megatron-Core's metadata classes to local stand-ins, so
   checkpoints written by Megatron-Core load without Megatron installed.
+
+Owns: ``safe_torch_load`` (``weights_only`` ``torch.load`` under the ``safe_globals``
+allow-list, the user's safe globals and the stand-ins: ``common.pt``, objects, the local
+tier's values, ``dist-ckpt import``), ``load_dcp_metadata`` (``.metadata`` with the DCP
+allow-list), Megatron metadata stand-in classes; old path ``strategies/safe_pickle.py``.
 """
 
 from __future__ import annotations

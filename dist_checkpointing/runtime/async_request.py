@@ -27,7 +27,7 @@ class AsyncRequest:
             rank's ``async_fn`` has finished without error. They may be collective.
         async_fn_kwargs: keyword arguments of ``async_fn``.
         resources: objects with a ``release()`` method kept alive across calls (e.g. reused
-            staging buffers); :meth:`AsyncCallsQueue.close` releases them.
+            staging arenas); :meth:`AsyncCallsQueue.close` releases them.
         preload_fn: called when the request is scheduled (in the caller's thread); its result
             replaces ``async_fn_args[1]`` (Megatron-Core's device-to-host staging hook).
         call_idx: the index the queue gave the request (set when it is scheduled).

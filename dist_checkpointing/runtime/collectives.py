@@ -1,5 +1,25 @@
 """Small collective helpers: rank/world with or without a process group, and agreement
-on errors so that a problem found on one rank is raised on every rank (never a hang)."""
+on errors so that a problem found on one rank is raised on every rank (never a hang).
+
+**One exception on every rank** (:func:`run_agreed`): every rank runs the step, catching any
+``Exception`` and keeping its message; one 1-byte ``all_reduce`` (MAX) of a failure flag,
+and only after a failure an ``all_gather_object`` of the messages; then every rank raises
+the same ``CheckpointingException("<what> failed on N rank(s): rank r: ...")`` (ranks with
+the same message listed together; a message every rank shares is raised unchanged, which
+is how an error agreed inside a strategy passes through the ``run_agreed`` around it).
+Without a process group (or in a group of one) a ``CheckpointingException`` propagates as
+is and anything else is wrapped, with the original as its cause. Steps that are not
+``run_agreed`` agree by hand (rank 0 broadcasts its outcome; validation and strict loads
+agree on a flag, then gather the problems). Limits: ``BaseException`` (a
+``KeyboardInterrupt``, a killed rank) is not caught, so the other ranks wait in the next
+collective until the group's timeout; a custom strategy running collectives of its own
+must agree on errors before each of them.
+
+Owns: rank / world size with or without a process group, object collectives,
+``exchange_objects`` (each rank receives only what is addressed to it:
+``all_to_all_single``), ``run_agreed`` (errors agreed across ranks),
+``all_reduce_max_uint8``.
+"""
 
 from __future__ import annotations
 

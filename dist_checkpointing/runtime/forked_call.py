@@ -1,6 +1,23 @@
 """Functions run in a forked child process: the child sees a copy-on-write snapshot of this
 process's memory as it was at the fork, so the caller may change its tensors right away
-(async saves' writers, the two-tier local snapshot). Re-exported by :mod:`.async_utils`."""
+(async saves' writers, the two-tier local snapshot). Re-exported by :mod:`.async_utils`.
+
+Every fork is made by one long-lived daemon thread of the library (the caller waits): the
+child asks the kernel to kill it when that thread -- in effect the process -- dies
+(``PR_SET_PDEATHSIG`` is tied to the forking thread; ``prctl`` is resolved in the parent, so
+the child does not ``dlopen``), and no two forks race for a pipe's write end. The child's
+first act is a start byte: a child silent for ``FORK_START_TIMEOUT_S`` (10 s) is killed and
+forked again (three attempts, then an error) -- the tests found children hung inside
+``os.fork()`` itself, in a multi-threaded process's after-fork handlers. The child uses only
+its own fresh threads, file I/O and loaded modules (no process-group or CUDA calls), sends
+its report length-first through the pipe (the parent need not wait for the teardown of the
+child's address space) and leaves with ``os._exit``; exited children are reaped later (at
+the latest by ``AsyncCallsQueue.close()`` or at exit, where an ``atexit`` hook kills writers
+still running). A child killed by a signal or without a full report is an error naming the
+process and the signal. A forked writer's 16 MiB write buffers are reserved from the
+process-wide pool (:func:`..storage.buffers.reserve_write_buffers`) and mapped in with one
+``madvise(MADV_POPULATE_READ)`` before first use.
+"""
 
 from __future__ import annotations
 

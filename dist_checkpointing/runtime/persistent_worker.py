@@ -9,6 +9,12 @@ through shared memory, as ``torch.multiprocessing`` shares them). Shared host ar
 in the worker until forgotten, so a save's write reads the staged bytes in place. The
 worker exits when this process does (it watches its parent), and a worker that dies fails
 its pending calls with the exit code; the next call starts a new one.
+
+It is started on the first arena-mode save with ``subprocess`` running
+:func:`main`; the package imports lazily there, as in the CLI, so the writer starts in
+~0.2 s of CPU and holds ~20 MB resident (with torch: ~3 s, ~250 MB). The storage travels as
+its ``process_spec()``, an arena's descriptor once with ``SCM_RIGHTS``; the worker polls
+``getppid()`` every 0.2 s.
 """
 
 from __future__ import annotations

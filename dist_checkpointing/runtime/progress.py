@@ -11,6 +11,15 @@ An async save's writer runs later, in another thread or process: the strategy ca
 the caller's sink (:func:`current_sink`) and reports to it from the thread that waits for
 the writer (a forked writer counts into a :class:`SharedCount`; the persistent writer sends
 its counts with its result).
+
+Owns: byte progress of one save / load: ``reporting_bytes`` (the entry points' sink, a
+context variable set around the sharded strategy's call), ``byte_meter`` / ``ByteMeter``
+(taken by ``_write_files`` and the reader's ``_execute`` in the calling thread, counted per
+item, reported at most every 0.5 s and at the end); for async saves ``current_sink``
+(captured by ``async_save``), ``SharedCount`` (16 bytes of shared memory a forked writer's
+meter sets) and ``poll_count`` (the waiting thread reads it every 0.5 s); the persistent
+writer's meter sends ``(phase, done, total)`` on its results pipe
+(``persistent_worker.report_progress`` → the job's ``on_progress``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,18 @@
 implementations, chosen by location (:func:`storage_for`): local directories
 (:class:`PosixStorage`), ``s3://bucket/prefix`` (:mod:`.s3`, obstore) and every other
 scheme fsspec knows (``gs://``, ``az://``, ``file://``, ``memory://``, …: :mod:`.fsspec`),
-each imported on first use; :func:`register_storage` adds or replaces a scheme."""
+each imported on first use; :func:`register_storage` adds or replaces a scheme.
+
+Callers name files by plain strings relative to the checkpoint and never build paths,
+open files or call ``os.write`` / ``os.pread`` themselves. A location becomes a ``Storage``
+once per call, at the entry point (:func:`..core.checkpoint_location`): a local directory
+stays a ``Path`` (Megatron-Core's strategies expect one), a URL becomes its scheme's
+``Storage`` built with the call's ``storage_options``, and a ``Storage`` object may be passed
+instead of a directory everywhere (the tests inject faults that way). A storage that is not
+``fork_safe`` (S3, fsspec) is never written by a forked child: an async save of it copies
+into host memory and writes from a thread. Storage errors are ``OSError`` s, so this
+package imports nothing else of the library.
+"""
 
 from __future__ import annotations
 

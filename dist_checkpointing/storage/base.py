@@ -3,7 +3,7 @@
 A :class:`Storage` is one checkpoint location (a directory, later an object-store
 prefix). Its files are named by plain strings relative to that root (``"common.pt"``,
 ``"__0_0.distcp"``); nothing above this layer builds paths. The protocol is what an
-object store can do too: stream a new file from staged buffers (:meth:`Storage.create_stream`),
+object store can do too: stream a new file from write buffers (:meth:`Storage.create_stream`),
 write a small file whole (:meth:`Storage.write_atomic`, :meth:`Storage.create_exclusive`),
 read ranges into the caller's buffers (:meth:`Storage.open_reader`), read a small file,
 list, stat, delete. Durability: a stream's bytes are durable once it is closed, a small
@@ -13,6 +13,15 @@ file once written; no rename is needed anywhere (the commit of a checkpoint is w
 Errors are ``OSError`` (``FileNotFoundError``, ``FileExistsError``, …); the callers turn
 them into ``CheckpointingException`` naming :meth:`Storage.describe` of the file. This
 package imports nothing else of the library.
+
+Owns: the storage protocol, every byte of a checkpoint goes through it: ``Storage`` (one
+checkpoint location; files named by plain strings relative to it: ``create_stream``,
+``write_atomic``, ``create_exclusive``, ``read_bytes``, ``open_reader``, ``info``, ``kind``,
+``list``, ``subdirectory`` (a directory under it, opened with the same client options),
+``delete``, ``make_root``), ``WriteStream`` (a new file written front to back from write
+buffers, durable on ``close``, with the checksum hooks), ``RangeReader`` (ranged reads into
+the caller's buffers), ``FileInfo``; storage errors are ``OSError``s, which the callers turn
+into ``CheckpointingException``s naming the file.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The write buffers that streams write through: page-aligned, 16 MiB, kept in a
 process-wide pool for reuse across files and saves (freshly allocated memory is slow to
-touch); a forked writer gets its own set reserved by the parent."""
+touch); a forked writer gets its own set reserved by the parent.
+
+Owns: the process-wide pool of 16 MiB write buffers; reserving / adopting / returning them
+for a forked writer (``MADV_POPULATE_READ``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import os
 import threading
 from typing import List, Set
 
-STAGING_BUFFER_BYTES = 16 << 20
+WRITE_BUFFER_BYTES = 16 << 20
+STAGING_BUFFER_BYTES = WRITE_BUFFER_BYTES  # its earlier name
 BUFFERS_PER_FILE = 3
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
@@ -41,7 +46,7 @@ class _BufferPool:
     def acquire(self, n: int) -> List[mmap.mmap]:
         with self._lock:
             taken, self._free = self._free[:n], self._free[n:]
-        return taken + [mmap.mmap(-1, STAGING_BUFFER_BYTES) for _ in range(n - len(taken))]
+        return taken + [mmap.mmap(-1, WRITE_BUFFER_BYTES) for _ in range(n - len(taken))]
 
     def release_buffers(self, buffers: List[mmap.mmap]) -> None:
         with self._lock:

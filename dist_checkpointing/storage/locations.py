@@ -11,6 +11,14 @@ found against S3 and SeaweedFS: obstore refuses control characters and empty, ``
 ``..`` segments; SeaweedFS stores a backslash as ``/`` (the object then answers under
 another name); a segment over 255 bytes or a key over 1024 bytes (UTF-8) is refused by the
 server, halfway through a save.
+
+Owns: ``normalized_location`` (the one normalisation of a location every overlap check uses:
+a local path or ``file://`` URL as a path, any other URL as its scheme and normalised
+segments) and ``object_key_problem`` (the object keys a store would rewrite or refuse:
+backslash, control characters, empty/``.``/``..`` segments, over 255 bytes a segment or 1024
+a key), behind ``Storage.name_problem`` of ``S3Storage`` and non-local ``FsspecStorage``
+(their writes refuse such names too); ``Storage.listed_sizes`` gives the files' sizes from
+one listing (``None`` on a file system).
 """
 
 from __future__ import annotations

@@ -10,6 +10,15 @@ The fsync rules: a streamed file is fsynced when it is closed; a small file is w
 a temporary name of its own, fsynced, renamed over the target, and the directory fsynced
 (readers see the old file or the whole new one); an exclusively created file and a
 deletion are followed by a directory fsync.
+
+Owns: the POSIX implementation: ``BufferedFileWriter`` (reused page-aligned write buffers,
+per-file I/O thread, ``O_DIRECT`` where allowed, ``fsync`` on close), ``PlainFileWriter``
+(``PosixStorage(root, buffered=False)``: plain writes straight from the caller's memory, no
+buffers — ``export`` into its temporary output directory, which writes from the reader's one
+reused buffer), ``PosixReader`` (``pread``/``preadv``), ``open_regular`` (every read opens
+``O_NONBLOCK`` and checks ``fstat``: only a regular file, a FIFO or device is an error,
+never a hang), the fsync rules (``atomic_write_file``: exclusive temporary, ``fsync``,
+rename, directory ``fsync``; ``fsync_dir``).
 """
 
 from __future__ import annotations
@@ -32,8 +41,8 @@ _HASH_BATCH = 64 << 10  # small writes (torch.save's zip framing) are hashed tog
 _ALIGN = 4096
 
 
-class StagedFileWriter(WriteStream):
-    """A write-only file object that stages bytes in reused page-aligned buffers and
+class BufferedFileWriter(WriteStream):
+    """A write-only file object that collects bytes in reused page-aligned buffers and
     writes them in large aligned blocks (``O_DIRECT`` when possible) from a background
     I/O thread, so copying into one buffer overlaps writing the previous one."""
 
@@ -72,12 +81,12 @@ class StagedFileWriter(WriteStream):
 
     def take_checksum(self) -> int:
         """The checksum of the bytes written since :meth:`start_checksum`; stops hashing."""
-        self._hash_staged()
+        self._hash_pending()
         digest = self._hasher.intdigest()
         self._hasher = None
         return digest
 
-    def _hash_staged(self) -> None:
+    def _hash_pending(self) -> None:
         """Hash the bytes copied into the current buffer since the last call."""
         self._hasher.update(self._view[self._hashed:self._fill])
         self._hashed = self._fill
@@ -96,7 +105,7 @@ class StagedFileWriter(WriteStream):
             self._fill += k
             pos += k
             if self._hasher is not None and (self._fill - self._hashed >= _HASH_BATCH or self._fill == size):
-                self._hash_staged()
+                self._hash_pending()
             if self._fill == size:
                 self._hand_over(size)
         return n
@@ -175,10 +184,13 @@ class StagedFileWriter(WriteStream):
             super().close()
 
 
+StagedFileWriter = BufferedFileWriter  # its earlier name
+
+
 class PlainFileWriter(WriteStream):
     """A new file written with plain ``write`` calls straight from the caller's memory (no
     write buffers, no background thread): for a writer that hands over large pieces from
-    a buffer it reuses, where staging would only add memory. Durable once closed."""
+    a buffer it reuses, where a copy would only add memory. Durable once closed."""
 
     def __init__(self, path: Union[str, Path]):
         super().__init__()
@@ -209,7 +221,7 @@ class PlainFileWriter(WriteStream):
             super().close()
 
     def abort(self) -> None:
-        """Close without fsync (the partial file stays, as a staged stream's does)."""
+        """Close without fsync (the partial file stays, as a buffered stream's does)."""
         if not self.closed:
             self._file.close()
             super().close()
@@ -340,28 +352,30 @@ def _delete_in_pieces(path: str, pause: Optional[Callable[[], None]]) -> None:
 
 
 class PosixStorage(Storage):
-    """A local directory ``root``; names are file names inside it. Streams stage their
-    bytes in reused buffers written from a background thread (:class:`StagedFileWriter`),
-    or with ``staged=False`` are written straight from the caller's memory
+    """A local directory ``root``; names are file names inside it. Streams collect their
+    bytes in reused buffers written from a background thread (:class:`BufferedFileWriter`),
+    or with ``buffered=False`` are written straight from the caller's memory
     (:class:`PlainFileWriter`: no buffers; what a tool writing from its own reused buffer
     wants). ``durable=False``: :meth:`write_atomic` leaves its files to the page cache (no
-    ``fsync``: they survive a crash of the process, not of the machine)."""
+    ``fsync``: they survive a crash of the process, not of the machine). ``staged`` is
+    ``buffered``'s earlier name (still accepted)."""
 
-    def __init__(self, root: Union[str, Path], staged: bool = True, durable: bool = True):
+    def __init__(self, root: Union[str, Path], buffered: bool = True, durable: bool = True, *,
+                 staged: Optional[bool] = None):
         # absolute once, here: a working directory changed later (or another process's, the
         # persistent writer's) never moves where the files go
         self.root = os.path.abspath(os.fspath(root))
-        self._staged = staged
+        self._buffered = buffered if staged is None else staged
         self.durable = durable
 
     def __repr__(self) -> str:
         return f"PosixStorage({self.root!r})"
 
     def process_spec(self) -> Tuple[Callable[..., Storage], Tuple[Any, ...]]:
-        return PosixStorage, (self.root, self._staged, self.durable)
+        return PosixStorage, (self.root, self._buffered, self.durable)
 
     def subdirectory(self, name: str) -> "PosixStorage":
-        return PosixStorage(self._path(name), self._staged, self.durable)
+        return PosixStorage(self._path(name), self._buffered, self.durable)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name) if name else self.root
@@ -386,7 +400,7 @@ class PosixStorage(Storage):
         return sizes
 
     def create_stream(self, name: str) -> WriteStream:
-        return (StagedFileWriter if self._staged else PlainFileWriter)(self._path(name))
+        return (BufferedFileWriter if self._buffered else PlainFileWriter)(self._path(name))
 
     def write_atomic(self, name: str, data) -> None:
         atomic_write_file(self._path(name), data, self.durable)

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Iterator, Optional
 
-from .buffers import STAGING_BUFFER_BYTES
+from .buffers import WRITE_BUFFER_BYTES
 
-PART_BYTES = STAGING_BUFFER_BYTES
+PART_BYTES = WRITE_BUFFER_BYTES
 PARTS_IN_FLIGHT = 4
 DEFAULT_MAX_RETRIES = 10  # obstore's default
 

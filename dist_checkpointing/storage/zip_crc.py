@@ -1,4 +1,8 @@
-"""The zip-CRC switch of ``torch.save``: off while our writers serialize into a stream."""
+"""The zip-CRC switch of ``torch.save``: off while our writers serialize into a stream.
+
+Owns: ``zip_crc_disabled``: ``torch.save``'s zip-CRC switch off while our writers serialize
+(per thread where torch keeps it per thread).
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Save/load strategies. The root holds Megatron-Core's module names (``async_utils``, ``base``,
-``cached_metadata_filesystem_reader``, ``checkpointable``, ``common``, ``filesystem_async``,
-``fully_parallel``, ``nvrx``, ``resharding``, ``state_dict_saver``, ``torch``, ``zarr``) and the
-contracts (``registry``, ``async_strategies``, ``common_object``, ``dcp_async_writer``); the
-``torch_dist`` format lives in :mod:`.torch_dist`, the process services in
+``common``, ``filesystem_async``, ``fully_parallel``, ``nvrx``, ``resharding``, ``torch``,
+``zarr``) and the contracts (``registry``, ``async_strategies``, ``common_object``); the
+``torch_dist`` format lives in :mod:`.torch_dist`, plain-DCP interop in :mod:`.dcp` (where
+Megatron-Core's ``state_dict_saver``, ``cached_metadata_filesystem_reader`` and
+``checkpointable`` are), the process services in
 :mod:`dist_checkpointing.runtime`, every unpickler in :mod:`dist_checkpointing.pickling`. The
 registry resolves the built-in strategies on their first lookup.
 

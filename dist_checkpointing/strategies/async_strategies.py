@@ -7,7 +7,7 @@ passes the name to ``save`` and to the strategies, and looks its queue classes u
 machinery (:mod:`.async_utils`), so both names select it: a trainer gets the queue that
 runs the requests ``save`` returns, whichever name it was configured with, and NVIDIA
 Resiliency Extension is not needed. The table also holds the async save of plain DCP
-checkpoints (Megatron-LM's ``--ckpt-format torch_dcp``): :mod:`.state_dict_saver`.
+checkpoints (Megatron-LM's ``--ckpt-format torch_dcp``): :mod:`.dcp.async_save`.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ class AsyncModules(dict):
 def _modules() -> AsyncModules:
     from . import filesystem_async
     from .async_utils import AsyncCallsQueue, AsyncRequest
-    from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
-    from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
+    from .dcp.async_writer import FileSystemWriterAsync
+    from .dcp.async_save import save_state_dict_async_finalize, save_state_dict_async_plan
+    from .dcp.cached_reader import CachedMetadataFileSystemReader
 
     return AsyncModules(
         AsyncCallsQueue=AsyncCallsQueue, AsyncRequest=AsyncRequest,
         CachedMetadataFileSystemReader=CachedMetadataFileSystemReader,
-        FileSystemWriterAsync=filesystem_async.FileSystemWriterAsync,
+        FileSystemWriterAsync=FileSystemWriterAsync,
         _results_queue=filesystem_async._results_queue,
         get_write_results_queue=filesystem_async.get_write_results_queue,
         save_state_dict_async_finalize=save_state_dict_async_finalize,

@@ -10,6 +10,17 @@
 * :class:`ForkedCall` — runs a function in a forked child process: the child sees a
   copy-on-write snapshot of this process's memory as it was at the fork, so the caller
   may change its tensors right away. Used by async saves to write the data files.
+
+Finalization (:meth:`AsyncCallsQueue.maybe_finalize_async_calls`) examines the oldest calls
+in order: one 4-byte ``all_reduce`` (MAX) per call -- done here, failed here, how many
+finalize steps here -- and a call is finalized only once done on every rank. A failure
+anywhere: one ``all_gather_object`` of the messages, every rank raises the same
+``CheckpointingException``, the call is dropped (never committed). Finalize steps run each
+inside ``run_agreed`` where every rank has as many; where the counts differ (Megatron-LM adds
+steps on rank 0 only) each rank runs its own, then one ``run_agreed``. With nothing
+scheduled it returns without communicating (scheduling is collective).
+:meth:`AsyncRequest.execute_sync` runs a request in the caller's thread with the same
+agreement.
 """
 
 from __future__ import annotations

@@ -3,6 +3,18 @@
 The registry (``StrategyAction``, ``register_default_strategy``, ``get_default_strategy``,
 ``default_strategies``) lives in :mod:`.registry`; its names are re-exported here, where
 Megatron-Core has them.
+
+Owns: the strategy base classes, declaring every member ``serialization`` uses:
+compatibility as data (``supported_backends``, ``supported_versions``, tested by
+``check_backend_compatibility`` / ``check_version_compatibility``), ``last_written_bytes``,
+``last_timings``, ``load_local``, ``load_common``, ``offline_reader``, ``release_scratch``,
+``stored_items`` (the catalog of stored items the tools read, backend-neutral:
+``StoredItems`` with ``StoredTensor``, ``StoredChunk``, ``StoredRange``: each chunk's
+offsets and sizes, the file, byte range and recorded checksum it is stored at, every
+object's, the size of every file named; ``range_problem``); ``CopyableStrategy`` (every
+strategy's base: deep copies and pickles carry settings and caches, rebuild runtime
+resources named in ``_runtime_attrs``, share process groups); re-exports the registry's
+names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Common (non-sharded) state: ``common.pt``, written by the coordinator rank."""
+"""Common (non-sharded) state: ``common.pt``, written by the coordinator rank.
+
+Owns: the ``torch`` common strategy: ``common.pt`` and its checksum sidecar.
+"""
 
 from __future__ import annotations
 

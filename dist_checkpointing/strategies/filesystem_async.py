@@ -1,7 +1,7 @@
 """Megatron-Core's module name for the writer of async saves: Megatron-Core's results queue,
 and re-exports of where the code lives — a data file's payloads are written by
 :func:`~.torch_dist.writing.write_file` (its bytes by :mod:`.records`), the background
-writer of plain DCP checkpoints is :mod:`.dcp_async_writer`'s ``FileSystemWriterAsync``
+writer of plain DCP checkpoints is :mod:`.dcp.async_writer`'s ``FileSystemWriterAsync``
 (imported on first use: the read-only tools import no DCP).
 """
 
@@ -35,4 +35,5 @@ def get_write_results_queue(mp_mode: str = "spawn") -> Any:
         return _results_queue
 
 
-__getattr__, __dir__ = lazy_exports(__name__, {"FileSystemWriterAsync": "dist_checkpointing.strategies.dcp_async_writer"})
+__getattr__, __dir__ = lazy_exports(__name__,
+                                    {"FileSystemWriterAsync": "dist_checkpointing.strategies.dcp.async_writer"})

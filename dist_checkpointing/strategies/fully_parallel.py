@@ -16,6 +16,25 @@ problem or needs a new plan, so an error is raised on every rank and never leave
 in different collectives. With ``do_cache_distribution=True`` a call whose state dict
 has the same structure as the previous call's on every rank reuses the plan: that
 ``all_reduce`` is then its only extra collective.
+
+Save: every shard whose main replica is in the group gets a new ``replica_id`` (0 on the
+chosen rank, 1 on its other holders, on copies of the ShardedTensors); ShardedObjects keep
+theirs. Sharding validation runs before the wrapper and is unaffected (a main replica
+only moves between holders of the same shard). Load: (1) plan every shard any member
+requests -- shards with their main replica in the group come first, so the rank that wrote
+a shard reads it back; each rank reads its own ShardedObjects; (2) the wrapped strategy's
+``load`` reads each rank's share (its collectives still run on every rank, so its errors are
+agreed); (3) shards every member requests travel with ``exchange_algo``, the others point to
+point from their reader (:func:`..exchange.tensors.exchange_point_to_point`); (4) requested
+tensors are filled in place. FP8 requests are read as plain stand-ins of the nominal dtype
+and quantized once at the end, each rank with its own scale.
+
+A new plan costs: with ``do_cache_distribution=True`` a ``run_agreed`` over the world on the
+local summaries; on a wrapper's first call one ``exchange_objects`` over the world checking
+that the members of a group passed the same group; the plan inside the group (a 32-byte
+``all_reduce`` and a byte per shard, or three ``exchange_objects`` and a 16-byte ``reduce``);
+a ``run_agreed`` over the world on planning errors. Agreement runs over the world because the
+wrapped strategy's collectives do.
 """
 
 from __future__ import annotations

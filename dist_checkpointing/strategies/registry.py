@@ -9,6 +9,11 @@ the same key).
 The files the built-in formats write are declared here too (by module path, resolved
 when needed) and registered with :func:`..core.register_checkpoint_files`: a directory
 holding such files but no ``metadata.json`` is reported as an incomplete checkpoint.
+
+Owns: ``StrategyAction``, the registry (``register_default_strategy``,
+``get_default_strategy``, ``default_strategies``): the built-in strategies listed by module
+path and created on their first lookup; the built-in formats' file-name checks, registered
+with ``core``.
 """
 
 from __future__ import annotations

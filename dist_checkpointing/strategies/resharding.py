@@ -9,6 +9,14 @@ grid into requests of whole stored chunks, :func:`restore_nd_flattened_tensors_f
 cuts the request's slice out of what they load. This library's own load reads flattened
 keys at any grid directly and does not need them; they are for code written against
 Megatron-Core's functions.
+
+Owns: chunk geometry: intersection of regions, volumes, relative slices; for flattened
+tensors the grid chunks a region touches, row-major linear indices and the bounding block of
+a flat slice; Megatron-Core 0.15's N-D reformulation API on that geometry
+(``TensorReformulationMetadata``, ``is_nd_flattened_tensor``,
+``apply_nd_flattened_tensors_reformulation`` / ``restore_nd_flattened_tensors_formulation``:
+a flattened request at another grid as factories of whole stored chunks; our own load does
+not use them).
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ file one item, its tensor header known from ``.zarray``) and runs ``torch_dist``
 and reader on it: resharding, flattened (distributed-optimizer) requests, dtype casts,
 strict modes, reader threads and progress work as for ``torch_dist``. Compressed or
 filtered arrays, Fortran order and big-endian dtypes are refused, naming the array.
+
+Owns: ``ZarrLoadShardedStrategy``: Megatron-Core's ``zarr`` checkpoints, read only and
+without the zarr package: each ``.zarray`` parsed and checked, the chunks a request touches
+described as a ``torch_dist`` index in memory (one item per chunk file) and read by
+``torch_dist``'s planner (``plan_load``), reader (a ``Reader`` whose headers come from
+``.zarray``) and ``execute_reads``; the metadata readers and ``stored_items`` for the
+offline tools.
 """
 
 from __future__ import annotations

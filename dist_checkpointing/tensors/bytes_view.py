@@ -1,5 +1,10 @@
 """A tensor's bytes as a flat ``uint8`` tensor — the one representation in which every
-dtype can be hashed, written, sent and received bit-exact."""
+dtype can be hashed, written, sent and received bit-exact.
+
+Owns: ``as_bytes``: a tensor's bytes as a flat ``uint8`` view (any dtype; contiguous tensors
+with odd strides on size-1 dimensions too) — what is hashed, written, exchanged and sent;
+``nbytes(shape, dtype)``.
+"""
 
 from __future__ import annotations
 

@@ -13,6 +13,13 @@ is one block of the global tensor) and ``Replicate()``, whose mesh coordinates f
 ``replica_id`` (the coordinate 0 of every replicated mesh dim is the main replica).
 Anything else (``Partial``) is refused naming the key. A rank whose shard is empty
 (uneven sharding) holds a non-main replica of an empty chunk: nothing is written or read.
+
+Owns: dTensor leaves: ``dtensor_to_sharded_tensor`` (a DTensor's local shard as a
+ShardedTensor keyed by its dotted path: offsets from torch's
+``compute_local_shape_and_global_offset``, ``Replicate`` mesh coordinates as ``replica_id``,
+``Partial`` and scattered ``_StridedShard`` shards refused), ``dtensors_to_sharded`` (the
+save/load split's hook), ``restore_dtensors`` (the request's DTensors back into the loaded
+result).
 """
 
 from __future__ import annotations

@@ -13,6 +13,16 @@ their data, so they are converted at the edges:
   high-precision value is within far less than half an FP8 step of the FP8 value).
 
 Transformer Engine is never imported here: its classes are recognised by name.
+
+The edges: the save plan's payload is ``dequantize(t)`` (a fresh tensor, so an async save
+snapshots it by construction); the load plan reads into a plain tensor of the nominal dtype
+and a step after the reads calls :func:`fill_float8_` (``_data = float8(clamp(values /
+_scale_inv))``, cached transposes invalidated); the fully parallel load reads and exchanges
+plain stand-ins and quantizes once at the end; the exchange functions called directly send
+``dequantize(t)``'s bytes and land a receiver's FP8 destination through a plain tensor. No
+code path calls ``new_empty`` / ``empty_like`` on an FP8 tensor or views its storage.
+Layouts other than one scale per tensor (MXFP8, block scales) fall back to
+``t.copy_(values)`` on load.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 uneven grids, prepended axes, flattened distributed-optimizer slices), with the types
 every sharded item shares (:class:`ShardedBase`, :data:`ReplicaId`, the state-dict
 aliases). Imported from :mod:`.mapping`, which re-exports every name here.
+
+Owns: ``ShardedTensor`` (with ``from_rank_offsets_flat`` and ``reformulated_region`` for
+flattened distributed-optimizer slices) and what every sharded item shares: ``ShardedBase``,
+``ReplicaId``, ``is_main_replica``, ``ShardedStateDict``, ``StateDict``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """A tensor's values as a plain tensor: the one "materialize" step every save path takes
 (sync writes, the fork's host copies, the staging arenas of ``copy``/``stream`` snapshots,
 the local tier), so every snapshot mode accepts exactly what a sync save accepts and
-writes the same bytes."""
+writes the same bytes.
+
+Owns: ``plain_values``: a tensor's values as a plain tensor (detached, FP8 dequantized,
+conjugate and negative views resolved) — the one materialize step of every save path and
+snapshot mode; ``is_plain_values``.
+"""
 
 from __future__ import annotations
 

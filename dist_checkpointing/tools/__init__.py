@@ -17,7 +17,8 @@ from ..compat.lazy import lazy_exports
 _EXPORTS = {
     "export_checkpoint": ".export", "import_checkpoint": ".importing",
     **{name: ".info" for name in ("CheckpointInfo", "TensorInfo", "format_info", "human_size", "inspect_checkpoint")},
-    **{name: ".output" for name in ("OutputExistsError", "PathLike", "Progress", "staging_dir")},
+    **{name: ".output" for name in ("OutputExistsError", "PathLike", "Progress", "staging_dir",
+                                    "temp_output_dir")},
     "ValidationReport": ".validate", "validate_checkpoint": ".validate",
 }
 

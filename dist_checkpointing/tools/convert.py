@@ -46,7 +46,7 @@ from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..readers import get_default_load_sharded_strategy
 from ..strategies.torch_dist.format import COMMON_STATE_OBJECT_KEY, METADATA_FNAME, data_file_name
 from ..strategies.torch_dist.metadata import build_metadata, data_file_sizes, write_metadata
-from .output import Progress, clear_url_output, move_into_place, refuse_existing, staging_dir, url_output
+from .output import Progress, clear_url_output, move_into_place, refuse_existing, temp_output_dir, url_output
 from .whole_tensors import TensorReader
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
             return _convert_to_url(src, str(dst), config, new_config, progress, force, storage_options)
         dst = Path(dst)
         refuse_existing(dst, force)
-        with staging_dir(dst) as (tmp, location):
+        with temp_output_dir(dst) as (tmp, location):
             result, _ = _convert(src, PosixStorage(tmp), str(dst), config, progress)
             save_config(new_config, tmp)
             move_into_place(tmp, location)

@@ -1,6 +1,10 @@
 """``export``: a checkpoint's tensors, each whole in its original shape, to safetensors
 files (streamed, one tensor in memory at a time) or one ``torch.save`` file, in a local
-directory or at a URL."""
+directory or at a URL.
+
+Owns: ``export_checkpoint``: tensors whole to safetensors (streamed) or one ``torch.save``
+file.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from ..storage import PosixStorage, Storage, StorageOptions, url_scheme
 from ..integrity.stored_names import refuse_unkept_names
 from .whole_tensors import TensorReader
 from .output import (OutputExistsError, PathLike, Progress, clear_url_output, delete_quietly, move_into_place,
-                     refuse_existing, staging_dir, url_output)
+                     refuse_existing, temp_output_dir, url_output)
 
 _TORCH_FNAME = "export.pt"  # the torch format's file while it is written locally
 
@@ -114,9 +118,9 @@ def _output_names(keys: List[str], key_map: Optional[KeyMap]) -> Dict[str, str]:
 def _export_local(checkpoint_dir: Union[Path, Storage], out: Path, format: str, keys: Dict[str, str],
                   max_shard_bytes: int, progress: Optional[Progress]) -> List[Union[Path, str]]:
     """Export into a new directory next to ``out``, then move it (or its one file) into place."""
-    with staging_dir(out) as (tmp, location):
-        # (plain writes: the tensors come from the reader's one reused buffer, staging would add memory)
-        names = _export(checkpoint_dir, PosixStorage(tmp, staged=False), _TORCH_FNAME, format, keys,
+    with temp_output_dir(out) as (tmp, location):
+        # (plain writes: the tensors come from the reader's one reused buffer, a copy would add memory)
+        names = _export(checkpoint_dir, PosixStorage(tmp, buffered=False), _TORCH_FNAME, format, keys,
                         max_shard_bytes, progress, str(out))
         if format == "torch":
             move_into_place(tmp / _TORCH_FNAME, location)
@@ -166,7 +170,7 @@ def _export(checkpoint_dir: Union[Path, Storage], out: Storage, torch_name: str,
     """Write the export into ``out`` (the torch format as the file ``torch_name``); returns
     the names written. ``names``: each stored key's name in the output. On failure, what was
     written is deleted. ``destination`` is where the export ends up (``out`` may be a
-    staging directory), for the log."""
+    temporary output directory), for the log."""
     keys = list(names)
     reader = TensorReader(checkpoint_dir, keys)
     sizes = {k: nbytes(tuple(reader.meta[k].global_shape), reader.meta[k].dtype) for k in keys}

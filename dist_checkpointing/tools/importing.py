@@ -1,5 +1,9 @@
 """``import``: a plain state dict (a ``torch.save`` file, or safetensors files) as a
-checkpoint of whole global tensors that loads under any layout."""
+checkpoint of whole global tensors that loads under any layout.
+
+Owns: ``import_checkpoint``: a plain state dict (a ``torch.save`` file or safetensors files)
+as a checkpoint of whole tensors.
+"""
 
 from __future__ import annotations
 

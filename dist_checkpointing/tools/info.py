@@ -1,6 +1,10 @@
 """``inspect``: what a checkpoint holds (backend, common-state keys, tensors, objects,
 files), read from metadata only, for any registered backend (through its load
-strategy's ``stored_items``)."""
+strategy's ``stored_items``).
+
+Owns: ``inspect_checkpoint``, ``format_info``, ``human_size``: describes any registered
+backend through its load strategy's ``stored_items``.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 refuse to replace an existing output unless asked; a local output is written next to it
 and moved into place durably; a URL output (an object store cannot rename) is written in
 place, its marker of completeness last, after the old output (with ``force``) was deleted
-marker first — so nothing half-written or half-deleted looks complete."""
+marker first — so nothing half-written or half-deleted looks complete.
+
+Owns: writing an output safely (``OutputExistsError``, ``refuse_existing``, ``temp_output_dir``
+(``staging_dir``, its earlier name), ``move_into_place``), for the tools and ``tools/convert.py``.
+"""
 
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ def refuse_existing(out: Path, force: bool) -> None:
 
 
 @contextmanager
-def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
+def temp_output_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
     """``(tmp, location)``: a new directory to write an output in, next to ``location``
     (where ``out`` goes: :func:`~dist_checkpointing.integrity.overlap.output_location`, never
     inside a source), with the usual mode (``0777`` less the umask, not ``mkdtemp``'s
@@ -72,6 +76,9 @@ def staging_dir(out: Path) -> Iterator[Tuple[Path, Path]]:
         yield tmp, location
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+staging_dir = temp_output_dir  # its earlier name (public: dist_checkpointing.tools.staging_dir)
 
 
 def move_into_place(src: Path, out: Path) -> None:

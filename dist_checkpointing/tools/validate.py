@@ -1,6 +1,12 @@
 """``validate``: check a checkpoint completely (commit, integrity manifest, checksums,
 chunk coverage, byte ranges, every stored item readable), reporting every problem
-instead of raising. Tensors are read whole, one at a time."""
+instead of raising. Tensors are read whole, one at a time.
+
+Owns: ``validate_checkpoint`` (``ValidationReport``): for any backend whose load strategy
+locates its items in its catalog (``stored_items``), checks coverage and byte ranges from
+the catalog, the other files loads read (``stored_file_problems``: the per-key index) and
+reads every item (with ``tools/whole_tensors.py``).
+"""
 
 from __future__ import annotations
 

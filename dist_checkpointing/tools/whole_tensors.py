@@ -1,6 +1,10 @@
 """Reading whole global tensors of a checkpoint, one at a time, in one process (for the
 offline tools), through the checkpoint's load strategy: every size its catalog of stored
 items claims is checked against the stored bytes before anything is allocated for it.
+
+Owns: ``TensorReader``: whole global tensors one at a time into one reused buffer, through
+the checkpoint's load strategy (``offline_reader().load_local``), the sizes its catalog
+claims checked against the files first.
 """
 
 from __future__ import annotations

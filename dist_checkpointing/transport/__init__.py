@@ -38,16 +38,29 @@ side. (After a timeout the process group may be unusable: recreate it.)
 
 Accelerator tensors over a host-memory wire (CUDA state over gloo): with ``HOST_STAGING``
 on they travel through pinned host buffers, packed and unpacked on the device, the copies
-pipelined with the messages (:mod:`.staging`); off (the default until measured on a GPU),
+pipelined with the messages (:mod:`.host_bounce`); off (the default until measured on a GPU),
 each is copied to or from pageable host memory where it is packed or sent.
 
 The package: :mod:`.leaves` (describing leaves), :mod:`.plan` (the data messages),
 :mod:`.wire` (header, tags, tuning sizes, the metadata message), :mod:`.copies` (packing
-and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.staging`,
+and unpacking tensor bytes), :mod:`.own_state` (a receiver's own state), :mod:`.host_bounce` (device tensors through
+host buffers),
 :mod:`.protocol` (:class:`PGTransport`,
 :func:`recover_from_peer`). The tuning settings live in :mod:`.wire`, where they are read
 (``dist_checkpointing.transport.wire.BUCKET_BYTES = ...``, also ``ALONE_BYTES``,
 ``HOST_STAGING``, ``STAGING_BYTES``).
+
+Why so: on gloo a message that arrives before its receive is posted can wait far longer
+than its transfer (~10-15 ms against ~0.1 ms measured here), so a receiver posts every
+receive it can early (the first message has a fixed size; its check is answered only once
+it has planned and prepared everything, right before it posts the data receives). Why
+64 KiB for ``ALONE_BYTES``: each message costs ~20-40 us of CPU per side and packing
+~0.17 ms per MiB, and 32-128 KiB give the same time within the noise
+(``bench_transport.py --sweep-alone-kib``). With ``HOST_STAGING`` off, the sender packs a
+bucket on the host with one synchronous copy per device tensor and copies a tensor alone
+with ``.to("cpu")``; the receiver receives every message into one of two host buffers and
+unpacks it with one host-to-device copy per tensor (measured on an H200: 0.9x PyTorch's
+``PGTransport``).
 """
 
 from . import wire

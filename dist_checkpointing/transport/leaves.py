@@ -1,6 +1,11 @@
 """How the transport describes a state's leaves: each leaf's kind, shape, dtype, size and
 FP8 format, one column per field (what the metadata carries), and the tensor whose
-elements travel for it."""
+elements travel for it.
+
+Owns: describing a state's leaves: kind (tensor, ShardedTensor, DTensor, value), shape,
+dtype, wire size and FP8 format, one column per field (``_Columns``); the tensor whose
+elements travel for each leaf.
+"""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from .copies import _convert, _copy_all, _finish_fp8, _is_on, _pack, _pieces, _w
 from .leaves import DTensor, _Columns, _LeafError, check_state_keys
 from .own_state import _OwnState
 from .plan import _alone
-from .staging import receive_staged, send_staged
+from .host_bounce import receive_bounced, send_bounced
 from .wire import (
     _MAGIC,
     _TAG_ACK,
@@ -94,7 +94,7 @@ class PGTransport:
     def _through_host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a wire source or destination) is an accelerator tensor while the
         wire is host memory (gloo): with ``HOST_STAGING`` its messages go through host
-        staging buffers (:mod:`.staging`)."""
+        bounce buffers (:mod:`.host_bounce`)."""
         return self._device.type == "cpu" and not t.is_cpu
 
     def _send_text(self, dsts: Sequence[int], status: int, text: str, tags: Tuple[int, int], what: str) -> None:
@@ -195,9 +195,9 @@ class PGTransport:
         at once, so they stream back to back; copies of the others are bounded to two
         buckets' worth in flight). Buckets are packed into two reused buffers, one
         ``torch.cat`` per dtype run. (Accelerator tensors on a host wire with
-        ``HOST_STAGING``: :func:`.staging.send_staged`.)"""
+        ``HOST_STAGING``: :func:`.host_bounce.send_bounced`.)"""
         if wire.HOST_STAGING and any(s is not None and self._through_host(s) for s in sources):
-            send_staged(self, dsts, meta, sources)
+            send_bounced(self, dsts, meta, sources)
             return
         device, c = self._device, meta.columns
 
@@ -349,7 +349,7 @@ class PGTransport:
         that need a copy or a conversion) go through two reused buffers, each unpacked
         before it is posted again: one typed copy call per dtype run of a bucket. (In place
         into accelerator tensors on a host wire with ``HOST_STAGING``:
-        :func:`.staging.receive_staged`.)"""
+        :func:`.host_bounce.receive_bounced`.)"""
         c = meta.columns
         count, device, wire_dtypes = len(c.kinds), self._device, meta.wire
         inplace = self._state_dict is not None
@@ -387,7 +387,7 @@ class PGTransport:
 
         if wire.HOST_STAGING and inplace and not converted and any(
                 t is not None and self._through_host(t) for t in targets):
-            receive_staged(self, meta, targets, src, ready)
+            receive_bounced(self, meta, targets, src, ready)
             for i in meta.fp8_leaves:
                 results[i] = _finish_fp8(meta.leaves[i].tensor, results[i])
             return assemble(results)

@@ -1,7 +1,13 @@
 """The transport's wire format: the header constants and message tags, the tuning sizes
 (``BUCKET_BYTES``, ``ALONE_BYTES``, and ``HOST_STAGING`` / ``STAGING_BYTES`` for
 accelerator tensors over a host-memory wire), and the metadata message (:class:`_Meta`), its
-encoding, and the byte runs of a planned data message."""
+encoding, and the byte runs of a planned data message.
+
+Owns: the wire format: magic, protocol version, message tags, the tuning sizes
+``BUCKET_BYTES`` / ``ALONE_BYTES``, the fixed-size first message (``HEAD_BYTES``, ``_head``
+/ ``_read_head``), the metadata message (``_Meta``) and its encoding, a message's dtype
+runs.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ ALONE_BYTES = 64 << 10  # tensors this large (or half a bucket) travel alone
 # Accelerator tensors over a host-memory wire (CUDA state over gloo): False: each tensor is
 # copied to (or from) pageable host memory where it is packed or sent, synchronously (the
 # path measured first on a GPU); True: pipelined through pinned host buffers, buckets packed
-# on the device (:mod:`.staging`). Unmeasured on a GPU: to be chosen by bench_gpu_transport.py.
+# on the device (:mod:`.host_bounce`). Unmeasured on a GPU: to be chosen by bench_gpu_transport.py.
+# (Published setting names, kept: these are host bounce buffers, not the staging arenas of
+# async saves in runtime.arenas.)
 HOST_STAGING = False
-STAGING_BYTES = 64 << 20  # host staging buffers in flight per side (at least two messages)
+STAGING_BYTES = 64 << 20  # host bounce buffers in flight per side (at least two messages)
 HEAD_BYTES = 256 << 10  # the first message's fixed size: the header and, when it fits, the metadata
 _HEADER_BYTES = 24  # magic, version, length: three int64 at the start of the first message
 _MAGIC = 0x44435054

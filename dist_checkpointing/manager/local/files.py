@@ -2,7 +2,15 @@
 ``local_{step:07d}/``, per owner rank the raw flat buffer ``rank_{owner:05d}.pt`` and then
 its marker ``rank_{owner:05d}.done`` (step, world size, length, the header, xxh3-64 of
 both, the job that wrote it: :mod:`.marker`), written atomically without ``fsync``;
-reading them back (verified), listing (every marker validated), removing."""
+reading them back (verified), listing (every marker validated), removing.
+
+Owns: the files: ``local_{step:07d}/rank_{owner:05d}.pt`` raw, then the marker
+``rank_{owner:05d}.done`` (step, world, length, header, xxh3-64 of the tensor bytes and of
+the header, the job) — both ``write_atomic`` on a ``PosixStorage(durable=False)``, the
+marker last, no ``fsync``: a restart of the job finds them in the page cache, and after a
+crash of the node the checksums decide; reading (verified, or mapped to send; markers and
+payloads only as regular files), listing (valid markers only), removing.
+"""
 
 from __future__ import annotations
 

@@ -15,6 +15,14 @@ it and read back with the safe loader of ``common.pt``: :func:`decode_header`) h
   axes, flattened range — as a tuple) and ``fields`` (the names of those tuples' fields,
   by id prefix): what a normal save needs. Headers of earlier versions (values pickled
   inline) are refused, never unpickled.
+
+Owns: the leaves' ids and the header: the layout, the values, and what a normal save needs —
+the state dict's nesting (each leaf replaced by its id) and each ShardedTensor's and
+ShardedObject's fields but the data (``format`` 2): plain data pickled and read back by an
+unpickler that calls nothing (torch dtypes and slices only), the values ``torch.save``d
+inside it and read with the safe loader of ``common.pt`` (``safe_torch_load``'s allow-list);
+a header of an earlier version (values pickled inline) is refused unread; a rank's sharded
+state dict rebuilt from a header and its buffer.
 """
 
 from __future__ import annotations

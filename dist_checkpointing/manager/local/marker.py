@@ -10,6 +10,11 @@ emptied, has another identity, and its copies are not this job's.
 
 :func:`parse_marker` validates every field before anything uses it: a marker of the
 wrong shape is a damaged copy (never an error raised on one rank alone).
+
+Owns: the marker's fields, each validated before use (``parse_marker``: types, ranges, the
+step and owner its path names; anything else is a damaged copy), and the job that owns a
+copy: the persistent root, normalised, and the run id kept in
+``root/dist_checkpointing_local_run.json``.
 """
 
 from __future__ import annotations

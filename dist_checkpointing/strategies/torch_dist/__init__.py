@@ -14,7 +14,6 @@ read and write; the machinery is this library's own. One concept per module:
 * :mod:`.reader`: the checksummed reads;
 * :mod:`.load`: the load strategy;
 * :mod:`.maintenance`: ``remove_sharded_tensors``;
-* :mod:`.dcp_interop`: bridges and planners for plain ``torch.distributed.checkpoint``;
 * the format's bytes: :mod:`.writing` (a rank's data files) and :mod:`.records` (where every
   byte of a data file is written; no torch: the persistent writer runs it),
   :mod:`.blob_template` (a tensor's ``torch.save`` blob around its bytes), :mod:`.torch_blob`
@@ -22,7 +21,9 @@ read and write; the machinery is this library's own. One concept per module:
   stand-ins), :mod:`.metadata_checks` (a ``.metadata`` checked field by field),
   :mod:`.coverage` (which requested elements the stored chunks cover exactly once).
 
-``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names.
+``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names. The bridges and
+planners for plain ``torch.distributed.checkpoint`` live in :mod:`..dcp` (still exported
+here, where earlier versions had them).
 """
 
 from ...compat.lazy import lazy_exports
@@ -31,8 +32,8 @@ from ..registry import StrategyAction, register_default_strategy
 # public name -> its module, imported on first use (reading metadata needs neither the save
 # strategy nor the DCP bridges, which import all of torch.distributed.checkpoint)
 _EXPORTS = {
-    **{name: ".dcp_interop" for name in ("MCoreLoadPlanner", "MCoreSavePlanner", "mcore_to_pyt_state_dict",
-                                         "sharded_tensor_to_torch_sharded_tensor")},
+    "MCoreLoadPlanner": "..dcp.planners", "MCoreSavePlanner": "..dcp.planners",  # (their earlier home)
+    "mcore_to_pyt_state_dict": "..dcp.state_dict", "sharded_tensor_to_torch_sharded_tensor": "..dcp.state_dict",
     **{name: ".format" for name in ("COMMON_STATE_OBJECT_KEY", "METADATA_FNAME", "data_file_path",
                                     "original_global_shape")},
     "TorchDistLoadShardedStrategy": ".load", "get_reformulation_metadata": ".load",

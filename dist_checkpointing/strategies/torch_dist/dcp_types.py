@@ -10,6 +10,13 @@ read-only subcommands (``inspect``, ``validate``, ``export``) run without DCP: t
 are the stand-ins below, which unpickle, compare and hash as DCP's classes do. The choice is
 made once per process (:data:`USING_DCP`); every module of the read path takes the classes
 from here, so the metadata the unpickler builds and the classes the readers check are the same.
+
+Owns: pyTorch DCP's metadata classes (``Metadata``, ``TensorStorageMetadata``,
+``_StorageInfo``, …) as the rest of the package uses them: DCP's own when DCP is imported
+when this module is first imported (always with ``import dist_checkpointing``), else light
+dataclasses with the same names, fields, pickled state, equality and hashing (the
+``dist-ckpt`` command's read-only subcommands, which do not import DCP's ~1.2 s of CPU); the
+``.metadata`` unpickler and every reader take them from here.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ A checkpoint directory holds the DCP metadata ``.metadata`` and the data files
 ``{prefix}__{rank}_{n}.distcp`` named in it (``prefix``: the save's ``separation_hint``
 with ``/`` replaced by ``_``, or empty); the common state is ``common.pt``
 (:mod:`..common`) or the ShardedObject :data:`COMMON_STATE_OBJECT_KEY`.
+
+Owns: the ``torch_dist`` file names and fixed values: ``.metadata``,
+``{prefix}__{rank}_{n}.distcp`` (``data_file_name``), the data-file path rule
+(``data_file_path``), ``is_checkpoint_file``, the ``common_state`` object key,
+``original_global_shape``.
 """
 
 from __future__ import annotations

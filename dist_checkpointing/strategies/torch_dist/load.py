@@ -1,7 +1,14 @@
 """The ``torch_dist`` load strategy: reads ours, Megatron-Core's and plain DCP checkpoints,
 resharding on the fly. Planning (:mod:`.load_plan`) and reading (:mod:`.reader`) are
 agreed on across ranks; :meth:`TorchDistLoadShardedStrategy.load_local` runs them in one
-process for the offline tools."""
+process for the offline tools.
+
+Owns: ``TorchDistLoadShardedStrategy``: agreed planning and reading (``load``), the same in
+one process (``load_local``), metadata readers, the ``common_state`` object;
+``execute_reads`` (a plan's reads on the reader threads, with progress);
+``get_reformulation_metadata`` (Megatron-Core's: how ``.metadata`` stores each flattened key
+of a request).
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,13 @@
 each requested tensor, including resharding across grids and flattened (distributed
 optimizer) keys, read directly into the request's tensors where the layouts allow and
 assembled through reused scratch memory where they do not. No I/O: :mod:`.reader`
-executes the plan."""
+executes the plan.
+
+Owns: load planning, no I/O: the stored byte ranges that fill each requested tensor
+(resharding, flattened keys read directly or assembled through the reused ``ScratchArena``;
+a chunk stored in another dtype is read as stored and cast into the request one chunk at a
+time, a request in the stored dtype is read straight into its tensor).
+"""
 
 from __future__ import annotations
 

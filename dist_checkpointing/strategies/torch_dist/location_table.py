@@ -5,6 +5,10 @@ with the consistency checks of :func:`.metadata.build_metadata` done on whole co
 order of ``.metadata``'s entries, and the data file sizes — no Python object per location.
 :mod:`.metadata_writer` streams ``.metadata`` and :func:`.key_index.encode_table_index` the
 index straight from it.
+
+Owns: item locations as columns: what a rank sends rank 0 (``encode_locations``,
+``encode_checksums``), rank 0's ``LocationTable`` (every location, the consistency checks on
+whole columns, ``.metadata``'s order, data file sizes).
 """
 
 from __future__ import annotations

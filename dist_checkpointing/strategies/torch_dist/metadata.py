@@ -1,7 +1,14 @@
 """The DCP ``.metadata`` of a ``torch_dist`` checkpoint: built on rank 0 from every rank's
 item locations (with consistency checks and the item checksum table), written with its
 checksum sidecar, and read back (checked field by field, cached while the file is
-unchanged)."""
+unchanged).
+
+Owns: ``.metadata``: assembled on rank 0 from every rank's item locations
+(``assemble_table``, ``write_table``; ``build_metadata``, the object-by-object form, for the
+tools and to name a refused location), written with its sidecar, read back checked and
+cached; ``stored_items`` (the catalog of ``.metadata``, every chunk and object located, file
+sizes read through the storage).
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,14 @@ and allocate by these values, so :func:`check_dcp_metadata` checks the types and
 internal consistency of every field once, when the file is read, and names the file and
 field at fault. :func:`check_stored_sizes` then checks the claimed byte ranges against the
 data files' real sizes, for readers that allocate whole tensors from the metadata.
+
+What is checked: mapping types, string keys and file names, non-negative integer offsets,
+lengths and shapes, chunks inside their tensor and no larger than the bytes storing them, a
+well-formed checksum table and ``mcore_data`` -- once per file (the metadata cache). Readers
+that allocate whole tensors (``load_local``, hence ``load_plain_tensors``; the tools' tensor
+reader) first check coverage and that byte ranges lie within the data files. (Elsewhere:
+``metadata.json`` is a JSON object of at most 64 KiB, :func:`...core.maybe_load_config`; a
+reader checks each item's range against its file's size before reading or allocating.)
 """
 
 from __future__ import annotations

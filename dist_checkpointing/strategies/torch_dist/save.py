@@ -5,6 +5,41 @@ then agrees on the outcome and has rank 0 write ``.metadata``
 
 The save costs one 2-byte ``all_reduce`` of the outcome and one gather of item locations
 to rank 0 alone; there is no planning round trip before writing.
+
+**Sync save** (:meth:`TorchDistSaveShardedStrategy.save`): (1) the rank's main-replica items
+(:mod:`.save_plan`: tensor chunks with a leading size-1 axis per prepended axis,
+ShardedObjects as ``torch.save([data])`` bytes); (2) their files (``separation_hint`` groups,
+at most ``thread_count`` files a group, balanced by bytes), written on up to ``thread_count``
+threads (:func:`.writing.write_files`, zip CRC off per thread, each record checksummed
+while written, every file ``fsync``ed; errors kept, not raised yet); (3) :meth:`_publish`:
+one 2-byte ``all_reduce`` (MAX) -- this rank failed, this rank's layout changed since this
+strategy's previous save (a SHA-256 of its sorted item locations) -- then, after a failure
+only, an ``all_gather_object`` of the messages; (4) a gather to rank 0 alone of every rank's
+item locations as columns (:mod:`.location_table`: ~60 bytes plus the key per item; with
+``cached_metadata=True`` and no layout changed, only ``(file, offset, checksum)``, 32 bytes,
+and rank 0 reuses its previous table); (5) rank 0 joins and checks the columns (agreement
+across ranks, no duplicate main replicas, no key both a tensor and an object), streams
+``.metadata`` (:mod:`.metadata_writer`), its sidecar and the per-key index; (6) a
+``broadcast_object`` of rank 0's outcome.
+
+**Async save** (:meth:`TorchDistSaveShardedStrategy.async_save`): ``async_snapshot="auto"``
+is ``"stream"`` when a tensor of this rank is on an accelerator, else ``"fork"``; a fork on a
+storage that is not ``fork_safe`` becomes ``"copy"``
+(:func:`...runtime.snapshot.snapshot_mode`). *Fork*: items planned and objects serialized
+as in a sync save; tensors a fork does not isolate (not on the CPU, pinned, or in a shared
+or file-backed mapping: :mod:`...runtime.memory_maps`) copied into reused host buffers;
+errors agreed; then a :class:`~...runtime.forked_call.ForkedCall` writes the files with the
+sync writer and reports the locations and checksums through a pipe. *Copy / stream* (the
+arena modes): every tensor laid out in one :class:`~...runtime.arenas.StagingArena` of the
+process-wide ``ARENAS`` pool, reserved in the agreed preparation (:func:`.writing.arena_plan`)
+and filled after the call's last collective (``async_save_agreed``: ``serialization.save``
+adds no agreement after it); ``"copy"`` waits for the copies, ``"stream"`` leaves the event
+in the request (``wait_for_staging()``). The request's ``async_fn`` then hands the arena to
+the persistent writer (:mod:`...runtime.persistent_worker`), which runs
+:func:`.records.write_from_arena` -- the same ``write_records`` reading the bytes in place --
+and returns each record's offset, length and checksum; a storage without ``process_spec``
+(``memory://``) is written from the queue's thread. In every mode the finalize step is the
+second half of a sync save (steps 3-6); the arena is held until the write is done.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """Save planning of the ``torch_dist`` strategy: which items this rank writes (main replicas
 only; FP8 tensors as their high-precision values; flattened slices in the N-D reformulated
-layout) and how they are split into data files."""
+layout) and how they are split into data files.
+
+Owns: the items a rank writes (main replicas; FP8 as high-precision values; flattened slices
+N-D reformulated; objects as ``torch.save([data])`` bytes; empty chunks of uneven sharding
+are not written unless the whole tensor is empty, and ``.metadata`` then records one of
+several at one offset) and their split into files.
+"""
 
 from __future__ import annotations
 

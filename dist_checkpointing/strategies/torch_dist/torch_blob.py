@@ -6,6 +6,14 @@ parses the archive's directory and its small ``data.pkl`` to find where the raw 
 bytes are, so the loader can read them straight into the destination tensor.
 The ``data.pkl`` is interpreted by an unpickler that only understands tensor rebuilds
 (:mod:`..pickling.blob_header`): nothing in the file is executed.
+
+Owns: locating a tensor's bytes inside a ``torch.save`` blob without unpickling it; a
+reader's ``Layouts``: a blob whose bytes that the parse reads (all before the data record,
+and the zip directory at the end) equal those of one parsed before in the load (as the blobs
+of one dtype and shape our writers write do) is not parsed again (two reads and a comparison
+instead of the zip directory and the pickle; the records between the data and the directory
+stay unread until the checksum hashes them, so an object store's block is not released and
+fetched again).
 """
 
 from __future__ import annotations

@@ -2,7 +2,16 @@
 its own thread, its bytes by :func:`..records.write_records` into the storage: three modules
 from ``save`` to a :class:`~...storage.Storage`), here or in the persistent writer
 process from a staging arena (:func:`arena_plan`, then :func:`arena_records`, the files as
-:func:`~..records.write_from_arena` receives them there)."""
+:func:`~..records.write_from_arena` receives them there).
+
+Owns: a rank's data files from its save items: ``write_files`` (sync: ``write_file`` per
+file on its own thread — a payload as a record, a tensor's host copy made just before it is
+written, its bytes by ``records.write_records``: ``save`` → ``writing`` → ``records`` →
+``Storage``), ``locations``, ``arena_plan`` (where each tensor goes in the arena; the plan
+keeps no reference to the source tensors) / ``arena_files`` / ``arena_records`` (an
+arena-mode save's files: as views of the arena, or as the persistent writer receives them —
+offsets, byte counts, blob templates, object bytes: no torch types).
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Megatron-Core's ``FileSystemWriterAsync`` (Megatron-Core's module: ``filesystem_async``,
 which re-exports it): the DCP storage writer of async saves of plain PyTorch DCP checkpoints,
 on the machinery of every save: the snapshot decision and host copies of
-:mod:`..runtime.snapshot`, the file packer :func:`.torch_dist.save_plan.pack_by_bytes`, the
-writer :func:`.torch_dist.writing.write_file` on :func:`.torch_dist.records.write_record_files`'s
+:mod:`...runtime.snapshot`, the file packer :func:`..torch_dist.save_plan.pack_by_bytes`, the
+writer :func:`..torch_dist.writing.write_file` on :func:`..torch_dist.records.write_record_files`'s
 threads."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..core import CheckpointingException, gc_paused, open_storage
-from ..runtime.collectives import error_message, get_rank
-from .torch_dist.dcp_types import StorageInfo
-from .torch_dist.records import write_record_files
-from .torch_dist.save_plan import pack_by_bytes
-from .torch_dist.writing import Payload, payload_nbytes, write_file
-from ..runtime.forked_call import ForkedCall
-from ..runtime.snapshot import ForkHostCopies, fork_host_copies, snapshot_mode
+from ...core import CheckpointingException, gc_paused, open_storage
+from ...runtime.collectives import error_message, get_rank
+from ..torch_dist.dcp_types import StorageInfo
+from ..torch_dist.records import write_record_files
+from ..torch_dist.save_plan import pack_by_bytes
+from ..torch_dist.writing import Payload, payload_nbytes, write_file
+from ...runtime.forked_call import ForkedCall
+from ...runtime.snapshot import ForkHostCopies, fork_host_copies, snapshot_mode
 
 DcpFile = Tuple[str, List[Tuple[Any, Payload]]]  # a file's name and its (MetadataIndex, payload) items
 
@@ -42,14 +42,14 @@ SNAPSHOTS = ("auto", "copy")
 class FileSystemWriterAsync(FileSystemWriter):
     """Megatron-Core's DCP storage writer whose writing runs later, in the background: the
     async save of **plain PyTorch DCP** checkpoints (Megatron-LM's ``--ckpt-format
-    torch_dcp`` / ``fsdp_dtensor`` with ``--async-save``; :mod:`.state_dict_saver` plans
+    torch_dcp`` / ``fsdp_dtensor`` with ``--async-save``; :mod:`.async_save` plans
     and finalizes it).
 
     :meth:`prepare_write_data` takes the snapshot; once it returns the caller may change its
     tensors. ``async_snapshot="auto"`` (default): when every tensor is in CPU memory, a forked
     child process sees them copy-on-write and writes them (the call returns after the fork;
     tensors a fork does not isolate — pinned, shared or file-backed memory — are copied to host
-    memory first, :func:`.memory_maps.needs_host_copy`); with accelerator tensors (never a fork
+    memory first, :func:`...runtime.memory_maps.needs_host_copy`); with accelerator tensors (never a fork
     of a process holding a device context), and with ``"copy"``, every tensor is copied to
     host memory and this process writes. :meth:`get_save_function_and_args` gives the function
     that writes the files (``__{rank}_{n}.distcp``, DCP's item format, ``thread_count``
@@ -78,9 +78,9 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     def _files(self, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> Tuple[List[DcpFile], bool]:
         """The plan's items grouped into this rank's files, and whether a fork takes the
-        snapshot (:func:`..runtime.snapshot.snapshot_mode`: never with accelerator tensors).
+        snapshot (:func:`...runtime.snapshot.snapshot_mode`: never with accelerator tensors).
         With ``snapshot``, tensors are copied to host memory where a fork would not isolate
-        them, or all of them without a fork (:func:`..runtime.snapshot.fork_host_copies`)."""
+        them, or all of them without a fork (:func:`...runtime.snapshot.fork_host_copies`)."""
         items = [(item.index, planner.resolve_data(item)) for item in plan.items]
         tensors = [(i, data) for i, (_, data) in enumerate(items) if isinstance(data, torch.Tensor)]
         fork = snapshot_mode(self.async_snapshot, [t for _, t in tensors], fork_safe=True, stream=False) == "fork"
@@ -146,7 +146,7 @@ class FileSystemWriterAsync(FileSystemWriter):
 
 def _write(path: str, files: List[DcpFile], thread_count: int) -> List[WriteResult]:
     """Write ``files`` into the checkpoint directory ``path`` (by the writer of every save,
-    :func:`.torch_dist.writing.write_file` on :func:`.torch_dist.records.write_record_files`'s
+    :func:`..torch_dist.writing.write_file` on :func:`..torch_dist.records.write_record_files`'s
     threads); their ``WriteResult`` s."""
     payloads = {name: [p for _, p in items] for name, items in files}
     spans = write_record_files(write_file, payloads, open_storage(path), False, thread_count, payload_nbytes)

@@ -1,12 +1,14 @@
-"""Bridges to plain ``torch.distributed.checkpoint``, for users who drive DCP themselves with
-this library's sharded state: torch ShardedTensors from ShardedTensors, a flat DCP state
-dict, and the Megatron-Core planners ``MCoreSavePlanner`` / ``MCoreLoadPlanner``."""
+"""This library's sharded state as a plain ``torch.distributed.checkpoint`` state dict, for
+users who drive DCP themselves (Megatron-Core's ``mcore_to_pyt_state_dict`` and
+``sharded_tensor_to_torch_sharded_tensor``): a key's ShardedTensors become torch
+ShardedTensors or :mod:`.checkpointable` tensors, ShardedObjects serialized bytes (the
+``torch_dist`` object layout). The planners that go with it: :mod:`.planners`."""
 
 from __future__ import annotations
 
 import io
 import itertools
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
@@ -14,17 +16,13 @@ from torch.distributed._shard.sharded_tensor import Shard
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchTensorProperties
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...runtime.collectives import get_rank, get_world_size, is_distributed
 from ...core import CheckpointingException
 from ...dict_utils import nested_values
 from ...mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-from ..checkpointable import CheckpointableShardedTensor, LocalShardsContainer
-from ...pickling.safe_load import safe_torch_load
-from .save_plan import object_payload
+from .checkpointable import CheckpointableShardedTensor, LocalShardsContainer
+from ..torch_dist.save_plan import object_payload
 
 
 def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: Optional[int] = None) -> TorchShardedTensor:
@@ -89,9 +87,9 @@ def mcore_to_pyt_state_dict(state_dict: ShardedStateDict, is_loading: bool = Fal
                             init_device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
     """A flat ``{key: tensor | BytesIO}`` dict for plain DCP, as Megatron-Core builds it.
 
-    Use with :class:`MCoreSavePlanner` / :class:`MCoreLoadPlanner`. A key's ShardedTensors
-    become a :class:`~..checkpointable.CheckpointableShardedTensor` (several on this rank:
-    a :class:`~..checkpointable.LocalShardsContainer`), any grid or none; those with
+    Use with :class:`~.planners.MCoreSavePlanner` / :class:`~.planners.MCoreLoadPlanner`. A key's ShardedTensors
+    become a :class:`~.checkpointable.CheckpointableShardedTensor` (several on this rank:
+    a :class:`~.checkpointable.LocalShardsContainer`), any grid or none; those with
     prepended axes or a flattened range on a regular grid (Megatron-Core < 0.14's kinds)
     a ``torch.distributed`` ShardedTensor. Saving (``is_loading=False``) keeps main
     replicas only and serializes ShardedObjects under their unique keys (the torch_dist
@@ -145,72 +143,3 @@ def _megatron_form_names(state_dict: Any) -> Dict[str, str]:
             return {}
         names[value[0].key] = name
     return names
-
-
-# ----------------------------------------------------------------------------- plain DCP planners
-
-
-class MCoreSavePlanner(DefaultSavePlanner):
-    """A DCP save planner whose metadata carries Megatron-Core's ``mcore_data``.
-
-    For users who drive ``torch.distributed.checkpoint.save`` themselves:
-    ``nd_flattened_global_shapes`` maps keys to their original global shape when they are
-    stored N-D reformulated (recorded as ``nd_reformulated_orig_global_shape``).
-    """
-
-    def __init__(self, *args: Any, nd_flattened_global_shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
-                 **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.nd_flattened_global_shapes = dict(nd_flattened_global_shapes or {})
-
-    def transform_object(self, write_item, object: Any):
-        """BytesIO values are already serialized (see :func:`mcore_to_pyt_state_dict`)."""
-        if isinstance(object, io.BytesIO):
-            return object
-        return super().transform_object(write_item, object)
-
-    def create_global_plan(self, all_plans):
-        global_plan, metadata = super().create_global_plan(all_plans)
-        metadata.mcore_data = {key: {"nd_reformulated_orig_global_shape": tuple(shape)}
-                               for key, shape in self.nd_flattened_global_shapes.items()}
-        return global_plan, metadata
-
-
-class MCoreLoadPlanner(DefaultLoadPlanner):
-    """A DCP load planner that checks requested global shapes against the checkpoint
-    and reads objects safely.
-
-    ``shapes_validation_sharded_tensors`` are the ShardedTensors whose global shapes must
-    match; a mismatch raises :class:`CheckpointingException` naming the key (plain DCP
-    would fail later with a less helpful error, or silently load a smaller tensor).
-    """
-
-    def __init__(self, *args: Any, shapes_validation_sharded_tensors: Tuple[ShardedTensor, ...] = (),
-                 allow_pickle: bool = False, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.shapes_validation_sharded_tensors = tuple(shapes_validation_sharded_tensors)
-        self.allow_pickle = allow_pickle
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        """Objects are unpickled with the safe allow-list and unwrapped from their list."""
-        fqn = read_item.dest_index.fqn
-        obj = safe_torch_load(value, f"object {fqn!r}", self.allow_pickle)
-        if isinstance(obj, list) and len(obj) == 1:
-            obj = obj[0]
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-    def create_local_plan(self):
-        for sh in self.shapes_validation_sharded_tensors:
-            md = self.metadata.state_dict_metadata.get(sh.key)
-            if md is None:
-                raise CheckpointingException(f"ShardedTensor {sh.key!r} not found in the checkpoint")
-            if not isinstance(md, TensorStorageMetadata) or (
-                    tuple(md.size) != sh.global_shape and not sh.allow_shape_mismatch):
-                raise CheckpointingException(
-                    f"Global shape mismatch for key {sh.key!r}: checkpoint has "
-                    f"{tuple(getattr(md, 'size', ()))}, the request expects {sh.global_shape}"
-                )
-        return super().create_local_plan()

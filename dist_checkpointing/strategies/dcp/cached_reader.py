@@ -1,7 +1,7 @@
 """Megatron-Core's ``CachedMetadataFileSystemReader``: a PyTorch DCP ``FileSystemReader``
 whose metadata is read once per checkpoint and shared by every reader of it.
 
-Here ``read_metadata`` is this library's (:func:`.torch_dist.metadata.read_metadata`):
+Here ``read_metadata`` is this library's (:func:`..torch_dist.metadata.read_metadata`):
 ``.metadata`` is unpickled through the safe allow-list and checked field by field (PyTorch's
 reader unpickles it unrestricted), and the cache is checked against the file's version on
 every read, so a rewritten checkpoint is never served stale (Megatron-Core's keeps an entry
@@ -18,7 +18,7 @@ from typing import Any, Union
 from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .torch_dist import metadata as _metadata
+from ..torch_dist import metadata as _metadata
 
 
 class CachedMetadataFileSystemReader(FileSystemReader):

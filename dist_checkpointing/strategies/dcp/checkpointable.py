@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..core import CheckpointingException
-from ..tensors.sharded import ShardedTensor
+from ...core import CheckpointingException
+from ...tensors.sharded import ShardedTensor
 
 
 def _chunk(sh_ten: ShardedTensor) -> ChunkStorageMetadata:

@@ -1,12 +1,14 @@
 """Accelerator tensors over a host-memory wire (CUDA state over gloo), when
-``wire.HOST_STAGING`` is on: every data message that carries a device tensor travels
-through a host staging buffer (pinned when the device's accelerator can pin), with the
-device copies issued without blocking and pipelined with the messages.
+``wire.HOST_STAGING`` is on: every data message that carries a device tensor bounces
+through a host buffer (pinned when the device's accelerator can pin), with the device
+copies issued without blocking and pipelined with the messages. (Not the staging arenas of
+async saves, :mod:`dist_checkpointing.runtime.arenas`; the settings keep their published
+names ``HOST_STAGING`` / ``STAGING_BYTES`` in :mod:`.wire`.)
 
 Sender: a bucket of device tensors is packed on its device (one ``torch.cat`` per dtype run
 into one reused device buffer) and copied to the host in one non-blocking copy; a tensor
 travelling alone is copied in one non-blocking copy, whatever its layout. Messages are
-staged ahead of their sends while less than ``STAGING_BYTES`` of host buffers are staged
+copied out ahead of their sends while less than ``STAGING_BYTES`` of host buffers are held
 or in flight: the copies of the next messages run while earlier ones are on the wire.
 Each send is posted once its copies are done (an event on the stream that queued them).
 
@@ -81,13 +83,13 @@ class _DeviceScratch:
         return buffer[:nbytes]
 
 
-def send_staged(tp: Any, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]) -> None:
-    """Send every data message of ``meta`` to every destination through host staging
+def send_bounced(tp: Any, dsts: List[int], meta: _Meta, sources: List[Optional[torch.Tensor]]) -> None:
+    """Send every data message of ``meta`` to every destination through host bounce
     buffers (``tp``: the :class:`.protocol.PGTransport`, for its bounded sends and waits;
-    ``tp._through_host(t)`` says which tensors need staging)."""
+    ``tp._through_host(t)`` says which tensors need the bounce)."""
     c, scratch, limit = meta.columns, _DeviceScratch(), wire.STAGING_BYTES
 
-    def stage(m: int) -> Tuple[torch.Tensor, Optional[torch.Event], int]:
+    def bounce(m: int) -> Tuple[torch.Tensor, Optional[torch.Event], int]:
         """Message ``m``'s bytes in host memory: (the tensor to send, the event after its
         copies, the bytes of host buffer it holds)."""
         size, members = meta.messages[m]
@@ -114,13 +116,13 @@ def send_staged(tp: Any, dsts: List[int], meta: _Meta, sources: List[Optional[to
 
     ahead: Deque[Tuple[torch.Tensor, Optional[torch.Event], int]] = collections.deque()
     flight: Deque[Tuple[List[Tuple[Any, int]], int, torch.Tensor]] = collections.deque()
-    held = staged = 0
+    held = copied = 0
     count = len(meta.messages)
     for m in range(count):
-        while staged < count and (staged == m or held < limit):  # this message, and more while under the limit
-            ahead.append(stage(staged))
+        while copied < count and (copied == m or held < limit):  # this message, and more while under the limit
+            ahead.append(bounce(copied))
             held += ahead[-1][2]
-            staged += 1
+            copied += 1
         host, done, nbytes = ahead.popleft()
         if done is not None:
             done.synchronize()
@@ -135,10 +137,10 @@ def send_staged(tp: Any, dsts: List[int], meta: _Meta, sources: List[Optional[to
             tp._wait([work], "sending tensor data", d)
 
 
-def receive_staged(tp: Any, meta: _Meta, targets: List[Optional[torch.Tensor]], src: int,
+def receive_bounced(tp: Any, meta: _Meta, targets: List[Optional[torch.Tensor]], src: int,
                    ready: Callable[[], None]) -> None:
     """Receive every data message of ``meta`` into ``targets`` (each tensor leaf's
-    destination, wire dtype, in place) through host staging buffers; ``ready()`` is called
+    destination, wire dtype, in place) through host bounce buffers; ``ready()`` is called
     right before the first receive is posted. Returns once every copy is done."""
     c, scratch, limit = meta.columns, _DeviceScratch(), wire.STAGING_BYTES
     what = "receiving tensor data"

@@ -4,7 +4,7 @@ steps around a background write (Megatron-LM's ``--ckpt-format torch_dcp`` /
 
 1. :func:`save_state_dict_async_plan`: DCP's planning (each rank's local plan, the
    coordinator's global plan and metadata) and the writer's snapshot
-   (:meth:`~.filesystem_async.FileSystemWriterAsync.prepare_write_data`).
+   (:meth:`~.async_writer.FileSystemWriterAsync.prepare_write_data`).
 2. The writer's function writes the files in the background (an ``AsyncRequest``).
 3. :func:`save_state_dict_async_finalize`: every rank's write results go to the
    coordinator, which writes ``.metadata``; an error of any rank is raised on every rank.
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from ..core import CheckpointingException
-from .dcp_async_writer import FileSystemWriterAsync
+from ...core import CheckpointingException
+from .async_writer import FileSystemWriterAsync
 
 
 def _as_ours(e: CheckpointException, what: str) -> CheckpointingException:
