@@ -249,6 +249,8 @@ class Methods:
         self.mesh = None
         self.import_s: Optional[float] = None
         self.import_wall_s: Optional[float] = None
+        self.dcp_copied = 0  # DTensors whose local tensor DCP replaced (then copied into dest)
+        self.raw_calls = 0
 
     def request(self) -> Dict[str, ShardedTensor]:
         req = {}
@@ -298,6 +300,7 @@ class Methods:
             local = t.to_local()
             if local.data_ptr() != self.dest[key].data_ptr():
                 self.dest[key].copy_(local)
+                self.dcp_copied += 1
 
     # the naive path: load_file of every file, slice
     def load_file(self) -> None:
@@ -329,6 +332,7 @@ class Methods:
                     n = cols // TP * 2
                     runs = [(base + r * cols * 2 + self.rank * n, n) for r in range(rows)]
                 done = 0
+                self.raw_calls += len(runs)  # (approximate under threads: reporting only)
                 for offset, n in runs:
                     got = 0
                     while got < n:
@@ -448,6 +452,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                    "maps": gather_floats(float(counting.mapped)), "rchar": gather_floats(float(ours_rchar)),
                    "share_bytes": gather_floats(float(m.share_bytes))}
         raw_bytes = gather_floats(float(m.raw()))
+        raw_calls = gather_floats(float(m.raw_calls))
         rounds = []
         for rnd in range(args.rounds):
             k = rnd % len(METHODS)
@@ -460,7 +465,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                       f"{results['import_load']['load_alone_s']:.3f}; load avg {os.getloadavg()[0]:.1f})", flush=True)
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"counted_ours": counted, "raw_bytes": raw_bytes, "rounds": rounds}, f)
+                json.dump({"counted_ours": counted, "raw_bytes": raw_bytes, "raw_calls": raw_calls,
+                           "dcp_copied_per_rank": gather_floats(float(m.dcp_copied)), "rounds": rounds}, f)
     finally:
         dist.destroy_process_group()
 
@@ -488,7 +494,8 @@ def summarize(raw: Dict[str, object], ckpt: Dict[str, object]) -> Dict[str, obje
                f"bytes read per rank <= {TARGET_BYTES} x share": max(bytes_ratio) <= TARGET_BYTES}
     return {"checkpoint": ckpt, "medians_s": med, "ratio_to_raw": {k: v / med["raw"] for k, v in med.items()},
             "median_per_round_ratio_to_raw": per_round_vs_raw, "ratios": ratios,
-            "bytes": {**counted, "ratio_to_share": bytes_ratio, "raw_bytes": raw["raw_bytes"],
+            "dcp_copied_per_rank": raw["dcp_copied_per_rank"],
+            "bytes": {**counted, "ratio_to_share": bytes_ratio, "raw_bytes": raw["raw_bytes"], "raw_calls": raw["raw_calls"],
                       "half_of_checkpoint": total / TP},
             "verified": {meth: rounds[0][meth].get("verified") for meth in METHODS},
             "peak_extra_mib_per_rank": {meth: [max(r[meth]["extra_mib"][k] for r in rounds) for k in range(TP)]
@@ -528,7 +535,9 @@ def format_table(s: Dict[str, object], args: argparse.Namespace) -> str:
         f"rank {k}: {b['bytes_read'][k] / MiB:.1f} MiB in {b['read_calls'][k]:.0f} calls = "
         f"{b['ratio_to_share'][k]:.3f} x its share {b['share_bytes'][k] / MiB:.1f} MiB" for k in range(TP))
         + f" (half the checkpoint: {b['half_of_checkpoint'] / MiB:.1f} MiB; raw reads exactly "
-        f"{'/'.join(f'{x / MiB:.1f}' for x in b['raw_bytes'])} MiB; maps: {b['maps']})")
+        f"{'/'.join(f'{x / MiB:.1f}' for x in b['raw_bytes'])} MiB in {'/'.join(f'{x:.0f}' for x in b['raw_calls'])} "
+        f"preadv calls; maps: {'/'.join(f'{x:.0f}' for x in b['maps'])}; DTensors DCP did not fill in place: "
+        f"{'/'.join(f'{x:.0f}' for x in s['dcp_copied_per_rank'])})")
     lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items()))
     lines.extend(closing_lines(s))
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 ``zarr``) and the contracts (``registry``, ``async_strategies``, ``common_object``); the
 ``torch_dist`` format lives in :mod:`.torch_dist`, plain-DCP interop in :mod:`.dcp` (where
 Megatron-Core's ``state_dict_saver``, ``cached_metadata_filesystem_reader`` and
-``checkpointable`` are), the process services in
+``checkpointable`` are), Hugging Face safetensors directories in :mod:`.safetensors`
+(``SafetensorsLoadShardedStrategy``, ``SafetensorsSaveShardedStrategy``), the process services in
 :mod:`dist_checkpointing.runtime`, every unpickler in :mod:`dist_checkpointing.pickling`. The
 registry resolves the built-in strategies on their first lookup.
 
@@ -18,6 +19,8 @@ _EXPORTS = {
         "SaveCommonStrategy", "SaveShardedStrategy", "SaveStrategyBase", "StrategyAction",
         "get_default_strategy", "register_default_strategy")},
     "CommonStateObjectSaveStrategy": ".common_object",
+    "SafetensorsLoadShardedStrategy": ".safetensors.load",
+    "SafetensorsSaveShardedStrategy": ".safetensors.save",
 }
 
 __all__ = sorted(_EXPORTS)
