@@ -174,6 +174,10 @@ class CountingReader:
         self._counter.add(n)
         return n
 
+    def readinto_runs(self, buf, starts, length: int) -> None:
+        self._inner.readinto_runs(buf, starts, length)  # (raises where the file ends first)
+        self._counter.add(len(starts) * length)
+
     def map(self):
         self._counter.mapped += 1  # (would read pages we cannot count: reported)
         return self._inner.map()
@@ -463,10 +467,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 line = "  ".join(f"{meth} {results[meth]['s']:.3f}" for meth in METHODS)
                 print(f"round {rnd + 1}/{args.rounds} s: {line} (load alone "
                       f"{results['import_load']['load_alone_s']:.3f}; load avg {os.getloadavg()[0]:.1f})", flush=True)
+        dcp_copied = gather_floats(float(m.dcp_copied))
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump({"counted_ours": counted, "raw_bytes": raw_bytes, "raw_calls": raw_calls,
-                           "dcp_copied_per_rank": gather_floats(float(m.dcp_copied)), "rounds": rounds}, f)
+                           "dcp_copied_per_rank": dcp_copied, "rounds": rounds}, f)
     finally:
         dist.destroy_process_group()
 

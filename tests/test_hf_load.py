@@ -389,3 +389,23 @@ def _raises_rank(rank: int, world: int, directory: str) -> BaseException:
     except CheckpointingException as e:
         return e
     raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("min_run", [1, 1 << 30], ids=["runs", "spans"])
+def test_every_box_reads_right_as_runs_or_as_spans(tmp_path, monkeypatch, min_run):
+    """The reader's two ways (a read per run; one span with the gaps) give the same values
+    for boxes of a 4-D tensor, in the stored dtype (read in place) and cast."""
+    import dist_checkpointing.strategies.safetensors.reader as reader
+
+    monkeypatch.setattr(reader, "MIN_RUN_BYTES", min_run)
+    full = torch.arange(3 * 4 * 5 * 6, dtype=torch.int32).reshape(3, 4, 5, 6)
+    d = write_hf(tmp_path / "hf", {"t": full})
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        offsets = [int(torch.randint(0, s, (1,), generator=g)) for s in full.shape]
+        sizes = [int(torch.randint(1, s - o + 1, (1,), generator=g)) for s, o in zip(full.shape, offsets)]
+        for dtype in (torch.int32, torch.float64):
+            sh = ShardedTensor("t", torch.empty(sizes, dtype=dtype), dtype, tuple(sizes), tuple(full.shape),
+                               tuple(offsets), (1,) * 4)
+            got = dc.load({"t": sh}, d)["t"]
+            assert torch.equal(got, full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].to(dtype))

@@ -94,6 +94,19 @@ class RangeReader(ABC):
         """Fill as much of the writable buffer ``buf`` as one request gives from ``offset``;
         returns the byte count (0 at the end of the file)."""
 
+    def readinto_runs(self, buf, starts: Sequence[int], length: int) -> None:
+        """Fill ``buf`` with the ``length`` bytes at each offset of ``starts``, one run after
+        another (a request's rows, scattered in the file); raises ``EOFError`` where the
+        file ends first."""
+        mv = memoryview(buf).cast("B")
+        for i, start in enumerate(starts):
+            piece, done = mv[i * length:(i + 1) * length], 0
+            while done < length:
+                n = self.readinto(piece[done:], start + done)
+                if n <= 0:
+                    raise EOFError(f"the file ends before byte {start + length}")
+                done += n
+
     def will_read(self, offset: int, n: int) -> None:
         """A hint: the calling thread reads the ``n`` bytes at ``offset`` next, front to back
         (in pieces, e.g. to hash each while it is in the CPU cache). Ignored by default."""

@@ -32,7 +32,7 @@ import stat
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .base import FileInfo, RangeReader, Storage, WriteStream, byte_view
 from .buffers import BUFFERS_PER_FILE, POOL
@@ -272,6 +272,14 @@ class PosixReader(RangeReader):
 
     def readinto(self, buf, offset: int) -> int:
         return os.preadv(self._fd, [buf], offset)
+
+    def readinto_runs(self, buf, starts: Sequence[int], length: int) -> None:
+        mv, fd, pos = memoryview(buf).cast("B"), self._fd, 0
+        for start in starts:  # one pread per run (the common case: each read whole)
+            if os.preadv(fd, [mv[pos:pos + length]], start) != length:
+                super().readinto_runs(mv[pos:], starts[pos // length:], length)
+                return
+            pos += length
 
     def map(self) -> Optional[memoryview]:
         return memoryview(mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)) if self.size else None

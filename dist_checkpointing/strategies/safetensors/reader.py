@@ -1,41 +1,46 @@
 """The bytes of a request read from safetensors files: each stored tensor is row-major at
-a known offset, so a requested region is a set of contiguous runs of the file (one for a
-shard along the first axis, one per row for a shard along the last). Each run is read
-straight into the destination when it can be (same dtype, contiguous, on the CPU), and
-the runs are announced to the storage before the reads (an object store fetches them in
-parallel ranged requests). Runs shorter than :data:`MIN_RUN_BYTES` are read as the span
-from the first to the last (the disk reads whole pages anyway)."""
+a known offset, so a requested region is a set of equal runs of the file (one for a shard
+along the first axis, one per row for a shard along the last). The runs are computed once
+per read (numpy), announced to the storage before the reads (an object store fetches them
+in parallel ranged requests), and read by one :meth:`~...storage.RangeReader.readinto_runs`
+call — straight into the destination when it can be (same dtype, contiguous, on the
+CPU). Runs shorter than :data:`MIN_RUN_BYTES` are read as the span from the first to the
+last."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Set, Tuple, Union
+from typing import Dict, Iterable, List, Set, Tuple, Union
 
+import numpy as np
 import torch
 
 from ...core import CheckpointingException
 from ...tensors.bytes_view import tensor_bytes
 from ..resharding import contiguous_strides, relative_slices
 from ..torch_dist.load_plan import ObjectRead, TensorRead
-from ..torch_dist.reader import PLANNED_ITEM_BYTES, Reader, _read_into
+from ..torch_dist.reader import PLANNED_ITEM_BYTES, Reader
 
-#: runs shorter than this are read as one span with the gaps between them
-MIN_RUN_BYTES = 4096
+#: runs shorter than this are read as one span with the gaps between them (the span costs
+#: less than a read per run there)
+MIN_RUN_BYTES = 1024
 
-Runs = List[Tuple[int, int]]  # (file offset, byte count)
+
+#: ``(starts, length, exact)``: the file offsets of equal runs of ``length`` bytes holding a
+#: read's overlap in its row-major order; ``exact=False``: one span, gaps included
+Runs = Tuple[List[int], int, bool]
 
 
-def tensor_runs(read: TensorRead) -> Tuple[Runs, bool]:
-    """The file's byte runs holding the read's overlap, in row-major order of the overlap,
-    and whether they are exact (``False``: one span, gaps included)."""
+def tensor_runs(read: TensorRead) -> Runs:
+    """The runs of ``read`` (see :data:`Runs`)."""
     shape, itemsize = tuple(read.chunk[1]), read.dtype.itemsize
     rel = [o - c for o, c in zip(read.overlap[0], read.chunk[0])]
     sizes = tuple(read.overlap[1])
     base = read.storage.offset
     if math.prod(sizes) == 0:
-        return [], True
+        return [], 0, True
     if not shape:
-        return [(base, itemsize)], True
+        return [base], itemsize, True
     strides = contiguous_strides(shape)
     # the last axis not taken whole: the runs are the overlap's rows along it and the axes after
     axis = len(shape) - 1
@@ -44,26 +49,14 @@ def tensor_runs(read: TensorRead) -> Tuple[Runs, bool]:
     run = sizes[axis] * strides[axis] * itemsize
     first = sum(r * s for r, s in zip(rel, strides)) * itemsize
     if axis == 0:
-        return [(base + first, run)], True
-    count = math.prod(sizes[:axis])
-    if run < MIN_RUN_BYTES and count > 1:
+        return [base + first], run, True
+    if run < MIN_RUN_BYTES:
         last = sum((r + s - 1) * st for r, s, st in zip(rel, sizes, strides)) * itemsize + itemsize
-        return [(base + first, last - first)], False
-    outer = [range(r, r + s) for r, s in zip(rel[:axis], sizes[:axis])]
-    runs: Runs = []
-    for index in _product(outer):
-        start = sum(i * st for i, st in zip(index, strides)) + rel[axis] * strides[axis]
-        runs.append((base + start * itemsize, run))
-    return runs, True
-
-
-def _product(ranges: List[range]) -> Iterable[Tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (head,) + rest
+        return [base + first], last - first, False
+    starts = np.zeros(1, dtype=np.int64)
+    for i in range(axis):
+        starts = np.add.outer(starts, (rel[i] + np.arange(sizes[i], dtype=np.int64)) * strides[i]).ravel()
+    return (base + (starts + rel[axis] * strides[axis]) * itemsize).tolist(), run, True
 
 
 class SafetensorsReader(Reader):
@@ -73,6 +66,7 @@ class SafetensorsReader(Reader):
     def __init__(self, storage, files: Set[str]):
         super().__init__(storage, allow_pickle=False, checksums=None)
         self.files = set(files)
+        self._runs: Dict[int, Runs] = {}  # id(read) -> its runs
 
     def _data_file_name(self, relative_path: str) -> str:
         if relative_path not in self.files:
@@ -80,37 +74,39 @@ class SafetensorsReader(Reader):
         return relative_path
 
     def plan(self, reads: Iterable[Union[TensorRead, ObjectRead]]) -> None:
-        """Announce the runs of ``reads`` (by file, sorted) before they are read."""
+        """Compute the runs of ``reads`` and announce them, by file, merged, before they are read."""
+        by_file: Dict[str, List[np.ndarray]] = {}
         for read in reads:
             if isinstance(read, TensorRead):
-                for offset, n in tensor_runs(read)[0]:
-                    if 0 < n < PLANNED_ITEM_BYTES:
-                        self._planned.setdefault(read.storage.relative_path, []).append((offset, n))
-        for runs in self._planned.values():
-            runs.sort()
-            merged: Runs = []
-            for offset, n in runs:
-                if merged and offset <= merged[-1][0] + merged[-1][1]:
-                    end = max(merged[-1][0] + merged[-1][1], offset + n)
-                    merged[-1] = (merged[-1][0], end - merged[-1][0])
-                else:
-                    merged.append((offset, n))
-            runs[:] = merged
+                runs = self._runs[id(read)] = tensor_runs(read)
+                if runs[0] and 0 < runs[1] < PLANNED_ITEM_BYTES:
+                    by_file.setdefault(read.storage.relative_path, []).append(
+                        np.array(runs[0], dtype=np.int64) + np.array([[0], [runs[1]]], dtype=np.int64))
+        for name, pieces in by_file.items():
+            lo, hi = np.concatenate(pieces, axis=1)
+            order = np.argsort(lo, kind="stable")
+            lo, hi = lo[order], np.maximum.accumulate(hi[order])
+            new = np.ones(len(lo), dtype=bool)
+            new[1:] = lo[1:] > hi[:-1]  # a run starting after every earlier one ended starts a range
+            first = np.flatnonzero(new)
+            ends = np.append(first[1:], len(lo)) - 1
+            self._planned[name] = list(zip(lo[first].tolist(), (hi[ends] - lo[first]).tolist()))
 
     def read_tensor(self, read: TensorRead) -> None:
         where = self._where(read.storage)
         file = self._open(read.key, read.storage)
-        what = f"tensor {read.key!r}"
         dest = read.dest[relative_slices(read.overlap, read.dest_origin)]
-        runs, exact = tensor_runs(read)
-        total = sum(n for _, n in runs)
+        runs = self._runs.pop(id(read), None) or tensor_runs(read)
+        starts, length, exact = runs
+        total = len(starts) * length
         direct = exact and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == read.dtype
         span = None if direct else torch.empty(total, dtype=torch.uint8)
-        buf = tensor_bytes(dest if direct else span)
-        done = 0
-        for offset, n in runs:
-            _read_into(file, buf[done:done + n], offset, where, what)
-            done += n
+        try:
+            file.readinto_runs(tensor_bytes(dest if direct else span), starts, length)
+        except OSError as e:
+            raise CheckpointingException(f"Reading tensor {read.key!r} at {where} failed: {e}") from e
+        except EOFError as e:
+            raise CheckpointingException(f"Unexpected end of file reading tensor {read.key!r} at {where}: {e}") from e
         if direct:
             return
         values = span.view(read.dtype)
