@@ -274,12 +274,10 @@ class PosixReader(RangeReader):
         return os.preadv(self._fd, [buf], offset)
 
     def readinto_runs(self, buf, starts: Sequence[int], length: int) -> None:
-        mv, fd, pos = memoryview(buf).cast("B"), self._fd, 0
-        for start in starts:  # one pread per run (the common case: each read whole)
-            if os.preadv(fd, [mv[pos:pos + length]], start) != length:
-                super().readinto_runs(mv[pos:], starts[pos // length:], length)
-                return
-            pos += length
+        mv, fd = memoryview(buf).cast("B"), self._fd
+        for i, start in enumerate(starts):  # one pread per run; a short one: the general loop
+            if os.preadv(fd, [mv[i * length:(i + 1) * length]], start) != length:
+                return super().readinto_runs(mv[i * length:], starts[i:], length)
 
     def map(self) -> Optional[memoryview]:
         return memoryview(mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)) if self.size else None
