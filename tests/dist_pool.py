@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .helpers import free_port, wait_with_progress
 
@@ -62,7 +62,12 @@ def _worker(rank: int, world_size: int, port: int, conn, dump_path: str, env: di
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except Exception as e:  # noqa: BLE001 - e.g. the port taken meanwhile: the pool starts again
+        conn.send(("not started", repr(e)))
+        return
+    conn.send(("started", None))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -105,7 +110,32 @@ class DistPool:
         self._conns: list = []
         self._start()
 
-    def _start(self) -> None:
+    def _start(self, attempts: int = 3) -> None:
+        """Start the ranks and wait until their group is up; a start that fails (the free
+        port taken by another process before rank 0 bound it) is retried on a new port."""
+        for _ in range(attempts):
+            self._spawn()
+            failure = self._wait_started()
+            if failure is None:
+                return
+            self.close()
+            self._procs, self._conns = [], []
+        raise RuntimeError(f"a pool of {self.world_size} ranks did not start in {attempts} attempts: {failure}")
+
+    def _wait_started(self, timeout: float = 300.0) -> Optional[str]:
+        """``None`` once every rank's process group is up, else why not."""
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                return f"rank {rank} did not join within {timeout} s"
+            try:
+                status, detail = conn.recv()
+            except EOFError:
+                return f"rank {rank} exited"
+            if status != "started":
+                return f"rank {rank}: {detail}"
+        return None
+
+    def _spawn(self) -> None:
         ctx = _context()
         port = free_port()
         self._dumps = []
