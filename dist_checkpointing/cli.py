@@ -96,7 +96,7 @@ def _storage_options(pairs: Optional[List[tuple]]) -> Optional[Dict[str, Any]]:
 
 
 # the subcommands that only read checkpoints: they run without torch.distributed.checkpoint,
-# reading `.metadata` into light stand-ins of its classes (strategies/torch_dist/dcp_types.py)
+# reading `.metadata` into light stand-ins of its classes (pickling/dcp_types.py)
 _READ_ONLY = ("inspect", "validate", "export")
 
 _CKPT = "the checkpoint: a directory or a URL (s3://bucket/prefix, …)"
@@ -244,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command not in _READ_ONLY:
         # what writes a checkpoint writes DCP's own metadata classes: import DCP before the
-        # library (strategies/torch_dist/dcp_types.py takes DCP's classes when DCP is already imported)
+        # library (pickling/dcp_types.py takes DCP's classes when DCP is already imported)
         import torch.distributed.checkpoint  # noqa: F401
     from .core import CheckpointingException
     from .tools.output import OutputExistsError

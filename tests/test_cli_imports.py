@@ -168,7 +168,7 @@ def test_the_library_imports_dcp_with_the_package():
     """Outside the command line the package still imports DCP at once (before any process
     group exists) and its metadata classes are DCP's own."""
     code = (f"import sys, dist_checkpointing; assert '{DCP}' in sys.modules; "
-            "from dist_checkpointing.strategies.torch_dist import dcp_types; "
+            "from dist_checkpointing.pickling import dcp_types; "
             "from torch.distributed.checkpoint.metadata import Metadata; "
             "assert dcp_types.USING_DCP and dcp_types.Metadata is Metadata; "
             "from torch.distributed.checkpoint.api import CheckpointException; "

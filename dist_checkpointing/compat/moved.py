@@ -30,7 +30,9 @@ MOVED: Dict[str, str] = {
     "strategies.staging": "runtime.arenas",
     "manager.worker": "manager.bookkeeping",
     **{f"strategies.{m}": f"strategies.torch_dist.{m}"
-       for m in ("records", "blob_template", "torch_blob", "dcp_types", "metadata_checks", "coverage")},
+       for m in ("records", "blob_template", "torch_blob", "metadata_checks", "coverage")},
+    "strategies.dcp_types": "pickling.dcp_types",
+    "strategies.torch_dist.dcp_types": "pickling.dcp_types",
     "convert": "tools.convert",
     "safetensors_stream": "strategies.safetensors",
     "tools.safetensors_stream": "strategies.safetensors",

@@ -5,5 +5,7 @@
   :mod:`.stand_ins`; DCP ``.metadata``), :mod:`.blob_header` (the ``data.pkl`` of a tensor's
   ``torch.save`` blob) and :func:`.restricted.loads_plain` (plain data), all under the one rule
   of :mod:`.restricted`: only allow-listed globals, nothing else imported or called;
-* bytes of this job's own processes (other ranks, forked children) — :mod:`.trusted`.
+* bytes of this job's own processes (other ranks, forked children) — :mod:`.trusted`;
+* the classes a DCP ``.metadata`` may hold, which the allow-list admits and the readers
+  check against — :mod:`.dcp_types` (DCP's own, or light stand-ins where DCP is not imported).
 """

@@ -25,7 +25,7 @@ from typing import IO, Any, Union
 
 import torch
 
-from ..strategies.torch_dist import dcp_types
+from . import dcp_types
 from ..core import CheckpointingException, Location, open_storage
 from ..integrity.checksums import read_file_verified
 from .restricted import RestrictedUnpickler

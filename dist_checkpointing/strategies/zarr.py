@@ -42,7 +42,7 @@ from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from ..storage import RangeReader, Storage
 from .async_strategies import check_async_strategy
 from .base import LoadShardedStrategy, StoredChunk, StoredItems, StoredRange, StoredTensor
-from .torch_dist.dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo,
+from ..pickling.dcp_types import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo,
                         TensorProperties, TensorStorageMetadata)
 from .resharding import contiguous_strides, grid_chunks_overlapping, intersect
 from .torch_dist.torch_blob import TensorHeader

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from ...core import CheckpointingException, gc_paused, open_storage
 from ...runtime.collectives import error_message, get_rank
-from ..torch_dist.dcp_types import StorageInfo
+from ...pickling.dcp_types import StorageInfo
 from ..torch_dist.records import write_record_files
 from ..torch_dist.save_plan import pack_by_bytes
 from ..torch_dist.writing import Payload, payload_nbytes, write_file

@@ -19,7 +19,7 @@ import torch
 
 from ...core import CheckpointingConfig, CheckpointingException
 from ...storage import Storage
-from ..torch_dist.dcp_types import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo, TensorProperties,
+from ...pickling.dcp_types import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageInfo, TensorProperties,
                                     TensorStorageMetadata)
 from .format import INDEX_FNAME, SUFFIX, Entry, read_header, read_index, shard_names
 

@@ -17,8 +17,7 @@ read and write; the machinery is this library's own. One concept per module:
 * the format's bytes: :mod:`.writing` (a rank's data files) and :mod:`.records` (where every
   byte of a data file is written; no torch: the persistent writer runs it),
   :mod:`.blob_template` (a tensor's ``torch.save`` blob around its bytes), :mod:`.torch_blob`
-  (reading a blob's bytes in place), :mod:`.dcp_types` (DCP's metadata classes, or light
-  stand-ins), :mod:`.metadata_checks` (a ``.metadata`` checked field by field),
+  (reading a blob's bytes in place), :mod:`.metadata_checks` (a ``.metadata`` checked field by field),
   :mod:`.coverage` (which requested elements the stored chunks cover exactly once).
 
 ``dist_checkpointing.strategies.torch`` re-exports the Megatron-Core names. The bridges and

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .dcp_types import Metadata
+from ...pickling.dcp_types import Metadata
 
 from ...core import CheckpointingException
 

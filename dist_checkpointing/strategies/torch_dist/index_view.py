@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from .dcp_types import Metadata
+from ...pickling.dcp_types import Metadata
 
 from ...runtime.collectives import (
     all_reduce_max_uint8,

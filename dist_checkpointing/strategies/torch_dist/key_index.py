@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .dcp_types import (
+from ...pickling.dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,

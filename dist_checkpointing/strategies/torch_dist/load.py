@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from .dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from ...pickling.dcp_types import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...runtime.collectives import run_agreed
 from ...core import CheckpointingException, check_key, open_storage

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from .dcp_types import (
+from ...pickling.dcp_types import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,

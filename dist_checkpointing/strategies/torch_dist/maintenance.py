@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .dcp_types import TensorStorageMetadata
+from ...pickling.dcp_types import TensorStorageMetadata
 
 from ...core import CheckpointingException, Location, open_storage
 from .format import checked_data_file_name

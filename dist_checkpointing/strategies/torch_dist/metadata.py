@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from ...pickling.trusted import loads_trusted
-from .dcp_types import (
+from ...pickling.dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,

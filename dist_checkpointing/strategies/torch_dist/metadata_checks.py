@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, Optional
 
 import torch
 
-from .dcp_types import (
+from ...pickling.dcp_types import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,

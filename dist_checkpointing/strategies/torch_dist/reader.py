@@ -11,7 +11,7 @@ import threading
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-from .dcp_types import StorageInfo as _StorageInfo
+from ...pickling.dcp_types import StorageInfo as _StorageInfo
 
 from ...core import CheckpointingException
 from ...tensors.bytes_view import tensor_bytes
