@@ -32,7 +32,7 @@ FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 
 __all__ = [
     "CommonStateDict", "FactoryBuildFn", "FactoryMergeFn", "LocalNonpersistentObject", "ReplicaId", "ShardedBase",
-    "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "KeyMap", "apply_key_map", "apply_factories", "apply_factory_merges", "is_main_replica",
+    "ShardedObject", "ShardedStateDict", "ShardedTensor", "ShardedTensorFactory", "StateDict", "KeyMap", "apply_key_map", "key_mapper", "apply_factories", "apply_factory_merges", "is_main_replica",
 ]
 
 
@@ -185,6 +185,21 @@ class LocalNonpersistentObject:
 KeyMap = Union[Dict[str, str], Callable[[str], str]]
 
 
+def key_mapper(key_map: KeyMap) -> Callable[[str], str]:
+    """``key_map`` (a dict: keys it does not name are kept; or a callable) as a function
+    ``key -> stored key`` that refuses anything but a string."""
+    if not (isinstance(key_map, dict) or callable(key_map)):
+        raise CheckpointingException(f"key_map must be a dict or a callable, not {type(key_map).__name__}")
+
+    def mapped(key: str) -> str:
+        new = key_map.get(key, key) if isinstance(key_map, dict) else key_map(key)
+        if not isinstance(new, str):
+            raise CheckpointingException(f"key_map gave {new!r} for the key {key!r}, not a string key")
+        return new
+
+    return mapped
+
+
 def apply_key_map(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap]) -> ShardedStateDict:
     """A copy of the structure of ``sharded_state_dict`` in which every sharded item
     (ShardedTensor, ShardedObject, ShardedTensorFactory) has the key ``key_map`` gives it:
@@ -192,9 +207,7 @@ def apply_key_map(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap
     share their tensors with the originals (a load fills the caller's tensors)."""
     if key_map is None:
         return sharded_state_dict
-    mapped = (lambda k: key_map.get(k, k)) if isinstance(key_map, dict) else key_map
-    if not callable(mapped):
-        raise CheckpointingException(f"key_map must be a dict or a callable, not {type(key_map).__name__}")
+    mapped = key_mapper(key_map)
 
     def rekey(x: Any) -> Any:
         if isinstance(x, dict):
@@ -204,8 +217,6 @@ def apply_key_map(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap
         if not isinstance(x, ShardedBase):
             return x
         new = mapped(x.key)
-        if not isinstance(new, str):
-            raise CheckpointingException(f"key_map gave {new!r} for the key {x.key!r}, not a string key")
         return x if new == x.key else replace(x, key=new)
 
     return rekey(sharded_state_dict)

@@ -19,7 +19,7 @@ import torch
 from ..tensors.bytes_view import nbytes
 from ..core import CheckpointingException, check_key, checkpoint_location, load_config, malformed, open_storage
 from ..integrity.overlap import refuse_overlap
-from ..mapping import KeyMap
+from ..mapping import KeyMap, key_mapper
 from ..strategies.safetensors.file_writer import SafetensorsFileWriter, read_back_header
 from ..strategies.safetensors.format import INDEX_FNAME, dtype_name, file_groups, key_refusal, shard_names, write_index
 from ..readers import load_tensors_metadata
@@ -105,10 +105,9 @@ def _output_names(keys: List[str], key_map: Optional[KeyMap]) -> Dict[str, str]:
     """``{stored key: its name in the output}`` (:func:`export_checkpoint`'s ``key_map``)."""
     names: Dict[str, str] = {}
     named: Dict[str, str] = {}
+    mapped = (lambda k: k) if key_map is None else key_mapper(key_map)
     for key in keys:
-        name = key if key_map is None else (key_map.get(key, key) if isinstance(key_map, dict) else key_map(key))
-        if not isinstance(name, str):
-            raise CheckpointingException(f"key_map gave {name!r} for the key {key!r}, not a string")
+        name = mapped(key)
         if name in named:
             raise CheckpointingException(f"key_map gives {named[name]!r} and {key!r} the one name {name!r}")
         names[key], named[name] = name, key

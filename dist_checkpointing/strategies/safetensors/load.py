@@ -120,11 +120,12 @@ class SafetensorsLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
 
 def _file_sizes(storage: Storage, names: List[str]) -> Dict[str, Optional[int]]:
-    sizes: Dict[str, Optional[int]] = {}
-    for name in names:
-        info = storage.info(name)
-        sizes[name] = None if info is None else info.size
-    return sizes
+    """Each file's size (``None``: missing): from one listing where the store gives sizes."""
+    listed = storage.listed_sizes()
+    if listed is not None:
+        return {name: listed.get(name) for name in names}
+    infos = {name: storage.info(name) for name in names}
+    return {name: None if info is None else info.size for name, info in infos.items()}
 
 
 def safetensors_strategy_like(strategy: LoadShardedStrategy) -> LoadShardedStrategy:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ...core import CheckpointingException, open_storage
 from ...dict_utils import nested_values
 from ...exchange.distribution import comm_device
-from ...mapping import KeyMap, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from ...mapping import KeyMap, ShardedObject, ShardedStateDict, ShardedTensor, apply_key_map, is_main_replica
 from ...runtime.collectives import gather_object, get_rank, get_world_size, run_agreed, scatter_object
 from ...storage import Storage
 from ...tensors.values import plain_values
@@ -81,7 +81,7 @@ class RankPlan(NamedTuple):
     files: List[FilePlan]
 
 
-def _local_chunks(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap]) -> List[ShardedTensor]:
+def _local_chunks(sharded_state_dict: ShardedStateDict) -> List[ShardedTensor]:
     chunks = []
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedObject):
@@ -93,8 +93,8 @@ def _local_chunks(sharded_state_dict: ShardedStateDict, key_map: Optional[KeyMap
     return chunks
 
 
-def _summary(chunks: List[ShardedTensor], key: Any) -> List[Tuple[Any, ...]]:
-    return [(key(sh.key), sh.dtype, tuple(sh.global_shape), sh.global_region(),
+def _summary(chunks: List[ShardedTensor]) -> List[Tuple[Any, ...]]:
+    return [(sh.key, sh.dtype, tuple(sh.global_shape), sh.global_region(),
              None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop))
             for sh in chunks]
 
@@ -201,14 +201,6 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
     def data_file_names(self, rank: int) -> List[str]:
         return [shard_names(2)[0], shard_names(1)[0], INDEX_FNAME]
 
-    def _stored_key(self, key: str) -> str:
-        if self.key_map is None:
-            return key
-        name = self.key_map.get(key, key) if isinstance(self.key_map, dict) else self.key_map(key)
-        if not isinstance(name, str):
-            raise CheckpointingException(f"key_map gave {name!r} for the key {key!r}, not a string")
-        return name
-
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
         """Collective: plan on rank 0, write each file on its rank, the index last (see the
         module). Every collective is reached by every rank: the steps that may fail are
@@ -217,8 +209,8 @@ class SafetensorsSaveShardedStrategy(SaveShardedStrategy):
         rank, world = get_rank(), get_world_size()
 
         def summarize() -> Tuple[List[ShardedTensor], List[Tuple[Any, ...]]]:
-            chunks = _local_chunks(sharded_state_dict, self.key_map)
-            return chunks, _summary(chunks, self._stored_key)
+            chunks = _local_chunks(apply_key_map(sharded_state_dict, self.key_map))
+            return chunks, _summary(chunks)
 
         chunks, summary = run_agreed(summarize, "Planning the safetensors save")
         per_rank = gather_object(summary)
