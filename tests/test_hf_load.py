@@ -375,12 +375,15 @@ def test_tp_shards_read_only_their_bytes(tmp_path, world):
     assert max(r["bytes"] for r in results) <= 1.1 * total / world + headers + 8192 * 32 * 2  # (balanced by tensors)
 
 
-def test_a_hostile_header_fails_on_every_rank(tmp_path):
+@pytest.mark.parametrize("case, fragment", [("overlapping ranges", "an overlap"), ("huge header length", "header length"),
+                                            ("non-UTF-8", "not UTF-8"), ("unknown dtype", "'F4'"),
+                                            ("absurd offsets", "but the file holds 101 bytes")])
+def test_a_hostile_header_fails_on_every_rank(tmp_path, case, fragment):
     d = tmp_path / "hf"
     d.mkdir()
-    (d / "model.safetensors").write_bytes(HOSTILE["overlapping ranges"])
+    (d / "model.safetensors").write_bytes(HOSTILE[case])
     results = get_pool(2).run(_raises_rank, str(d))
-    assert_all_raise(results, 2, "an overlap", "model.safetensors")
+    assert_all_raise(results, 2, fragment, "model.safetensors")
 
 
 def _raises_rank(rank: int, world: int, directory: str) -> BaseException:
